@@ -1,0 +1,92 @@
+//! The admin listener, on its own port so probes and scrapes never queue behind client traffic.
+//!
+//! `/healthz`: the process is alive and serving. `/readyz`: the configuration is loaded and the first
+//! discovery sync is done, and the process is not draining. Readiness deliberately ignores endpoint
+//! health: an unready proxy is removed from its Service, which turns a clear 503 from tongs into
+//! "connection refused" for every client.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http::{Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::body::ProxyBody;
+
+/// What the readiness probe reports.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    synced: AtomicBool,
+    draining: AtomicBool,
+}
+
+impl Readiness {
+    pub fn set_synced(&self) {
+        self.synced.store(true, Ordering::Relaxed);
+    }
+
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.synced.load(Ordering::Relaxed) && !self.draining.load(Ordering::Relaxed)
+    }
+}
+
+fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(text));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/plain"),
+    );
+    response
+}
+
+fn route(request: &Request<Incoming>, readiness: &Readiness) -> Response<ProxyBody> {
+    if request.method() != Method::GET && request.method() != Method::HEAD {
+        return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
+    }
+    match request.uri().path() {
+        "/healthz" => answer(StatusCode::OK, "ok\n"),
+        "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
+        "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        _ => answer(
+            StatusCode::NOT_FOUND,
+            "not found: try /healthz or /readyz\n",
+        ),
+    }
+}
+
+/// Serves the admin endpoints until `shutdown` is cancelled.
+pub async fn serve(listener: TcpListener, readiness: Arc<Readiness>, shutdown: CancellationToken) {
+    let builder = auto::Builder::new(TokioExecutor::new());
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => return,
+            accepted = listener.accept() => accepted,
+        };
+        let Ok((stream, _)) = accepted else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let readiness = Arc::clone(&readiness);
+        let service = service_fn(move |request| {
+            let response = route(&request, &readiness);
+            async move { Ok::<_, Infallible>(response) }
+        });
+        let connection = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+    }
+}

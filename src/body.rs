@@ -1,0 +1,146 @@
+//! The response body handed to clients.
+//!
+//! An endpoint's body is streamed frame by frame as it arrives (Server-Sent Events reach the client as
+//! the endpoint emits them). The body carries the request's [`Outstanding`] guard, so the endpoint counts
+//! the request as in flight until the body has ended, failed, hit the overall deadline, or was dropped
+//! because the client went away — and dropping it drops the endpoint's body too, which closes that
+//! upstream stream and so frees the GPU.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use pin_project_lite::pin_project;
+use tokio::time::Sleep;
+
+use crate::endpoint::Outstanding;
+use crate::upstream::BoxError;
+
+pin_project! {
+    /// A body sent to a client: an endpoint's streamed body, or a small one tongs made itself.
+    pub struct ProxyBody {
+        #[pin]
+        kind: Kind,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind {
+        Upstream {
+            #[pin]
+            body: Incoming,
+            // Fires at the request's overall deadline.
+            #[pin]
+            deadline: Sleep,
+            total: Duration,
+            // `None` once the stream has ended: the request stops counting as outstanding right there.
+            outstanding: Option<Outstanding>,
+        },
+        Full {
+            data: Option<Bytes>,
+        },
+    }
+}
+
+/// The endpoint's body did not finish before the request's overall deadline.
+#[derive(Debug, thiserror::Error)]
+#[error("response body not finished within the total timeout of {}", humantime::format_duration(*.0))]
+pub struct TotalTimeout(pub Duration);
+
+impl ProxyBody {
+    /// Streams an endpoint's body, counting the request as outstanding until it ends.
+    pub fn upstream(
+        body: Incoming,
+        outstanding: Outstanding,
+        deadline: Sleep,
+        total: Duration,
+    ) -> Self {
+        ProxyBody {
+            kind: Kind::Upstream {
+                body,
+                deadline,
+                total,
+                outstanding: Some(outstanding),
+            },
+        }
+    }
+
+    /// A complete body made by tongs (error messages, admin answers).
+    pub fn full(data: impl Into<Bytes>) -> Self {
+        ProxyBody {
+            kind: Kind::Full {
+                data: Some(data.into()),
+            },
+        }
+    }
+
+    pub fn empty() -> Self {
+        ProxyBody {
+            kind: Kind::Full { data: None },
+        }
+    }
+}
+
+impl Body for ProxyBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.project().kind.project() {
+            KindProj::Upstream {
+                body,
+                deadline,
+                total,
+                outstanding,
+            } => {
+                if outstanding.is_none() {
+                    return Poll::Ready(None);
+                }
+                match body.poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Err(err))) => {
+                        *outstanding = None;
+                        Poll::Ready(Some(Err(err.into())))
+                    }
+                    Poll::Ready(None) => {
+                        *outstanding = None;
+                        Poll::Ready(None)
+                    }
+                    Poll::Pending => match deadline.poll(cx) {
+                        Poll::Ready(()) => {
+                            *outstanding = None;
+                            Poll::Ready(Some(Err(TotalTimeout(*total).into())))
+                        }
+                        Poll::Pending => Poll::Pending,
+                    },
+                }
+            }
+            KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            Kind::Upstream {
+                body, outstanding, ..
+            } => outstanding.is_none() || body.is_end_stream(),
+            Kind::Full { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            Kind::Upstream { body, .. } => body.size_hint(),
+            Kind::Full { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}

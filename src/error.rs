@@ -1,0 +1,99 @@
+//! What the proxy answers when it cannot deliver an endpoint's response.
+//!
+//! Each error knows its status and renders the same small JSON body, `{"error": "...", "request_id":
+//! "..."}`, so clients and logs can be matched up by request id.
+
+use std::time::Duration;
+
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::body::ProxyBody;
+use crate::headers::X_REQUEST_ID;
+
+/// A request the proxy could not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("no endpoint is available")]
+    NoEndpoint,
+    #[error("request body is larger than the limit of {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("could not connect to endpoint {endpoint}: {detail}")]
+    Connect { endpoint: String, detail: String },
+    #[error("endpoint {endpoint} failed: {detail}")]
+    Upstream { endpoint: String, detail: String },
+    #[error("endpoint {endpoint} sent no response headers within {}", humantime::format_duration(*.after))]
+    ResponseTimeout { endpoint: String, after: Duration },
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::NoEndpoint => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// The response a client sees.
+    pub fn into_response(self, request_id: &HeaderValue) -> Response<ProxyBody> {
+        let body = serde_json::json!({
+            "error": self.to_string(),
+            "request_id": request_id.to_str().unwrap_or_default(),
+        });
+        let mut response = Response::new(ProxyBody::full(body.to_string()));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(&X_REQUEST_ID, request_id.clone());
+        response
+    }
+}
+
+/// Full description of an error and its causes, for logs and client messages.
+pub fn describe(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_match_the_failure() {
+        assert_eq!(ProxyError::NoEndpoint.status(), 503);
+        assert_eq!(ProxyError::BodyTooLarge { limit: 1 }.status(), 413);
+        let connect = ProxyError::Connect {
+            endpoint: "http://a".into(),
+            detail: "refused".into(),
+        };
+        assert_eq!(connect.status(), 502);
+        let timeout = ProxyError::ResponseTimeout {
+            endpoint: "http://a".into(),
+            after: Duration::from_secs(2),
+        };
+        assert_eq!(timeout.status(), 504);
+        assert!(timeout.to_string().contains("2s"));
+    }
+
+    #[test]
+    fn renders_json_with_the_request_id() {
+        let response = ProxyError::NoEndpoint.into_response(&HeaderValue::from_static("rid-1"));
+        assert_eq!(response.status(), 503);
+        assert_eq!(response.headers()["x-request-id"], "rid-1");
+        assert_eq!(response.headers()["content-type"], "application/json");
+    }
+}

@@ -1,0 +1,161 @@
+//! The set of endpoints requests may go to, published as an immutable snapshot.
+//!
+//! Discovery writes (rarely, under a small lock); the request path only loads the current snapshot
+//! (`ArcSwap`, no lock, no reference-count traffic for the load itself). An update keeps the very same
+//! `Endpoint` (and so its live state: outstanding count, later health and breaker) for every endpoint
+//! whose URL and weight did not change. An endpoint that leaves is marked draining; requests already on it
+//! hold their own reference and finish normally.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
+
+use crate::config::{Config, EndpointUrl};
+use crate::endpoint::Endpoint;
+
+/// What discovery says an endpoint should be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointSpec {
+    pub url: String,
+    pub parsed: EndpointUrl,
+    pub weight: u32,
+}
+
+impl EndpointSpec {
+    /// The static endpoints of a (validated) configuration.
+    pub fn from_config(config: &Config) -> Vec<EndpointSpec> {
+        config
+            .discovery
+            .static_endpoints
+            .iter()
+            .filter_map(|endpoint| {
+                // Validation already refused bad URLs; skipping keeps this total for unvalidated input.
+                let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
+                Some(EndpointSpec {
+                    url: endpoint.url.clone(),
+                    parsed,
+                    weight: endpoint.weight,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The current endpoints, shared by every request.
+pub struct Registry {
+    snapshot: ArcSwap<Vec<Arc<Endpoint>>>,
+    next_id: AtomicU64,
+    /// Serialises writers so two updates cannot interleave their read-modify-publish.
+    writer: Mutex<()>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Registry {
+    pub fn new() -> Registry {
+        Registry {
+            snapshot: ArcSwap::from_pointee(Vec::new()),
+            next_id: AtomicU64::new(1),
+            writer: Mutex::new(()),
+        }
+    }
+
+    /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
+    pub fn snapshot(&self) -> arc_swap::Guard<Arc<Vec<Arc<Endpoint>>>> {
+        self.snapshot.load()
+    }
+
+    /// Replaces the whole set, keeping the state of endpoints that did not change.
+    pub fn replace(&self, desired: Vec<EndpointSpec>) {
+        let _writer = self
+            .writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let current = self.snapshot.load_full();
+        let mut unchanged: HashMap<(String, u32), &Arc<Endpoint>> = current
+            .iter()
+            .map(|endpoint| ((endpoint.url().to_owned(), endpoint.weight()), endpoint))
+            .collect();
+        let mut next = Vec::with_capacity(desired.len());
+        for spec in desired {
+            match unchanged.remove(&(spec.url.clone(), spec.weight)) {
+                Some(existing) => next.push(Arc::clone(existing)),
+                None => {
+                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    next.push(Arc::new(Endpoint::new(
+                        id,
+                        &spec.url,
+                        spec.parsed,
+                        spec.weight,
+                    )));
+                }
+            }
+        }
+        for gone in unchanged.values() {
+            gone.set_draining(true);
+            tracing::info!(
+                endpoint = gone.url(),
+                outstanding = gone.outstanding(),
+                "endpoint removed; draining"
+            );
+        }
+        for added in next
+            .iter()
+            .filter(|e| e.requests() == 0 && e.outstanding() == 0)
+        {
+            tracing::debug!(
+                endpoint = added.url(),
+                weight = added.weight(),
+                "endpoint in service"
+            );
+        }
+        self.snapshot.store(Arc::new(next));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(url: &str, weight: u32) -> EndpointSpec {
+        EndpointSpec {
+            url: url.into(),
+            parsed: EndpointUrl::parse(url).unwrap(),
+            weight,
+        }
+    }
+
+    #[test]
+    fn unchanged_endpoints_keep_their_state() {
+        let registry = Registry::new();
+        registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
+        let a = Arc::clone(&registry.snapshot()[0]);
+        let held = a.start_request();
+        registry.replace(vec![spec("http://a:1", 1), spec("http://c:1", 2)]);
+        let snapshot = registry.snapshot();
+        assert!(Arc::ptr_eq(&snapshot[0], &a));
+        assert_eq!(snapshot[0].outstanding(), 1);
+        assert_eq!(snapshot[1].url(), "http://c:1");
+        drop(held);
+        assert_eq!(a.outstanding(), 0);
+    }
+
+    #[test]
+    fn removed_endpoints_drain_and_new_weights_make_new_endpoints() {
+        let registry = Registry::new();
+        registry.replace(vec![spec("http://a:1", 1)]);
+        let old = Arc::clone(&registry.snapshot()[0]);
+        registry.replace(vec![spec("http://a:1", 5)]);
+        assert!(!old.is_available());
+        let new = &registry.snapshot()[0];
+        assert_eq!(new.weight(), 5);
+        assert_ne!(new.id(), old.id());
+    }
+}

@@ -1,0 +1,136 @@
+//! The client-facing listener: accept loop, per-connection tasks, graceful drain.
+//!
+//! HTTP/1.1 and HTTP/2 cleartext share one port (hyper-util's auto server sniffs the preface). The
+//! server refuses oversized request heads with 431 and closes connections whose headers do not arrive
+//! within `timeouts.header_read` (slowloris). On shutdown it stops accepting at once, lets every
+//! in-flight request — streams and upgraded connections included — finish within the grace period, then
+//! returns.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::proxy::Proxy;
+
+/// Connection-level settings of the client-facing server.
+#[derive(Clone, Debug)]
+pub struct ServerSettings {
+    pub header_read_timeout: Duration,
+    pub max_header_bytes: usize,
+    pub grace: Duration,
+}
+
+impl ServerSettings {
+    pub fn from_config(config: &Config) -> Self {
+        ServerSettings {
+            header_read_timeout: config.timeouts.header_read.get(),
+            max_header_bytes: config.limits.max_header_bytes,
+            grace: config.shutdown.grace.get(),
+        }
+    }
+}
+
+fn builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(settings.header_read_timeout)
+        // The read buffer bounds the request head: a larger head is answered with 431.
+        .max_buf_size(settings.max_header_bytes)
+        .keep_alive(true);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+        .keep_alive_interval(Some(Duration::from_secs(30)))
+        .keep_alive_timeout(Duration::from_secs(10));
+    builder
+}
+
+/// Serves client connections until `shutdown` is cancelled, then drains within the grace period.
+pub async fn serve(
+    listener: TcpListener,
+    proxy: Arc<Proxy>,
+    settings: ServerSettings,
+    shutdown: CancellationToken,
+) {
+    let builder = builder(&settings);
+    let graceful = GracefulShutdown::new();
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, client) = match accepted {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                // Usually EMFILE or a connection reset before accept; back off briefly instead of spinning.
+                tracing::warn!(error = %err, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        if let Err(err) = stream.set_nodelay(true) {
+            tracing::debug!(error = %err, "set_nodelay failed");
+        }
+        let proxy = Arc::clone(&proxy);
+        let service = service_fn(move |request: hyper::Request<Incoming>| {
+            let proxy = Arc::clone(&proxy);
+            async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
+        });
+        let connection = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let connection = graceful.watch(connection);
+        tokio::spawn(async move {
+            if let Err(err) = connection.await {
+                tracing::debug!(client = %client, error = %err, "client connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    drain(graceful, &proxy, settings.grace).await;
+}
+
+async fn drain(graceful: GracefulShutdown, proxy: &Proxy, grace: Duration) {
+    let upgrades = proxy.upgrades();
+    upgrades.close();
+    tracing::info!(
+        grace = %humantime::format_duration(grace),
+        upgraded = upgrades.len(),
+        "stopped accepting; draining in-flight requests"
+    );
+    let everything = async {
+        graceful.shutdown().await;
+        upgrades.wait().await;
+    };
+    match tokio::time::timeout(grace, everything).await {
+        Ok(()) => tracing::info!("drained: every in-flight request finished"),
+        Err(_) => tracing::warn!(
+            upgraded = upgrades.len(),
+            "grace period over; closing the connections still open"
+        ),
+    }
+}
+
+/// Binds a listener, with an error that names the address and what it was for.
+pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, crate::AppError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| crate::AppError::Bind {
+            what: what.to_owned(),
+            addr,
+            source,
+        })
+}

@@ -1,0 +1,185 @@
+//! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients.
+//!
+//! Everything runs over real sockets on 127.0.0.1 (or [::1]); nothing is mocked in-process.
+
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tongs::App;
+use tongs::config::Config;
+
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type TestBody = BoxBody<Bytes, BoxError>;
+
+/// A proxy running in this process on ephemeral ports.
+pub struct TestProxy {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub app_registry: Arc<tongs::registry::Registry>,
+    pub shutdown: CancellationToken,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+impl TestProxy {
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// Stops the proxy and waits for its drain to finish.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(30), self.task).await;
+    }
+}
+
+/// Config text with the listeners on ephemeral loopback ports and the given endpoint URLs appended.
+pub fn config_with(extra_yaml: &str, endpoints: &[String]) -> Config {
+    let mut text = String::from("listen: 127.0.0.1:0\nadmin: { listen: 127.0.0.1:0 }\n");
+    text.push_str(extra_yaml);
+    if !endpoints.is_empty() {
+        text.push_str("\ndiscovery:\n  static:\n");
+        for url in endpoints {
+            text.push_str(&format!("    - url: {url}\n"));
+        }
+    }
+    Config::parse(&text, "test").unwrap_or_else(|err| panic!("test config invalid: {err}\n{text}"))
+}
+
+/// Starts a proxy for `config`.
+pub async fn start_proxy(config: Config) -> TestProxy {
+    let app = App::bind(&config).await.expect("proxy binds");
+    let addr = app.proxy_addr();
+    let admin = app.admin_addr();
+    let app_registry = Arc::clone(app.registry());
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(app.run(shutdown.clone()));
+    TestProxy {
+        addr,
+        admin,
+        app_registry,
+        shutdown,
+        task,
+    }
+}
+
+/// A backend on a real socket whose behaviour is the given handler.
+pub struct Backend {
+    pub addr: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl Backend {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Starts an HTTP/1.1 + h2c backend on `bind` (e.g. `127.0.0.1:0` or `[::1]:0`).
+pub async fn backend_on<F, Fut>(bind: &str, handler: F) -> Backend
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<TestBody>> + Send + 'static,
+{
+    let listener = TcpListener::bind(bind).await.expect("backend binds");
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = tokio::select! {
+                () = stopped.cancelled() => return,
+                accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+            };
+            let handler = handler.clone();
+            let stopped = stopped.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |request| {
+                    let response = handler(request);
+                    async move { Ok::<_, Infallible>(response.await) }
+                });
+                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                let connection =
+                    builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+                tokio::select! {
+                    _ = connection => {}
+                    () = stopped.cancelled() => {}
+                }
+            });
+        }
+    });
+    Backend { addr, stop }
+}
+
+/// Starts a backend on 127.0.0.1.
+pub async fn backend<F, Fut>(handler: F) -> Backend
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Response<TestBody>> + Send + 'static,
+{
+    backend_on("127.0.0.1:0", handler).await
+}
+
+/// A backend that answers every request with `200` and the given text.
+pub async fn text_backend(text: &'static str) -> Backend {
+    backend(move |_request| async move { Response::new(full(text)) }).await
+}
+
+pub fn full(data: impl Into<Bytes>) -> TestBody {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A plain HTTP/1.1 client.
+pub fn client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+/// Sends a GET and returns status and body text.
+pub async fn get(url: &str) -> (u16, String) {
+    let response = client()
+        .get(url.parse().unwrap())
+        .await
+        .unwrap_or_else(|err| panic!("GET {url}: {err}"));
+    let status = response.status().as_u16();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .expect("body")
+        .to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Polls `check` until it returns true or `limit` passes; panics with `what` on timeout.
+pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check() {
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
