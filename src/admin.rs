@@ -8,11 +8,12 @@
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -67,14 +68,18 @@ fn route(request: &Request<Incoming>, readiness: &Readiness) -> Response<ProxyBo
 
 /// Serves the admin endpoints until `shutdown` is cancelled.
 pub async fn serve(listener: TcpListener, readiness: Arc<Readiness>, shutdown: CancellationToken) {
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(10));
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
         let Ok((stream, _)) = accepted else {
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
         let readiness = Arc::clone(&readiness);

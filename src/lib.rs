@@ -47,6 +47,8 @@ pub enum AppError {
 pub struct App {
     proxy_listener: TcpListener,
     admin_listener: TcpListener,
+    proxy_addr: SocketAddr,
+    admin_addr: SocketAddr,
     proxy: Arc<Proxy>,
     registry: Arc<Registry>,
     readiness: Arc<Readiness>,
@@ -70,6 +72,8 @@ impl App {
         let proxy_listener = server::bind(config.listen, "client traffic (listen)").await?;
         let admin_listener = server::bind(config.admin.listen, "admin (admin.listen)").await?;
         Ok(App {
+            proxy_addr: server::local_addr(&proxy_listener, config.listen),
+            admin_addr: server::local_addr(&admin_listener, config.admin.listen),
             proxy_listener,
             admin_listener,
             proxy,
@@ -81,16 +85,12 @@ impl App {
 
     /// Where clients connect.
     pub fn proxy_addr(&self) -> SocketAddr {
-        self.proxy_listener
-            .local_addr()
-            .expect("a bound TCP listener has a local address")
+        self.proxy_addr
     }
 
     /// Where probes and operators connect.
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin_listener
-            .local_addr()
-            .expect("a bound TCP listener has a local address")
+        self.admin_addr
     }
 
     /// The endpoint registry (tests and discovery write to it).

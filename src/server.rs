@@ -134,3 +134,8 @@ pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, crate::Ap
             source,
         })
 }
+
+/// The address a listener is bound to (the real port when the configuration asked for port 0).
+pub fn local_addr(listener: &TcpListener, configured: SocketAddr) -> SocketAddr {
+    listener.local_addr().unwrap_or(configured)
+}

@@ -28,8 +28,17 @@ impl HumanDuration {
 }
 
 impl fmt::Display for HumanDuration {
+    /// Whole seconds as `100s`, whole milliseconds as `250ms` (how the config file is written), anything
+    /// else in humantime's `1s 500us` form.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", humantime::format_duration(self.0))
+        let d = self.0;
+        if d.subsec_nanos() == 0 {
+            write!(f, "{}s", d.as_secs())
+        } else if d.subsec_nanos().is_multiple_of(1_000_000) {
+            write!(f, "{}ms", d.as_millis())
+        } else {
+            write!(f, "{}", humantime::format_duration(d))
+        }
     }
 }
 
@@ -115,8 +124,13 @@ mod tests {
 
     #[test]
     fn round_trips_through_display() {
-        let d = HumanDuration::from_millis(1500);
-        assert_eq!(d.to_string(), "1s 500ms");
-        assert_eq!(humantime::parse_duration(&d.to_string()).unwrap(), d.get());
+        for (d, text) in [
+            (HumanDuration::from_millis(1500), "1500ms"),
+            (HumanDuration::from_secs(100), "100s"),
+            (HumanDuration(Duration::from_micros(1500)), "1ms 500us"),
+        ] {
+            assert_eq!(d.to_string(), text);
+            assert_eq!(humantime::parse_duration(&d.to_string()).unwrap(), d.get());
+        }
     }
 }

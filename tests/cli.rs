@@ -1,0 +1,248 @@
+//! The `tongs` binary itself: config checking with exit code 64, and a SIGTERM drain that lets an
+//! in-flight stream run to its end while new connections are refused.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use http_body_util::channel::Channel;
+use support::*;
+
+const TONGS: &str = env!("CARGO_BIN_EXE_tongs");
+
+fn write_config(name: &str, text: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!("tongs-cli-{}-{name}.yaml", std::process::id()));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn check_config_prints_the_effective_config() {
+    let path = write_config(
+        "good",
+        "listen: 127.0.0.1:8080\ndiscovery:\n  static:\n    - url: http://10.0.0.7:8000\n",
+    );
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let effective = String::from_utf8(output.stdout).unwrap();
+    for expected in [
+        "listen: 127.0.0.1:8080",
+        "url: http://10.0.0.7:8000",
+        "weight: 1",
+        "connect: 2s",
+        "grace: 25s",
+    ] {
+        assert!(
+            effective.contains(expected),
+            "missing {expected:?} in:\n{effective}"
+        );
+    }
+}
+
+#[test]
+fn bad_config_exits_64_naming_every_field() {
+    let path = write_config(
+        "semantic",
+        "discovery:\n  static:\n    - url: 10.0.0.7:8000\n      weight: 0\ntimeouts: { connect: 0s }\n",
+    );
+    for command in ["check-config", "run"] {
+        let mut cmd = Command::new(TONGS);
+        match command {
+            "run" => cmd.arg("run").arg("--config").arg(&path),
+            _ => cmd.arg(command).arg(&path),
+        };
+        let output = cmd.output().unwrap();
+        assert_eq!(output.status.code(), Some(64), "{command}: {output:?}");
+        let stderr = String::from_utf8(output.stderr).unwrap();
+        for field in [
+            "discovery.static[0].url",
+            "discovery.static[0].weight",
+            "timeouts.connect",
+        ] {
+            assert!(
+                stderr.contains(field),
+                "{command}: {field} not named in:\n{stderr}"
+            );
+        }
+    }
+}
+
+#[test]
+fn unknown_key_and_unreadable_file_are_refused() {
+    let path = write_config("typo", "timeouts:\n  conect: 2s\n");
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("timeouts.conect"), "{stderr}");
+
+    let output = Command::new(TONGS)
+        .args(["check-config", "/nonexistent/tongs.yaml"])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    assert!(
+        String::from_utf8(output.stderr)
+            .unwrap()
+            .contains("/nonexistent/tongs.yaml")
+    );
+}
+
+/// A running `tongs run` process whose JSON log lines arrive on a channel.
+struct Running {
+    child: Child,
+    logs: mpsc::Receiver<serde_json::Value>,
+}
+
+impl Running {
+    fn start(config: &PathBuf) -> Running {
+        let mut child = Command::new(TONGS)
+            .args(["--log-format", "json", "run", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (send, logs) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
+                    && send.send(value).is_err()
+                {
+                    return;
+                }
+            }
+        });
+        Running { child, logs }
+    }
+
+    /// Waits for the log line with this message and returns it.
+    fn wait_for_log(&self, message: &str) -> serde_json::Value {
+        loop {
+            let line = self
+                .logs
+                .recv_timeout(Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("no log line {message:?} within 20s"));
+            if line["message"] == message {
+                return line;
+            }
+        }
+    }
+
+    fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_an_in_flight_stream_then_exits_zero() {
+    // The endpoint streams ten events, 150 ms apart: about 1.5 s in all.
+    let backend = backend(|_request| async {
+        let (mut sender, body) = Channel::<Bytes, BoxError>::new(1);
+        tokio::spawn(async move {
+            for i in 0..10 {
+                if sender
+                    .send_data(Bytes::from(format!("data: {i}\n\n")))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+        });
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(body.boxed())
+            .unwrap()
+    })
+    .await;
+    let config = write_config(
+        "drain",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\nshutdown: {{ grace: 20s }}\n\
+             discovery:\n  static:\n    - url: {}\n",
+            backend.url()
+        ),
+    );
+    let mut running = Running::start(&config);
+    let serving = running.wait_for_log("tongs serving");
+    let listen = serving["listen"].as_str().unwrap().to_owned();
+    let admin = serving["admin"].as_str().unwrap().to_owned();
+    assert_eq!(get(&format!("http://{admin}/readyz")).await.0, 200);
+
+    let response = client()
+        .get(format!("http://{listen}/v1/stream").parse().unwrap())
+        .await
+        .unwrap();
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(first, Bytes::from_static(b"data: 0\n\n"));
+
+    running.signal("TERM");
+    running.wait_for_log("stopped accepting; draining in-flight requests");
+    // While draining, the pod reports unready so the Service stops sending it clients.
+    assert_eq!(get(&format!("http://{admin}/readyz")).await.0, 503);
+    // New connections are refused while the stream goes on.
+    let refused = tokio::net::TcpStream::connect(&listen).await;
+    assert!(refused.is_err(), "listener still accepting after SIGTERM");
+
+    let mut rest = Vec::new();
+    while let Some(frame) = tokio::time::timeout(Duration::from_secs(10), body.frame())
+        .await
+        .expect("stream keeps flowing during the drain")
+    {
+        rest.extend_from_slice(
+            &frame
+                .expect("stream not cut by the drain")
+                .into_data()
+                .unwrap(),
+        );
+    }
+    let expected: String = (1..10).map(|i| format!("data: {i}\n\n")).collect();
+    assert_eq!(String::from_utf8(rest).unwrap(), expected);
+
+    running.wait_for_log("drained: every in-flight request finished");
+    let status = tokio::task::spawn_blocking(move || {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = running.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            if std::time::Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    })
+    .await
+    .unwrap()
+    .expect("tongs exits after the drain");
+    assert_eq!(status.code(), Some(0));
+}
