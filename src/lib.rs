@@ -112,16 +112,11 @@ impl App {
             Arc::clone(&self.readiness),
             admin_stop.clone(),
         ));
-        let readiness = Arc::clone(&self.readiness);
-        let draining = shutdown.clone();
-        tokio::spawn(async move {
-            draining.cancelled().await;
-            readiness.set_draining();
-        });
         server::serve(
             self.proxy_listener,
             self.proxy,
             self.server_settings,
+            self.readiness,
             shutdown,
         )
         .await;

@@ -19,6 +19,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admin::Readiness;
 use crate::config::Config;
 use crate::proxy::Proxy;
 
@@ -63,6 +64,7 @@ pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
     settings: ServerSettings,
+    readiness: Arc<Readiness>,
     shutdown: CancellationToken,
 ) {
     let builder = builder(&settings);
@@ -89,18 +91,56 @@ pub async fn serve(
             let proxy = Arc::clone(&proxy);
             async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
         });
-        let connection = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let connection = graceful.watch(connection);
+        let builder = builder.clone();
+        let watcher = graceful.watcher();
+        let header_read_timeout = settings.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(err) = connection.await {
+            if let Err(why) = await_protocol(&stream, header_read_timeout).await {
+                tracing::debug!(client = %client, why, "client connection closed before its first request");
+                return;
+            }
+            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            if let Err(err) = watcher.watch(connection).await {
                 tracing::debug!(client = %client, error = %err, "client connection ended with an error");
             }
         });
     }
+    // Unready first, so the Service stops sending new clients while the drain runs.
+    readiness.set_draining();
     drop(listener);
     drain(graceful, &proxy, settings.grace).await;
+}
+
+/// The HTTP/2 connection preface; anything else is taken for HTTP/1.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Waits, within `limit`, until the client has sent enough to tell HTTP/1 from HTTP/2.
+///
+/// hyper-util's auto server reads up to 24 bytes to make that choice and puts no deadline on it, and
+/// hyper's own header-read timeout only starts after it; without this bound a client that connects and
+/// sends nothing (or half a preface) would hold a socket and a task forever.
+async fn await_protocol(
+    stream: &tokio::net::TcpStream,
+    limit: Duration,
+) -> Result<(), &'static str> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    let sniff = async {
+        loop {
+            let n = stream.peek(&mut buf).await.map_err(|_| "read error")?;
+            if n == 0 {
+                return Err("closed by the client");
+            }
+            if n == buf.len() || buf[..n] != H2_PREFACE[..n] {
+                return Ok(());
+            }
+            // A partial HTTP/2 preface: peek returns at once while those bytes sit unread, so wait a little
+            // for the rest instead of spinning.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::time::timeout(limit, sniff)
+        .await
+        .unwrap_or(Err("no request head within timeouts.header_read"))
 }
 
 async fn drain(graceful: GracefulShutdown, proxy: &Proxy, grace: Duration) {

@@ -218,52 +218,20 @@ fn list(problems: &[Problem]) -> String {
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Config::parse(&text, &path.display().to_string())
+        Config::parse(&read_file(path)?, &path.display().to_string())
     }
 
     /// Parses and validates config text; `origin` names it in errors (a file path, usually).
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let invalid = |problems| ConfigError::Invalid {
-            origin: origin.to_owned(),
-            problems,
-        };
-        // An empty file (or one holding only comments) means "all defaults".
-        let config = if text.lines().all(|l| {
-            let l = l.trim();
-            l.is_empty() || l.starts_with('#') || l == "---"
-        }) {
-            Config::default()
-        } else {
-            // serde_path_to_error tracks which field the parser was in when it failed; the parser's own
-            // message adds the line and column.
-            let mut failed_at = String::new();
-            serde_saphyr::with_deserializer_from_str(text, |deserializer| {
-                serde_path_to_error::deserialize(deserializer).map_err(|err| {
-                    failed_at = err.path().to_string();
-                    err.into_inner()
-                })
-            })
-            .map_err(|err| {
-                let field = if failed_at == "." {
-                    String::new()
-                } else {
-                    failed_at
-                };
-                invalid(vec![Problem {
-                    field,
-                    message: err.to_string(),
-                }])
-            })?
-        };
+        let config: Config = parse_yaml(text, origin)?;
         let problems = config.validate();
         if problems.is_empty() {
             Ok(config)
         } else {
-            Err(invalid(problems))
+            Err(ConfigError::Invalid {
+                origin: origin.to_owned(),
+                problems,
+            })
         }
     }
 
@@ -343,6 +311,49 @@ impl Config {
         serde_saphyr::to_string(self)
             .unwrap_or_else(|err| format!("# cannot render config: {err}\n"))
     }
+}
+
+/// Parses YAML into `T` strictly, naming the field a failure happened in. An empty document (or one
+/// holding only comments) means `T::default()`.
+pub fn parse_yaml<T: serde::de::DeserializeOwned + Default>(
+    text: &str,
+    origin: &str,
+) -> Result<T, ConfigError> {
+    let only_comments = text.lines().all(|l| {
+        let l = l.trim();
+        l.is_empty() || l.starts_with('#') || l == "---"
+    });
+    if only_comments {
+        return Ok(T::default());
+    }
+    // serde_path_to_error tracks which field the parser was in when it failed; the parser's own message
+    // adds the line and column.
+    let mut failed_at = String::new();
+    serde_saphyr::with_deserializer_from_str(text, |deserializer| {
+        serde_path_to_error::deserialize(deserializer).map_err(|err| {
+            failed_at = err.path().to_string();
+            err.into_inner()
+        })
+    })
+    .map_err(|err| ConfigError::Invalid {
+        origin: origin.to_owned(),
+        problems: vec![Problem {
+            field: if failed_at == "." {
+                String::new()
+            } else {
+                failed_at
+            },
+            message: err.to_string(),
+        }],
+    })
+}
+
+/// Reads a file for [`parse_yaml`]-style loaders.
+pub fn read_file(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// An endpoint URL split into what the request path needs.
