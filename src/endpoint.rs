@@ -31,6 +31,8 @@ pub struct Endpoint {
     outstanding: AtomicU64,
     /// Requests ever sent here (for tests, debug and, later, metrics).
     requests: AtomicU64,
+    /// Requests here that failed at the endpoint (connect error, broken connection, timeout).
+    failures: AtomicU64,
     /// A draining endpoint takes no new requests; in-flight ones finish.
     draining: AtomicBool,
 }
@@ -51,6 +53,7 @@ impl Endpoint {
             weight: weight.max(1),
             outstanding: AtomicU64::new(0),
             requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
             draining: AtomicBool::new(false),
         }
     }
@@ -89,6 +92,15 @@ impl Endpoint {
 
     pub fn requests(&self) -> u64 {
         self.requests.load(Ordering::Relaxed)
+    }
+
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request that failed at this endpoint.
+    pub fn record_failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Whether the balancer may pick this endpoint for a new request.

@@ -10,12 +10,14 @@ pub mod admin;
 pub mod balance;
 pub mod body;
 pub mod config;
+pub mod demo;
 pub mod endpoint;
 pub mod error;
 pub mod headers;
 pub mod proxy;
 pub mod registry;
 pub mod server;
+pub mod sim;
 pub mod upstream;
 
 use std::net::SocketAddr;
@@ -91,6 +93,11 @@ impl App {
     /// Where probes and operators connect.
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
+    }
+
+    /// The request path's shared state (its counters, its registry).
+    pub fn proxy(&self) -> &Arc<Proxy> {
+        &self.proxy
     }
 
     /// The endpoint registry (tests and discovery write to it).

@@ -7,9 +7,12 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
+use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::{Config, ConfigError};
+use tongs::demo::DemoOptions;
+use tongs::sim::{Fleet, FleetConfig};
 use tracing_subscriber::EnvFilter;
 
 /// Exit code for a configuration that cannot be used (EX_USAGE-like, as sysexits' EX_USAGE is 64).
@@ -48,12 +51,80 @@ enum Command {
         /// The configuration file (YAML).
         file: PathBuf,
     },
+    /// Show tongs at work: a simulated interruptible GPU fleet, tongs in front of it, and steady load.
+    Demo {
+        /// How long the load runs (e.g. 30s, 2m).
+        #[arg(long, default_value = "30s", value_parser = parse_duration)]
+        duration: Duration,
+        /// Simulated nodes (GPU classes from A100 down to RTX 3060, repeating).
+        #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        nodes: u16,
+        /// Requests per second, sent at a fixed rate whatever the fleet does (open loop).
+        #[arg(long, default_value_t = 40.0, value_parser = parse_rps)]
+        rps: f64,
+        /// Seed for service times and interruptions; the same seed replays the same fleet.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Print the final summary as one JSON line on stdout (the live table goes to stderr).
+        #[arg(long)]
+        json: bool,
+    },
+    /// Serve a simulated fleet described by a YAML file until stopped (point a tongs config at it).
+    Sim {
+        /// The fleet file (YAML).
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let duration =
+        humantime::parse_duration(text).map_err(|err| format!("{err} (write e.g. 30s or 2m)"))?;
+    if duration.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(duration)
+}
+
+fn parse_rps(text: &str) -> Result<f64, String> {
+    let rps: f64 = text
+        .parse()
+        .map_err(|_| format!("{text:?} is not a number"))?;
+    if !(rps > 0.0 && rps <= 100_000.0) {
+        return Err("must be above 0 and at most 100000".into());
+    }
+    Ok(rps)
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    // The demo draws a table on the terminal: only errors may interrupt it unless RUST_LOG says otherwise.
+    let default_level = match cli.command {
+        Command::Demo { .. } => "error",
+        _ => "info",
+    };
+    init_logging(cli.log_format, default_level);
     match cli.command {
+        Command::Demo {
+            duration,
+            nodes,
+            rps,
+            seed,
+            json,
+        } => {
+            let options = DemoOptions {
+                duration,
+                nodes: usize::from(nodes),
+                rps,
+                seed,
+                json,
+            };
+            exit_on_error(demo(options))
+        }
+        Command::Sim { config } => match FleetConfig::load(&config) {
+            Ok(fleet) => exit_on_error(sim(fleet)),
+            Err(err) => bad_config(&err),
+        },
         Command::CheckConfig { file } => match Config::load(&file) {
             Ok(config) => {
                 print!("{}", config.to_yaml());
@@ -62,16 +133,20 @@ fn main() -> ExitCode {
             Err(err) => bad_config(&err),
         },
         Command::Run { config } => match Config::load(&config) {
-            Ok(config) => match run(config) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(err) => {
-                    tracing::error!("{err:#}");
-                    eprintln!("tongs: {err:#}");
-                    ExitCode::FAILURE
-                }
-            },
+            Ok(config) => exit_on_error(run(config)),
             Err(err) => bad_config(&err),
         },
+    }
+}
+
+fn exit_on_error(result: anyhow::Result<()>) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            tracing::error!("{err:#}");
+            eprintln!("tongs: {err:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -80,8 +155,9 @@ fn bad_config(err: &ConfigError) -> ExitCode {
     ExitCode::from(EXIT_BAD_CONFIG)
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+fn init_logging(format: LogFormat, default_level: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -91,13 +167,52 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-fn run(config: Config) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("tongs")
         .build()
-        .context("cannot start the async runtime")?;
-    runtime.block_on(async {
+        .context("cannot start the async runtime")
+}
+
+fn demo(options: DemoOptions) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        let interrupt = CancellationToken::new();
+        tokio::spawn(stop_on_signal(interrupt.clone()));
+        let json = options.json;
+        let summary = tongs::demo::run(options, interrupt).await?;
+        if json {
+            println!("{}", summary.to_json());
+        } else {
+            print!("{}", summary.to_text());
+        }
+        Ok(())
+    })
+}
+
+fn sim(fleet: FleetConfig) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
+        // Random interruptions are planned a day ahead; a longer run simply has none after that.
+        let running = Fleet::start(&fleet, Duration::from_secs(24 * 3600))
+            .await
+            .context("cannot start the simulated fleet")?;
+        println!(
+            "simulated fleet (seed {}); endpoints for a tongs config:",
+            fleet.seed
+        );
+        println!("discovery:\n  static:");
+        for node in running.nodes() {
+            println!("    - url: {}   # {}", node.url(), node.name());
+        }
+        let stop = CancellationToken::new();
+        tokio::spawn(stop_on_signal(stop.clone()));
+        stop.cancelled().await;
+        Ok(())
+    })
+}
+
+fn run(config: Config) -> anyhow::Result<()> {
+    runtime()?.block_on(async {
         let app = App::bind(&config).await?;
         let shutdown = CancellationToken::new();
         tokio::spawn(stop_on_signal(shutdown.clone()));

@@ -6,6 +6,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use http::header::{self, HeaderValue};
@@ -45,11 +46,25 @@ impl ProxySettings {
     }
 }
 
+/// Counters of the request path as a whole (per-endpoint counters live on the endpoint).
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    /// Requests received.
+    pub requests: AtomicU64,
+    /// Requests answered by tongs itself because no endpoint was available.
+    pub rejected: AtomicU64,
+    /// Requests that failed at an endpoint (502/504 from tongs).
+    pub failed: AtomicU64,
+    /// Extra attempts sent to another endpoint after a failed one.
+    pub retries: AtomicU64,
+}
+
 /// Shared state of the request path.
 pub struct Proxy {
     registry: Arc<Registry>,
     client: UpstreamClient,
     settings: ProxySettings,
+    stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
 }
@@ -60,8 +75,17 @@ impl Proxy {
             registry,
             client,
             settings,
+            stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
         }
+    }
+
+    pub fn stats(&self) -> &ProxyStats {
+        &self.stats
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
     }
 
     pub fn upgrades(&self) -> &TaskTracker {
@@ -75,6 +99,7 @@ impl Proxy {
         client: SocketAddr,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
         let request_id = headers::request_id(request.headers());
 
         if let Some(limit) = self.settings.max_body_bytes
@@ -204,6 +229,20 @@ impl Proxy {
         request_id: &HeaderValue,
         endpoint: Option<&Endpoint>,
     ) -> Response<ProxyBody> {
+        match &error {
+            ProxyError::NoEndpoint => {
+                self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+            }
+            ProxyError::Connect { .. }
+            | ProxyError::Upstream { .. }
+            | ProxyError::ResponseTimeout { .. } => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                if let Some(endpoint) = endpoint {
+                    endpoint.record_failure();
+                }
+            }
+            ProxyError::BodyTooLarge { .. } => {}
+        }
         tracing::warn!(
             request_id = request_id.to_str().unwrap_or_default(),
             endpoint = endpoint.map(Endpoint::url),

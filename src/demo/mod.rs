@@ -1,0 +1,164 @@
+//! `tongs demo`: a simulated interruptible GPU fleet, a tongs proxy in front of it (same process, real
+//! sockets), and an open-loop load generator, with a live table and a summary.
+
+mod load;
+mod report;
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+pub use load::{LoadGenerator, LoadPlan, Outcome, Recorder};
+pub use report::Summary;
+
+use crate::App;
+use crate::config::{Config, HumanDuration, StaticEndpoint};
+use crate::sim::{
+    Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
+};
+
+/// What `tongs demo` was asked for.
+#[derive(Clone, Debug)]
+pub struct DemoOptions {
+    pub duration: Duration,
+    pub nodes: usize,
+    pub rps: f64,
+    pub seed: u64,
+    /// Print the final summary as one JSON line on stdout (the live table goes to stderr).
+    pub json: bool,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            duration: Duration::from_secs(30),
+            nodes: 6,
+            rps: 40.0,
+            seed: 1,
+            json: false,
+        }
+    }
+}
+
+/// GPU classes of a mixed SaladCloud fleet: name, mean service time, requests served at once.
+const PROFILES: [(&str, u64, usize); 6] = [
+    ("a100", 120, 8),
+    ("l40s", 180, 6),
+    ("rtx4090", 250, 4),
+    ("rtx3090", 350, 4),
+    ("rtx3080", 500, 2),
+    ("rtx3060", 700, 2),
+];
+
+/// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
+/// the run (so every run shows all four), plus seeded random interruptions on every node.
+pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
+    let run = options.duration.as_secs_f64();
+    let nodes = (0..options.nodes.max(1))
+        .map(|i| {
+            let (gpu, mean_ms, capacity) = PROFILES[i % PROFILES.len()];
+            let mut spec = NodeSpec::new(&format!("{gpu}-{i}"), Duration::from_millis(mean_ms));
+            spec.capacity = capacity;
+            spec.queue = capacity * 4;
+            spec.tokens = 12;
+            spec.report_load = true;
+            if i < InterruptionKind::ALL.len() {
+                // Fixed: starts staggered from 15 % of the run, each lasting 20 % of it.
+                let kind = InterruptionKind::ALL
+                    [(i + options.seed as usize) % InterruptionKind::ALL.len()];
+                spec.interruptions.push(Interruption {
+                    kind,
+                    at: HumanDuration(Duration::from_secs_f64(run * (0.15 + 0.15 * i as f64))),
+                    duration: HumanDuration(Duration::from_secs_f64(run * 0.2)),
+                    factor: 6.0,
+                });
+            }
+            spec.random_interruptions = Some(RandomInterruptions {
+                mean_interval: HumanDuration::from_secs(90),
+                mean_duration: HumanDuration::from_secs(6),
+                kinds: InterruptionKind::ALL.to_vec(),
+                slow_factor: 6.0,
+            });
+            spec
+        })
+        .collect();
+    FleetConfig {
+        seed: options.seed,
+        nodes,
+    }
+}
+
+/// The proxy configuration the demo runs: the fleet as static endpoints, loopback ports, and timeouts
+/// short enough that a silent node shows up within the run.
+pub fn demo_config(fleet: &Fleet) -> Config {
+    let mut config = Config {
+        listen: ([127, 0, 0, 1], 0).into(),
+        ..Config::default()
+    };
+    config.admin.listen = ([127, 0, 0, 1], 0).into();
+    config.timeouts.connect = HumanDuration::from_secs(1);
+    config.timeouts.response_headers = HumanDuration::from_secs(10);
+    config.timeouts.total = HumanDuration::from_secs(30);
+    config.discovery.static_endpoints = fleet
+        .urls()
+        .into_iter()
+        .map(|url| StaticEndpoint { url, weight: 1 })
+        .collect();
+    config
+}
+
+/// Runs the whole demo and returns its summary.
+pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::Result<Summary> {
+    let fleet_config = demo_fleet(&options);
+    let fleet = Fleet::start(&fleet_config, options.duration).await?;
+    let app = App::bind(&demo_config(&fleet)).await?;
+    let proxy = std::sync::Arc::clone(app.proxy());
+    let target = format!("http://{}", app.proxy_addr());
+    let proxy_stop = CancellationToken::new();
+    let proxy_task = tokio::spawn(app.run(proxy_stop.clone()));
+
+    let generator = LoadGenerator::default();
+    let plan = LoadPlan {
+        target,
+        rps: options.rps,
+        duration: options.duration,
+        stream_every: 3,
+        client_timeout: Duration::from_secs(60),
+        settle: Duration::from_secs(15),
+    };
+    let live = report::Live::new(if options.json {
+        report::Sink::Stderr
+    } else {
+        report::Sink::Stdout
+    });
+    let interactive = live.is_terminal();
+    let refresh = if interactive {
+        Duration::from_millis(500)
+    } else {
+        Duration::from_secs(5)
+    };
+    let started = tokio::time::Instant::now();
+    {
+        let load = generator.run(&plan, interrupt.clone());
+        tokio::pin!(load);
+        let mut ticker = tokio::time::interval(refresh);
+        let mut live = live;
+        loop {
+            tokio::select! {
+                () = &mut load => break,
+                _ = ticker.tick() => {
+                    let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+                    live.show(&view);
+                }
+            }
+        }
+        let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+        live.show(&view);
+        live.finish();
+    }
+    let summary = Summary::collect(&options, &fleet, &proxy, &generator, started.elapsed());
+    proxy_stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(5), proxy_task).await;
+    drop(fleet);
+    Ok(summary)
+}

@@ -1,0 +1,283 @@
+//! What the demo shows: a live table (refreshed in place on a terminal, plain lines otherwise) and the
+//! final summary, as text or as one JSON line.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::{IsTerminal, Write};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::DemoOptions;
+use super::load::{LoadGenerator, Outcome};
+use crate::proxy::Proxy;
+use crate::sim::Fleet;
+
+/// One node's row.
+struct NodeRow {
+    name: String,
+    condition: &'static str,
+    outstanding: u64,
+    served: u64,
+    errors: u64,
+}
+
+/// Everything one refresh shows.
+pub struct View {
+    elapsed: Duration,
+    nodes: Vec<NodeRow>,
+    sent: u64,
+    succeeded: u64,
+    failed: u64,
+    rejected: u64,
+    retried: u64,
+    interruptions: u64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+/// Reads the fleet, the proxy and the generator at one moment.
+pub fn snapshot(
+    fleet: &Fleet,
+    proxy: &Proxy,
+    generator: &LoadGenerator,
+    elapsed: Duration,
+) -> View {
+    let endpoints = proxy.registry().snapshot();
+    let nodes = fleet
+        .nodes()
+        .iter()
+        .map(|node| {
+            let url = node.url();
+            let endpoint = endpoints.iter().find(|e| e.url() == url);
+            let stats = node.stats();
+            NodeRow {
+                name: node.name().to_owned(),
+                condition: node.condition().label(),
+                outstanding: endpoint.map_or(0, |e| e.outstanding()),
+                served: stats.served,
+                errors: endpoint.map_or(0, |e| e.failures()) + stats.gateway_503 + stats.shed,
+            }
+        })
+        .collect();
+    let (sent, succeeded, rejected, failed, p50_ms, p99_ms) = generator.with(|r| {
+        let failed: u64 = r.failures().values().sum();
+        (
+            r.sent(),
+            r.count(Outcome::Succeeded),
+            r.count(Outcome::Rejected),
+            failed,
+            r.latency_ms(0.5),
+            r.latency_ms(0.99),
+        )
+    });
+    View {
+        elapsed,
+        nodes,
+        sent,
+        succeeded,
+        failed,
+        rejected,
+        retried: proxy.stats().retries.load(Ordering::Relaxed),
+        interruptions: fleet.interruptions_injected(),
+        p50_ms,
+        p99_ms,
+    }
+}
+
+fn render(view: &View) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<12} {:<12} {:>11} {:>8} {:>7} {:>8}",
+        "node", "state", "outstanding", "served", "errors", "circuit"
+    );
+    for node in &view.nodes {
+        // No circuit breaker exists yet; the column shows "-" rather than a state nobody computed.
+        let _ = writeln!(
+            out,
+            "{:<12} {:<12} {:>11} {:>8} {:>7} {:>8}",
+            node.name, node.condition, node.outstanding, node.served, node.errors, "-"
+        );
+    }
+    let done = view.succeeded + view.failed + view.rejected;
+    let success = if done == 0 {
+        100.0
+    } else {
+        100.0 * view.succeeded as f64 / done as f64
+    };
+    let _ = writeln!(
+        out,
+        "t={:>5.1}s sent={} ok={:.1}% failed={} retried={} rejected={} interruptions={} p50={:.0}ms p99={:.0}ms",
+        view.elapsed.as_secs_f64(),
+        view.sent,
+        success,
+        view.failed,
+        view.retried,
+        view.rejected,
+        view.interruptions,
+        view.p50_ms,
+        view.p99_ms
+    );
+    out
+}
+
+/// Where the live view goes.
+pub enum Sink {
+    Stdout,
+    Stderr,
+}
+
+/// The live view: redraws in place on a terminal, prints plain blocks otherwise.
+pub struct Live {
+    sink: Sink,
+    terminal: bool,
+    lines_drawn: usize,
+}
+
+impl Live {
+    pub fn new(sink: Sink) -> Live {
+        let terminal = match sink {
+            Sink::Stdout => std::io::stdout().is_terminal(),
+            Sink::Stderr => std::io::stderr().is_terminal(),
+        };
+        Live {
+            sink,
+            terminal,
+            lines_drawn: 0,
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        self.terminal
+    }
+
+    pub fn show(&mut self, view: &View) {
+        let text = render(view);
+        let mut frame = String::new();
+        if self.terminal && self.lines_drawn > 0 {
+            // Cursor up to the first line of the last frame, then clear to the end of the screen.
+            let _ = write!(frame, "\x1b[{}F\x1b[J", self.lines_drawn);
+        }
+        frame.push_str(&text);
+        if !self.terminal {
+            frame.push('\n');
+        }
+        self.lines_drawn = text.lines().count();
+        self.write(&frame);
+    }
+
+    pub fn finish(&mut self) {
+        self.write("\n");
+    }
+
+    fn write(&self, text: &str) {
+        let _ = match self.sink {
+            Sink::Stdout => std::io::stdout().lock().write_all(text.as_bytes()),
+            Sink::Stderr => std::io::stderr().lock().write_all(text.as_bytes()),
+        };
+    }
+}
+
+/// Latency figures of succeeded requests, in milliseconds.
+#[derive(Clone, Debug, Serialize)]
+pub struct Latency {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// The final summary (also the `--json` line).
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub duration_s: f64,
+    pub nodes: usize,
+    pub rps: f64,
+    pub seed: u64,
+    pub requests: u64,
+    pub succeeded: u64,
+    /// Failed requests by kind: a status code, `broken`, `client-timeout`, `unfinished`.
+    pub failed: BTreeMap<String, u64>,
+    pub retried: u64,
+    pub rejected: u64,
+    pub interruptions_injected: u64,
+    pub latency_ms: Latency,
+}
+
+impl Summary {
+    pub fn collect(
+        options: &DemoOptions,
+        fleet: &Fleet,
+        proxy: &Arc<Proxy>,
+        generator: &LoadGenerator,
+        elapsed: Duration,
+    ) -> Summary {
+        generator.with(|r| Summary {
+            duration_s: (elapsed.as_secs_f64() * 10.0).round() / 10.0,
+            nodes: fleet.nodes().len(),
+            rps: options.rps,
+            seed: options.seed,
+            requests: r.sent(),
+            succeeded: r.count(Outcome::Succeeded),
+            failed: r.failures(),
+            retried: proxy.stats().retries.load(Ordering::Relaxed),
+            rejected: r.count(Outcome::Rejected),
+            interruptions_injected: fleet.interruptions_injected(),
+            latency_ms: Latency {
+                p50: r.latency_ms(0.5),
+                p90: r.latency_ms(0.9),
+                p99: r.latency_ms(0.99),
+                max: r.max_latency_ms(),
+            },
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|err| format!(r#"{{"error":"{err}"}}"#))
+    }
+
+    pub fn to_text(&self) -> String {
+        let failed: u64 = self.failed.values().sum();
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "summary: {} requests in {:.1}s at {} req/s over {} nodes (seed {})",
+            self.requests, self.duration_s, self.rps, self.nodes, self.seed
+        );
+        let percent = |n: u64| {
+            if self.requests == 0 {
+                0.0
+            } else {
+                100.0 * n as f64 / self.requests as f64
+            }
+        };
+        let _ = writeln!(
+            out,
+            "  succeeded      {:>7} ({:.2}%)",
+            self.succeeded,
+            percent(self.succeeded)
+        );
+        let _ = writeln!(
+            out,
+            "  failed         {:>7} ({:.2}%)",
+            failed,
+            percent(failed)
+        );
+        for (kind, n) in &self.failed {
+            let _ = writeln!(out, "    {kind:<12} {n:>7}");
+        }
+        let _ = writeln!(out, "  rejected       {:>7}", self.rejected);
+        let _ = writeln!(out, "  retried        {:>7}", self.retried);
+        let _ = writeln!(out, "  interruptions  {:>7}", self.interruptions_injected);
+        let l = &self.latency_ms;
+        let _ = writeln!(
+            out,
+            "  latency ms     p50 {:.0}  p90 {:.0}  p99 {:.0}  max {:.0}",
+            l.p50, l.p90, l.p99, l.max
+        );
+        out
+    }
+}

@@ -1,0 +1,327 @@
+//! A simulated fleet of interruptible GPU inference nodes on 127.0.0.1, used by `tongs demo`,
+//! `tongs sim`, the tests and the benchmarks.
+//!
+//! Each node serves inference-like requests with a lognormal service time, a capacity (requests served at
+//! once, like a GPU batch) and a bounded waiting line beyond which it sheds load with `503` +
+//! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams.
+//! Nodes fail the ways real remote nodes fail (see [`InterruptionKind`]) on a fixed or seeded random
+//! schedule, then recover. Everything listens on real sockets so a proxy in front of it meets real
+//! resets, refusals and silences.
+
+mod node;
+mod schedule;
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+pub use node::{Condition, Node, NodeStats};
+pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
+
+use crate::config::{ConfigError, HumanDuration, Problem, parse_yaml, read_file};
+
+/// A fleet of simulated nodes (the file `tongs sim --config FILE` reads).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetConfig {
+    /// Seed for service times and random interruptions: the same seed replays the same run.
+    pub seed: u64,
+    pub nodes: Vec<NodeSpec>,
+}
+
+/// One simulated node.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeSpec {
+    pub name: String,
+    /// Where the node listens; port 0 picks a free one.
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    #[serde(default)]
+    pub service_time: ServiceTime,
+    /// Requests served at once (a GPU batch).
+    #[serde(default = "default_capacity")]
+    pub capacity: usize,
+    /// Requests allowed to wait for capacity; beyond that the node answers 503 with Retry-After.
+    #[serde(default = "default_queue")]
+    pub queue: usize,
+    /// `json` (one body after the service time) or `sse` (a token stream over the service time).
+    /// A request with `Accept: text/event-stream` always gets a stream.
+    #[serde(default)]
+    pub response: ResponseKind,
+    /// Tokens in a streamed response.
+    #[serde(default = "default_tokens")]
+    pub tokens: u32,
+    /// Report in-flight count and capacity in `x-sim-in-flight` / `x-sim-capacity` response headers.
+    #[serde(default)]
+    pub report_load: bool,
+    /// Interruptions at fixed times after the fleet starts.
+    #[serde(default)]
+    pub interruptions: Vec<Interruption>,
+    /// Interruptions at seeded random times.
+    #[serde(default)]
+    pub random_interruptions: Option<RandomInterruptions>,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn default_capacity() -> usize {
+    4
+}
+
+fn default_queue() -> usize {
+    16
+}
+
+fn default_tokens() -> u32 {
+    16
+}
+
+/// Mean and spread of a lognormal service time.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceTime {
+    pub mean: HumanDuration,
+    /// Standard deviation of the underlying normal; 0 = always the mean, 0.3 is a realistic spread.
+    #[serde(default)]
+    pub spread: f64,
+}
+
+impl Default for ServiceTime {
+    fn default() -> Self {
+        ServiceTime {
+            mean: HumanDuration::from_millis(200),
+            spread: 0.3,
+        }
+    }
+}
+
+/// How a node answers an inference request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResponseKind {
+    #[default]
+    Json,
+    Sse,
+}
+
+impl NodeSpec {
+    /// A node with defaults and the given name and mean service time.
+    pub fn new(name: &str, mean: Duration) -> NodeSpec {
+        NodeSpec {
+            name: name.to_owned(),
+            listen: default_listen(),
+            service_time: ServiceTime {
+                mean: HumanDuration(mean),
+                spread: 0.3,
+            },
+            capacity: default_capacity(),
+            queue: default_queue(),
+            response: ResponseKind::Json,
+            tokens: default_tokens(),
+            report_load: false,
+            interruptions: Vec::new(),
+            random_interruptions: None,
+        }
+    }
+}
+
+impl FleetConfig {
+    pub fn load(path: &Path) -> Result<FleetConfig, ConfigError> {
+        FleetConfig::parse(&read_file(path)?, &path.display().to_string())
+    }
+
+    pub fn parse(text: &str, origin: &str) -> Result<FleetConfig, ConfigError> {
+        let fleet: FleetConfig = parse_yaml(text, origin)?;
+        let problems = fleet.validate();
+        if problems.is_empty() {
+            Ok(fleet)
+        } else {
+            Err(ConfigError::Invalid {
+                origin: origin.to_owned(),
+                problems,
+            })
+        }
+    }
+
+    pub fn validate(&self) -> Vec<Problem> {
+        let mut problems = Vec::new();
+        let mut problem = |field: String, message: &str| {
+            problems.push(Problem {
+                field,
+                message: message.to_owned(),
+            })
+        };
+        if self.nodes.is_empty() {
+            problem("nodes".into(), "the fleet needs at least one node");
+        }
+        let mut names = HashSet::new();
+        for (i, node) in self.nodes.iter().enumerate() {
+            let at = |field: &str| format!("nodes[{i}].{field}");
+            if node.name.trim().is_empty() {
+                problem(at("name"), "must not be empty");
+            } else if !names.insert(node.name.as_str()) {
+                problem(at("name"), "is used by another node");
+            }
+            if node.service_time.mean.get().is_zero() {
+                problem(at("service_time.mean"), "must be greater than zero");
+            }
+            if !(0.0..=3.0).contains(&node.service_time.spread) {
+                problem(at("service_time.spread"), "must be between 0 and 3");
+            }
+            if node.capacity == 0 {
+                problem(at("capacity"), "must be at least 1");
+            }
+            if node.tokens == 0 {
+                problem(at("tokens"), "must be at least 1");
+            }
+            for (j, interruption) in node.interruptions.iter().enumerate() {
+                if interruption.duration.get().is_zero() {
+                    problem(
+                        at(&format!("interruptions[{j}].duration")),
+                        "must be greater than zero",
+                    );
+                }
+                if interruption.factor.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+                    problem(
+                        at(&format!("interruptions[{j}].factor")),
+                        "must be greater than zero",
+                    );
+                }
+            }
+            if let Some(random) = &node.random_interruptions {
+                if random.mean_interval.get().is_zero() {
+                    problem(
+                        at("random_interruptions.mean_interval"),
+                        "must be greater than zero",
+                    );
+                }
+                if random.kinds.is_empty() {
+                    problem(
+                        at("random_interruptions.kinds"),
+                        "must name at least one kind",
+                    );
+                }
+                if random.slow_factor.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater) {
+                    problem(
+                        at("random_interruptions.slow_factor"),
+                        "must be greater than zero",
+                    );
+                }
+            }
+        }
+        problems
+    }
+}
+
+/// A running fleet. Dropping it stops every node.
+pub struct Fleet {
+    nodes: Vec<Node>,
+    started: Instant,
+}
+
+impl Fleet {
+    /// Starts every node; random interruptions are planned up to `horizon` after now.
+    pub async fn start(config: &FleetConfig, horizon: Duration) -> std::io::Result<Fleet> {
+        let started = Instant::now();
+        let mut nodes = Vec::with_capacity(config.nodes.len());
+        for (index, spec) in config.nodes.iter().enumerate() {
+            // Each node gets its own stream of random numbers, derived from the fleet seed and its place.
+            let seed = config
+                .seed
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(index as u64 + 1);
+            let planned = plan(
+                &spec.interruptions,
+                spec.random_interruptions.as_ref(),
+                seed,
+                horizon,
+            );
+            nodes.push(Node::start(spec.clone(), seed, planned, started).await?);
+        }
+        Ok(Fleet { nodes, started })
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    /// The nodes' base URLs, in order.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Node::url).collect()
+    }
+
+    /// When the fleet started (interruption times count from here).
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// Interruptions injected so far, over all nodes.
+    pub fn interruptions_injected(&self) -> u64 {
+        self.nodes.iter().map(|n| n.stats().interruptions).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_fleet_file() {
+        let text = r#"
+seed: 42
+nodes:
+  - name: a100
+    service_time: { mean: 50ms, spread: 0.2 }
+    capacity: 8
+    response: sse
+    interruptions:
+      - { kind: refuse, at: 10s, duration: 5s }
+      - { kind: slow, at: 20s, duration: 5s, factor: 3 }
+  - name: rtx3090
+    random_interruptions: { mean_interval: 30s, mean_duration: 5s, kinds: [blackhole, gateway-503] }
+"#;
+        let fleet = FleetConfig::parse(text, "test").unwrap();
+        assert_eq!(fleet.nodes.len(), 2);
+        assert_eq!(fleet.nodes[0].response, ResponseKind::Sse);
+        assert_eq!(fleet.nodes[0].interruptions[1].factor, 3.0);
+        assert_eq!(fleet.nodes[1].capacity, 4);
+        assert_eq!(
+            fleet.nodes[1].random_interruptions.as_ref().unwrap().kinds,
+            [InterruptionKind::Blackhole, InterruptionKind::Gateway503]
+        );
+    }
+
+    #[test]
+    fn fleet_problems_name_their_fields() {
+        let text =
+            "nodes:\n  - name: a\n    capacity: 0\n  - name: a\n    service_time: { mean: 0s }\n";
+        let err = FleetConfig::parse(text, "test").unwrap_err();
+        let fields: Vec<_> = err.problems().iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "nodes[0].capacity",
+                "nodes[1].name",
+                "nodes[1].service_time.mean"
+            ]
+        );
+        let err = FleetConfig::parse(
+            "nodes:\n  - name: a\n    interruptions: [{ kind: melt, at: 1s, duration: 1s }]\n",
+            "t",
+        )
+        .unwrap_err();
+        assert!(
+            err.problems()[0]
+                .field
+                .starts_with("nodes[0].interruptions[0]"),
+            "{err}"
+        );
+    }
+}
