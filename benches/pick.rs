@@ -1,1 +1,108 @@
-fn main() {}
+//! Benchmarks `tongs::balance::pick` at 8, 64 and 10,000 endpoints, with uneven outstanding load, with and
+//! without a small exclusion slice; then counts heap allocations over 1,000,000 picks per size.
+//!
+//! Run with `cargo bench --bench pick`.
+
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion};
+use tongs::balance::pick;
+use tongs::config::EndpointUrl;
+use tongs::endpoint::{Endpoint, EndpointId, Outstanding};
+
+/// dhat's allocator counts every heap allocation while a profiler runs.
+#[global_allocator]
+static GLOBAL: dhat::Alloc = dhat::Alloc;
+
+/// Heap allocations made so far (only while the dhat profiler runs).
+fn allocations() -> u64 {
+    dhat::HeapStats::get().total_blocks
+}
+
+const SIZES: [usize; 3] = [8, 64, 10_000];
+const ALLOC_CHECK_PICKS: u64 = 1_000_000;
+
+/// `n` endpoints with weights 1..=4, and guards that keep endpoint `i` holding `i % 5` outstanding
+/// requests, so loads differ and ties are partial. Keep the guards alive while picking.
+fn fleet(n: usize) -> (Vec<Arc<Endpoint>>, Vec<Outstanding>) {
+    let endpoints: Vec<Arc<Endpoint>> = (0..n)
+        .map(|i| {
+            let url = format!(
+                "http://10.{}.{}.{}:8000",
+                i >> 16,
+                (i >> 8) & 0xff,
+                i & 0xff
+            );
+            let parsed = EndpointUrl::parse(&url).unwrap();
+            Arc::new(Endpoint::new(i as u64, &url, parsed, (i % 4) as u32 + 1))
+        })
+        .collect();
+    let held = endpoints
+        .iter()
+        .enumerate()
+        .flat_map(|(i, endpoint)| (0..i % 5).map(|_| endpoint.start_request()))
+        .collect();
+    (endpoints, held)
+}
+
+/// Three endpoint ids to skip, as a retry that already tried three endpoints would.
+fn exclusions(n: usize) -> Vec<EndpointId> {
+    vec![0, (n / 2) as u64, (n - 1) as u64]
+}
+
+fn bench_pick(c: &mut Criterion) {
+    let mut group = c.benchmark_group("pick");
+    for &n in &SIZES {
+        let (endpoints, _held) = fleet(n);
+        let exclude = exclusions(n);
+        group.bench_with_input(BenchmarkId::new("no_exclusions", n), &n, |b, _| {
+            b.iter(|| pick(black_box(&endpoints), black_box(&[])).map(|e| e.id()))
+        });
+        group.bench_with_input(BenchmarkId::new("exclude_3", n), &n, |b, _| {
+            b.iter(|| pick(black_box(&endpoints), black_box(&exclude)).map(|e| e.id()))
+        });
+    }
+    group.finish();
+}
+
+/// Runs `ALLOC_CHECK_PICKS` picks per size (half with exclusions) and prints the allocations they made.
+fn allocation_check() {
+    let _profiler = dhat::Profiler::builder().testing().build();
+    for &n in &SIZES {
+        let before_setup = allocations();
+        let (endpoints, _held) = fleet(n);
+        // The counter must see the fleet being built, or a zero below would prove nothing.
+        assert!(
+            allocations() > before_setup,
+            "allocation counter is not counting"
+        );
+        let exclude = exclusions(n);
+        // One pick first, so any lazy one-time setup (e.g. the thread-local RNG) is not counted.
+        black_box(pick(&endpoints, &exclude));
+        let before = allocations();
+        let mut checksum = 0u64;
+        for i in 0..ALLOC_CHECK_PICKS {
+            let skip: &[EndpointId] = if i % 2 == 0 { &[] } else { &exclude };
+            checksum =
+                checksum.wrapping_add(pick(black_box(&endpoints), black_box(skip)).unwrap().id());
+        }
+        let made = allocations() - before;
+        black_box(checksum);
+        println!(
+            "{n:>6} endpoints: allocations per pick: {} ({made} in {ALLOC_CHECK_PICKS} picks)",
+            made as f64 / ALLOC_CHECK_PICKS as f64
+        );
+    }
+}
+
+fn main() {
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    bench_pick(&mut criterion);
+    criterion.final_summary();
+    allocation_check();
+}
