@@ -45,9 +45,69 @@ pub enum AppError {
     Upstream(#[from] upstream::UpstreamError),
 }
 
+/// Worker threads for client traffic: `workers` from the config, or one per available CPU.
+fn worker_count(config: &Config) -> usize {
+    match config.workers {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        n => n,
+    }
+}
+
+/// One worker thread: its own single-threaded runtime, listener and upstream connection pool.
+///
+/// Thread per core, like nginx's worker processes: a request, its upstream connection and the tasks
+/// that drive them stay on one thread, so handing a response from the connection task to the request
+/// task costs no cross-thread wake-up. Endpoint state is shared (atomics in the registry's endpoints).
+struct Worker {
+    listener: std::net::TcpListener,
+    proxy: Arc<Proxy>,
+    settings: ServerSettings,
+    readiness: Arc<Readiness>,
+    shutdown: CancellationToken,
+    config: Config,
+}
+
+impl Worker {
+    fn run(self) {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(runtime) => runtime,
+            Err(err) => {
+                tracing::error!(error = %err, "cannot start a worker runtime");
+                return;
+            }
+        };
+        runtime.block_on(async move {
+            let listener = match TcpListener::from_std(self.listener) {
+                Ok(listener) => listener,
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot register a worker listener");
+                    return;
+                }
+            };
+            let upstream = match upstream::build_client(&self.config) {
+                Ok(client) => client,
+                Err(err) => {
+                    tracing::error!(error = %err, "cannot build the upstream client");
+                    return;
+                }
+            };
+            server::serve(
+                listener,
+                self.proxy,
+                upstream,
+                self.settings,
+                self.readiness,
+                self.shutdown,
+            )
+            .await;
+        });
+    }
+}
+
 /// A proxy with its listeners bound, ready to run.
 pub struct App {
-    proxy_listener: TcpListener,
+    /// One listening socket per worker thread (SO_REUSEPORT).
+    proxy_listeners: Vec<std::net::TcpListener>,
     admin_listener: TcpListener,
     proxy_addr: SocketAddr,
     admin_addr: SocketAddr,
@@ -55,12 +115,14 @@ pub struct App {
     registry: Arc<Registry>,
     readiness: Arc<Readiness>,
     server_settings: ServerSettings,
+    config: Config,
 }
 
 impl App {
     /// Builds the proxy for `config` and binds its listeners (port 0 picks a free port).
     pub async fn bind(config: &Config) -> Result<App, AppError> {
-        let client = upstream::build_client(config)?;
+        // Fail on a bad CA file now, before listening, rather than in each worker.
+        upstream::build_client(config)?;
         let registry = Arc::new(Registry::new());
         registry.replace(EndpointSpec::from_config(config));
         let readiness = Arc::new(Readiness::default());
@@ -68,20 +130,25 @@ impl App {
         readiness.set_synced();
         let proxy = Arc::new(Proxy::new(
             Arc::clone(&registry),
-            client,
             ProxySettings::from_config(config),
         ));
-        let proxy_listener = server::bind(config.listen, "client traffic (listen)").await?;
+        let proxy_listeners =
+            server::bind_workers(config.listen, worker_count(config), "client traffic (listen)")?;
+        let proxy_addr = proxy_listeners
+            .first()
+            .and_then(|l| l.local_addr().ok())
+            .unwrap_or(config.listen);
         let admin_listener = server::bind(config.admin.listen, "admin (admin.listen)").await?;
         Ok(App {
-            proxy_addr: server::local_addr(&proxy_listener, config.listen),
+            proxy_addr,
             admin_addr: server::local_addr(&admin_listener, config.admin.listen),
-            proxy_listener,
+            proxy_listeners,
             admin_listener,
             proxy,
             registry,
             readiness,
             server_settings: ServerSettings::from_config(config),
+            config: config.clone(),
         })
     }
 
@@ -119,14 +186,31 @@ impl App {
             Arc::clone(&self.readiness),
             admin_stop.clone(),
         ));
-        server::serve(
-            self.proxy_listener,
-            self.proxy,
-            self.server_settings,
-            self.readiness,
-            shutdown,
-        )
-        .await;
+        let mut workers = Vec::new();
+        for (index, listener) in self.proxy_listeners.into_iter().enumerate() {
+            let (done, finished) = tokio::sync::oneshot::channel::<()>();
+            let worker = Worker {
+                listener,
+                proxy: Arc::clone(&self.proxy),
+                settings: self.server_settings.clone(),
+                readiness: Arc::clone(&self.readiness),
+                shutdown: shutdown.clone(),
+                config: self.config.clone(),
+            };
+            let spawned = std::thread::Builder::new()
+                .name(format!("tongs-worker-{index}"))
+                .spawn(move || {
+                    worker.run();
+                    let _ = done.send(());
+                });
+            match spawned {
+                Ok(_) => workers.push(finished),
+                Err(err) => tracing::error!(error = %err, "cannot start a worker thread"),
+            }
+        }
+        for finished in workers {
+            let _ = finished.await;
+        }
         admin_stop.cancel();
         let _ = admin.await;
         tracing::info!("tongs stopped");

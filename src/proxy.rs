@@ -60,9 +60,11 @@ pub struct ProxyStats {
 }
 
 /// Shared state of the request path.
+///
+/// Shared by every worker thread; each worker passes its own pooled [`UpstreamClient`] so connections
+/// stay on the thread that uses them.
 pub struct Proxy {
     registry: Arc<Registry>,
-    client: UpstreamClient,
     settings: ProxySettings,
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
@@ -70,10 +72,9 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    pub fn new(registry: Arc<Registry>, client: UpstreamClient, settings: ProxySettings) -> Self {
+    pub fn new(registry: Arc<Registry>, settings: ProxySettings) -> Self {
         Proxy {
             registry,
-            client,
             settings,
             stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
@@ -95,6 +96,7 @@ impl Proxy {
     /// Handles one client request; always produces a response.
     pub async fn handle(
         &self,
+        upstream: &UpstreamClient,
         mut request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<ProxyBody> {
@@ -130,7 +132,7 @@ impl Proxy {
             .response_headers_timeout
             .min(self.settings.total_timeout);
         let sent =
-            tokio::time::timeout(headers_timeout, self.client.request(upstream_request)).await;
+            tokio::time::timeout(headers_timeout, upstream.request(upstream_request)).await;
         let mut response = match sent {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {

@@ -22,6 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::Readiness;
 use crate::config::Config;
 use crate::proxy::Proxy;
+use crate::upstream::UpstreamClient;
 
 /// Connection-level settings of the client-facing server.
 #[derive(Clone, Debug)]
@@ -63,6 +64,7 @@ fn builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
+    upstream: UpstreamClient,
     settings: ServerSettings,
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
@@ -87,9 +89,11 @@ pub async fn serve(
             tracing::debug!(error = %err, "set_nodelay failed");
         }
         let proxy = Arc::clone(&proxy);
+        let upstream = upstream.clone();
         let service = service_fn(move |request: hyper::Request<Incoming>| {
             let proxy = Arc::clone(&proxy);
-            async move { Ok::<_, Infallible>(proxy.handle(request, client).await) }
+            let upstream = upstream.clone();
+            async move { Ok::<_, Infallible>(proxy.handle(&upstream, request, client).await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
@@ -173,6 +177,35 @@ pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, crate::Ap
             addr,
             source,
         })
+}
+
+/// Binds `count` listening sockets on one address with SO_REUSEPORT, one per worker thread; the kernel
+/// spreads new connections over them. Port 0 is resolved by the first bind and reused by the rest.
+pub fn bind_workers(addr: SocketAddr, count: usize, what: &str) -> Result<Vec<std::net::TcpListener>, crate::AppError> {
+    let failed = |addr, source| crate::AppError::Bind {
+        what: what.to_owned(),
+        addr,
+        source,
+    };
+    let mut listeners = Vec::with_capacity(count);
+    let mut addr = addr;
+    for _ in 0..count.max(1) {
+        let socket = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )
+        .map_err(|err| failed(addr, err))?;
+        socket.set_reuse_address(true).map_err(|err| failed(addr, err))?;
+        socket.set_reuse_port(true).map_err(|err| failed(addr, err))?;
+        socket.set_nonblocking(true).map_err(|err| failed(addr, err))?;
+        socket.bind(&addr.into()).map_err(|err| failed(addr, err))?;
+        socket.listen(1024).map_err(|err| failed(addr, err))?;
+        let listener: std::net::TcpListener = socket.into();
+        addr = listener.local_addr().map_err(|err| failed(addr, err))?;
+        listeners.push(listener);
+    }
+    Ok(listeners)
 }
 
 /// The address a listener is bound to (the real port when the configuration asked for port 0).

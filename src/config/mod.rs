@@ -20,6 +20,8 @@ pub use duration::HumanDuration;
 pub struct Config {
     /// Address the proxy listens on for client traffic (HTTP/1.1 and h2c on the same port).
     pub listen: SocketAddr,
+    /// Worker threads serving client traffic; 0 means one per available CPU.
+    pub workers: usize,
     pub admin: AdminConfig,
     pub discovery: DiscoveryConfig,
     pub timeouts: Timeouts,
@@ -32,6 +34,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            workers: 0,
             admin: AdminConfig::default(),
             discovery: DiscoveryConfig::default(),
             timeouts: Timeouts::default(),
@@ -241,6 +244,12 @@ impl Config {
         let mut problem =
             |field: String, message: String| problems.push(Problem { field, message });
 
+        if self.workers > 1024 {
+            problem(
+                "workers".into(),
+                format!("must be at most 1024 (0 = one per CPU), got {}", self.workers),
+            );
+        }
         if self.listen == self.admin.listen && self.listen.port() != 0 {
             problem(
                 "admin.listen".into(),
