@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
-use tongs::balance::pick;
+use tongs::balance::{PickContext, pick};
 use tongs::config::EndpointUrl;
 use tongs::endpoint::{Endpoint, EndpointId, Outstanding};
 
@@ -19,6 +19,15 @@ static GLOBAL: dhat::Alloc = dhat::Alloc;
 /// Heap allocations made so far (only while the dhat profiler runs).
 fn allocations() -> u64 {
     dhat::HeapStats::get().total_blocks
+}
+
+/// What the proxy passes on every pick: the current time (read here, inside the measured loop, as the
+/// proxy does), slow start on, heartbeats respected.
+fn context() -> PickContext {
+    PickContext {
+        slow_start_ms: 5_000,
+        ..PickContext::at(tokio::time::Instant::now())
+    }
 }
 
 const SIZES: [usize; 3] = [8, 64, 10_000];
@@ -58,10 +67,12 @@ fn bench_pick(c: &mut Criterion) {
         let (endpoints, _held) = fleet(n);
         let exclude = exclusions(n);
         group.bench_with_input(BenchmarkId::new("no_exclusions", n), &n, |b, _| {
-            b.iter(|| pick(black_box(&endpoints), black_box(&[])).map(|e| e.id()))
+            b.iter(|| pick(black_box(&endpoints), black_box(&[]), &context()).map(|(e, _)| e.id()))
         });
         group.bench_with_input(BenchmarkId::new("exclude_3", n), &n, |b, _| {
-            b.iter(|| pick(black_box(&endpoints), black_box(&exclude)).map(|e| e.id()))
+            b.iter(|| {
+                pick(black_box(&endpoints), black_box(&exclude), &context()).map(|(e, _)| e.id())
+            })
         });
     }
     group.finish();
@@ -80,13 +91,13 @@ fn allocation_check() {
         );
         let exclude = exclusions(n);
         // One pick first, so any lazy one-time setup (e.g. the thread-local RNG) is not counted.
-        black_box(pick(&endpoints, &exclude));
+        black_box(pick(&endpoints, &exclude, &context()));
         let before = allocations();
         let mut checksum = 0u64;
         for i in 0..ALLOC_CHECK_PICKS {
             let skip: &[EndpointId] = if i % 2 == 0 { &[] } else { &exclude };
-            checksum =
-                checksum.wrapping_add(pick(black_box(&endpoints), black_box(skip)).unwrap().id());
+            let (picked, _) = pick(black_box(&endpoints), black_box(skip), &context()).unwrap();
+            checksum = checksum.wrapping_add(picked.id());
         }
         let made = allocations() - before;
         black_box(checksum);

@@ -10,12 +10,45 @@
 //! Load Balancing", 2001): two random eligible endpoints, keep the less loaded. That is O(1) at 10,000
 //! endpoints and avoids the herd behaviour of an exact scan across many proxy replicas whose views lag.
 //!
+//! Only eligible endpoints are picked: not draining, healthy by heartbeats (unless the caller is in panic
+//! mode), not cooling down after back-pressure (unless every endpoint is), breaker closed — or half-open with its one probe slot
+//! free, which the caller must then claim. Slow start scales a new or recovered endpoint's weight from
+//! 10 % to 100 % over the configured window.
+//!
 //! A pick never allocates: the exclusion set is a caller-owned slice (the endpoints a retry already tried).
 
 use std::cmp::Ordering;
 use std::sync::Arc;
 
-use crate::endpoint::{Endpoint, EndpointId};
+use tokio::time::Instant;
+
+use crate::endpoint::{Eligibility, Endpoint, EndpointId};
+
+/// What a pick needs besides the endpoints.
+#[derive(Clone, Copy, Debug)]
+pub struct PickContext {
+    pub now: Instant,
+    /// Slow-start window in milliseconds (0: off).
+    pub slow_start_ms: u64,
+    /// Panic mode: every endpoint failed its heartbeats, so heartbeats are ignored.
+    pub ignore_health: bool,
+    /// Every eligible endpoint asked for back-off: pick among them anyway rather than turn clients away.
+    pub ignore_cooldown: bool,
+}
+
+impl PickContext {
+    pub fn at(now: Instant) -> PickContext {
+        PickContext {
+            now,
+            slow_start_ms: 0,
+            ignore_health: false,
+            ignore_cooldown: false,
+        }
+    }
+}
+
+/// An eligible endpoint and how it may be used.
+pub type Picked<'a> = (&'a Arc<Endpoint>, Eligibility);
 
 /// Largest set scanned fully; above it, power of two choices.
 pub const FULL_SCAN_MAX: usize = 32;
@@ -24,91 +57,116 @@ pub const FULL_SCAN_MAX: usize = 32;
 /// excluded or unavailable, sampling alone could miss the few eligible ones).
 const MAX_SAMPLES: usize = 8;
 
-/// Picks the endpoint with the least outstanding requests per unit of weight, skipping unavailable
-/// endpoints and those in `exclude`. `None` when no endpoint is eligible.
+/// Picks the eligible endpoint with the least outstanding requests per unit of weight, skipping those in
+/// `exclude`. `None` when no endpoint is eligible.
 pub fn pick<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-) -> Option<&'a Arc<Endpoint>> {
+    ctx: &PickContext,
+) -> Option<Picked<'a>> {
     if endpoints.len() <= FULL_SCAN_MAX {
-        full_scan(endpoints, exclude)
+        full_scan(endpoints, exclude, ctx)
     } else {
-        two_choices(endpoints, exclude)
+        two_choices(endpoints, exclude, ctx)
     }
 }
 
-fn eligible(endpoint: &Endpoint, exclude: &[EndpointId]) -> bool {
-    endpoint.is_available() && !exclude.contains(&endpoint.id())
+/// An eligible candidate with its load `(outstanding + 1, effective weight)`: a fraction, compared by
+/// cross-multiplication.
+struct Candidate<'a> {
+    endpoint: &'a Arc<Endpoint>,
+    eligibility: Eligibility,
+    load: (u64, u64),
 }
 
-/// `(outstanding + 1, weight)`: a fraction, compared by cross-multiplication.
-fn load(endpoint: &Endpoint) -> (u64, u32) {
-    (endpoint.outstanding().saturating_add(1), endpoint.weight())
+fn candidate<'a>(
+    endpoint: &'a Arc<Endpoint>,
+    exclude: &[EndpointId],
+    ctx: &PickContext,
+) -> Option<Candidate<'a>> {
+    if exclude.contains(&endpoint.id()) {
+        return None;
+    }
+    let now_ms = endpoint.millis(ctx.now);
+    let eligibility = endpoint.eligibility(now_ms, ctx.ignore_health, ctx.ignore_cooldown);
+    if eligibility == Eligibility::No {
+        return None;
+    }
+    Some(Candidate {
+        endpoint,
+        eligibility,
+        load: (
+            endpoint.outstanding().saturating_add(1),
+            endpoint.effective_weight(now_ms, ctx.slow_start_ms),
+        ),
+    })
 }
 
-fn compare(a: (u64, u32), b: (u64, u32)) -> Ordering {
+fn compare(a: (u64, u64), b: (u64, u64)) -> Ordering {
     (u128::from(a.0) * u128::from(b.1)).cmp(&(u128::from(b.0) * u128::from(a.1)))
 }
 
 fn full_scan<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-) -> Option<&'a Arc<Endpoint>> {
-    let mut best: Option<(&'a Arc<Endpoint>, (u64, u32))> = None;
+    ctx: &PickContext,
+) -> Option<Picked<'a>> {
+    let mut best: Option<Candidate<'a>> = None;
     let mut ties = 0u32;
     for endpoint in endpoints {
-        if !eligible(endpoint, exclude) {
+        let Some(candidate) = candidate(endpoint, exclude, ctx) else {
             continue;
-        }
-        let candidate = load(endpoint);
-        match best {
-            Some((_, best_load)) => match compare(candidate, best_load) {
+        };
+        match &best {
+            Some(current) => match compare(candidate.load, current.load) {
                 Ordering::Less => {
-                    best = Some((endpoint, candidate));
+                    best = Some(candidate);
                     ties = 1;
                 }
                 Ordering::Equal => {
                     // Reservoir sampling: each of the k tied endpoints ends up chosen with probability 1/k.
                     ties += 1;
                     if fastrand::u32(..ties) == 0 {
-                        best = Some((endpoint, candidate));
+                        best = Some(candidate);
                     }
                 }
                 Ordering::Greater => {}
             },
             None => {
-                best = Some((endpoint, candidate));
+                best = Some(candidate);
                 ties = 1;
             }
         }
     }
-    best.map(|(endpoint, _)| endpoint)
+    best.map(|c| (c.endpoint, c.eligibility))
 }
 
 fn two_choices<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-) -> Option<&'a Arc<Endpoint>> {
-    let mut first: Option<&'a Arc<Endpoint>> = None;
+    ctx: &PickContext,
+) -> Option<Picked<'a>> {
+    let mut first: Option<Candidate<'a>> = None;
     for _ in 0..MAX_SAMPLES {
         let endpoint = &endpoints[fastrand::usize(..endpoints.len())];
-        if !eligible(endpoint, exclude) {
+        let Some(second) = candidate(endpoint, exclude, ctx) else {
             continue;
-        }
+        };
         match first {
-            None => first = Some(endpoint),
-            Some(chosen) if chosen.id() == endpoint.id() => {}
+            None => first = Some(second),
+            Some(ref chosen) if chosen.endpoint.id() == second.endpoint.id() => {}
             Some(chosen) => {
-                return Some(match compare(load(chosen), load(endpoint)) {
+                let winner = match compare(chosen.load, second.load) {
                     Ordering::Less => chosen,
-                    Ordering::Greater => endpoint,
+                    Ordering::Greater => second,
                     Ordering::Equal if fastrand::bool() => chosen,
-                    Ordering::Equal => endpoint,
-                });
+                    Ordering::Equal => second,
+                };
+                return Some((winner.endpoint, winner.eligibility));
             }
         }
     }
-    full_scan(endpoints, exclude)
+    full_scan(endpoints, exclude, ctx)
 }
 
 #[cfg(test)]
@@ -116,6 +174,10 @@ mod tests {
     use super::*;
     use crate::config::EndpointUrl;
     use crate::endpoint::Outstanding;
+
+    fn ctx() -> PickContext {
+        PickContext::at(Instant::now())
+    }
 
     fn fleet(weights: &[u32]) -> Vec<Arc<Endpoint>> {
         weights
@@ -134,7 +196,7 @@ mod tests {
         let mut counts = vec![0; endpoints.len()];
         let mut held = Vec::new();
         for _ in 0..n {
-            let chosen = pick(endpoints, &[]).unwrap();
+            let (chosen, _) = pick(endpoints, &[], &ctx()).unwrap();
             counts[chosen.id() as usize] += 1;
             held.push(chosen.start_request());
         }
@@ -143,7 +205,7 @@ mod tests {
 
     #[test]
     fn empty_set_picks_nothing() {
-        assert!(pick(&[], &[]).is_none());
+        assert!(pick(&[], &[], &ctx()).is_none());
     }
 
     #[test]
@@ -152,7 +214,7 @@ mod tests {
         let _busy_a = endpoints[0].start_request();
         let _busy_b = endpoints[2].start_request();
         for _ in 0..50 {
-            assert_eq!(pick(&endpoints, &[]).unwrap().id(), 1);
+            assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 1);
         }
     }
 
@@ -176,7 +238,7 @@ mod tests {
         let endpoints = fleet(&[1, 1, 1]);
         let mut seen = [0; 3];
         for _ in 0..300 {
-            seen[pick(&endpoints, &[]).unwrap().id() as usize] += 1;
+            seen[pick(&endpoints, &[], &ctx()).unwrap().0.id() as usize] += 1;
         }
         assert!(seen.iter().all(|&c| c > 50), "{seen:?}");
     }
@@ -186,9 +248,9 @@ mod tests {
         let endpoints = fleet(&[1, 1, 1]);
         endpoints[1].set_draining(true);
         for _ in 0..50 {
-            assert_eq!(pick(&endpoints, &[0]).unwrap().id(), 2);
+            assert_eq!(pick(&endpoints, &[0], &ctx()).unwrap().0.id(), 2);
         }
-        assert!(pick(&endpoints, &[0, 2]).is_none());
+        assert!(pick(&endpoints, &[0, 2], &ctx()).is_none());
     }
 
     #[test]
@@ -198,7 +260,7 @@ mod tests {
         // its two samples is idle, so far more often than the 10 % a random pick would.
         let _held: Vec<_> = endpoints[100..].iter().map(|e| e.start_request()).collect();
         let idle_hits = (0..2000)
-            .filter(|_| pick(&endpoints, &[]).unwrap().id() < 100)
+            .filter(|_| pick(&endpoints, &[], &ctx()).unwrap().0.id() < 100)
             .count();
         assert!(idle_hits > 300, "{idle_hits}");
     }
@@ -208,7 +270,7 @@ mod tests {
         let endpoints = fleet(&vec![1; 500]);
         let exclude: Vec<EndpointId> = (0..499).collect();
         for _ in 0..20 {
-            assert_eq!(pick(&endpoints, &exclude).unwrap().id(), 499);
+            assert_eq!(pick(&endpoints, &exclude, &ctx()).unwrap().0.id(), 499);
         }
     }
 }

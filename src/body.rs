@@ -31,6 +31,8 @@ pin_project! {
     #[project = KindProj]
     enum Kind {
         Upstream {
+            // The first frame, read before the response was committed to the client.
+            first: Option<Frame<Bytes>>,
             #[pin]
             body: Incoming,
             // Fires at the request's overall deadline.
@@ -52,8 +54,10 @@ pin_project! {
 pub struct TotalTimeout(pub Duration);
 
 impl ProxyBody {
-    /// Streams an endpoint's body, counting the request as outstanding until it ends.
+    /// Streams an endpoint's body (after `first`, a frame already read), counting the request as
+    /// outstanding until it ends.
     pub fn upstream(
+        first: Option<Frame<Bytes>>,
         body: Incoming,
         outstanding: Outstanding,
         deadline: Sleep,
@@ -61,6 +65,7 @@ impl ProxyBody {
     ) -> Self {
         ProxyBody {
             kind: Kind::Upstream {
+                first,
                 body,
                 deadline,
                 total,
@@ -95,11 +100,15 @@ impl Body for ProxyBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         match self.project().kind.project() {
             KindProj::Upstream {
+                first,
                 body,
                 deadline,
                 total,
                 outstanding,
             } => {
+                if let Some(frame) = first.take() {
+                    return Poll::Ready(Some(Ok(frame)));
+                }
                 if outstanding.is_none() {
                     return Poll::Ready(None);
                 }
@@ -129,15 +138,31 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Upstream {
-                body, outstanding, ..
-            } => outstanding.is_none() || body.is_end_stream(),
+                first,
+                body,
+                outstanding,
+                ..
+            } => first.is_none() && (outstanding.is_none() || body.is_end_stream()),
             Kind::Full { data } => data.is_none(),
         }
     }
 
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
-            Kind::Upstream { body, .. } => body.size_hint(),
+            Kind::Upstream { first, body, .. } => {
+                let rest = body.size_hint();
+                let already = first
+                    .as_ref()
+                    .and_then(Frame::data_ref)
+                    .map_or(0, |d| d.len() as u64);
+                // Upper before lower: SizeHint refuses a lower bound above its current upper bound.
+                let mut hint = SizeHint::new();
+                if let Some(upper) = rest.upper() {
+                    hint.set_upper(upper.saturating_add(already));
+                }
+                hint.set_lower(rest.lower().saturating_add(already));
+                hint
+            }
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }

@@ -1,16 +1,27 @@
 //! An endpoint (one remote inference node) and its live state.
 //!
 //! Identity and address never change once built; when discovery reports a different URL or weight the
-//! registry builds a new `Endpoint`. Live state is a handful of atomics updated by the request path
-//! without locks. This module never decides anything: balancing and health live elsewhere.
+//! registry builds a new `Endpoint`. Live state is atomics the request path reads without locks, plus
+//! the circuit breaker: one state machine behind one small lock, mirrored into a single atomic "gate"
+//! so a pick can skip ejected endpoints without locking. Heartbeats (health.rs) set `healthy` and fire
+//! the `gone` signal that in-flight attempts listen to.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use http::HeaderValue;
 use http::uri::{Authority, Scheme};
+use tokio::sync::watch;
+use tokio::time::Instant;
 
+use crate::breaker::{Admission, Breaker, BreakerSettings, State, Transition};
 use crate::config::EndpointUrl;
+
+/// `gate` value of a closed breaker.
+const GATE_CLOSED: u64 = 0;
+/// `gate` value of a half-open breaker whose one probe is in flight.
+const GATE_PROBING: u64 = u64::MAX;
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
 pub type EndpointId = u64;
@@ -35,6 +46,32 @@ pub struct Endpoint {
     failures: AtomicU64,
     /// A draining endpoint takes no new requests; in-flight ones finish.
     draining: AtomicBool,
+    /// Instants are kept as milliseconds since this one, so they fit in atomics.
+    epoch: Instant,
+    /// Heartbeats' verdict (true until heartbeats say otherwise).
+    healthy: AtomicBool,
+    /// The last heartbeat of a healthy endpoint failed: no new requests until the verdict.
+    suspect: AtomicBool,
+    /// The breaker's state for the pick: [`GATE_CLOSED`], [`GATE_PROBING`], or the millisecond at which
+    /// an ejection ends.
+    gate: AtomicU64,
+    breaker: Mutex<Breaker>,
+    /// Back-pressure: no new requests before this millisecond (429 / 503 with Retry-After).
+    cooldown_until: AtomicU64,
+    /// Slow start began at this millisecond.
+    ramp_start: AtomicU64,
+    /// Bumped when heartbeats declare the endpoint gone; waiting attempts fail over at once.
+    gone: watch::Sender<u64>,
+    ejections: AtomicU64,
+}
+
+/// Whether, and how, a pick may use an endpoint right now.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Eligibility {
+    No,
+    Yes,
+    /// Only as the breaker's half-open probe, which must be claimed.
+    Probe,
 }
 
 impl Endpoint {
@@ -55,6 +92,220 @@ impl Endpoint {
             requests: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             draining: AtomicBool::new(false),
+            epoch: Instant::now(),
+            healthy: AtomicBool::new(true),
+            suspect: AtomicBool::new(false),
+            gate: AtomicU64::new(GATE_CLOSED),
+            breaker: Mutex::new(Breaker::default()),
+            cooldown_until: AtomicU64::new(0),
+            ramp_start: AtomicU64::new(0),
+            gone: watch::channel(0).0,
+            ejections: AtomicU64::new(0),
+        }
+    }
+
+    /// Milliseconds from this endpoint's epoch to `now`.
+    pub fn millis(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.epoch).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Whether a new request may go here at `now_ms` (see [`Endpoint::millis`]).
+    pub fn eligibility(
+        &self,
+        now_ms: u64,
+        ignore_health: bool,
+        ignore_cooldown: bool,
+    ) -> Eligibility {
+        let unwell = !self.healthy.load(Ordering::Relaxed) || self.suspect.load(Ordering::Relaxed);
+        if self.draining.load(Ordering::Relaxed)
+            || (!ignore_health && unwell)
+            || (!ignore_cooldown && self.cooldown_until.load(Ordering::Relaxed) > now_ms)
+        {
+            return Eligibility::No;
+        }
+        match self.gate.load(Ordering::Relaxed) {
+            GATE_CLOSED => Eligibility::Yes,
+            GATE_PROBING => Eligibility::No,
+            until if until > now_ms => Eligibility::No,
+            _ => Eligibility::Probe,
+        }
+    }
+
+    /// Weight after slow start: in thousandths, ramping from 10 % to 100 % over `window`.
+    pub fn effective_weight(&self, now_ms: u64, window_ms: u64) -> u64 {
+        let full = u64::from(self.weight) * 1000;
+        if window_ms == 0 {
+            return full;
+        }
+        let elapsed = now_ms.saturating_sub(self.ramp_start.load(Ordering::Relaxed));
+        if elapsed >= window_ms {
+            return full;
+        }
+        let permille = 100 + 900 * elapsed / window_ms;
+        u64::from(self.weight) * permille
+    }
+
+    /// Asks the breaker for a request now (claims the half-open probe when that is what is left).
+    pub fn admit(&self, now: Instant) -> Admission {
+        let mut breaker = self.lock_breaker();
+        let (admission, transition) = breaker.admit(now);
+        self.publish(&breaker, now, transition);
+        admission
+    }
+
+    /// The endpoint answered a request well.
+    pub fn record_success(&self, now: Instant) {
+        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
+            // Fast path: a closed breaker only needs its failure streak reset, and only if there is one.
+            let mut breaker = self.lock_breaker();
+            if breaker.state() != (State::Closed { failures: 0 }) {
+                let transition = breaker.on_success(now);
+                self.publish(&breaker, now, transition);
+            }
+            return;
+        }
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_success(now);
+        self.publish(&breaker, now, transition);
+    }
+
+    /// A request failed at this endpoint. `may_eject`: the fleet can afford one more ejection.
+    pub fn record_failure(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_failure(settings, now, may_eject, fastrand::f64());
+        self.publish(&breaker, now, transition);
+    }
+
+    /// A half-open probe ended without a verdict (its client left): let another request probe.
+    pub fn release_probe(&self, now: Instant) {
+        let mut breaker = self.lock_breaker();
+        breaker.release_probe();
+        self.publish(&breaker, now, None);
+    }
+
+    /// A heartbeat passed: it counts as the breaker's probe once the ejection time is over.
+    pub fn heartbeat_passed(&self, now: Instant) {
+        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
+            return;
+        }
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_heartbeat_success(now);
+        self.publish(&breaker, now, transition);
+    }
+
+    /// Heartbeats' verdict on health. Marking an endpoint unhealthy fails its waiting attempts over.
+    pub fn set_healthy(&self, healthy: bool, now: Instant) -> bool {
+        let was = self.healthy.swap(healthy, Ordering::Relaxed);
+        if was == healthy {
+            return false;
+        }
+        if healthy {
+            self.ramp_start.store(self.millis(now), Ordering::Relaxed);
+            tracing::info!(endpoint = self.url(), "endpoint healthy");
+            let mut breaker = self.lock_breaker();
+            let transition = breaker.on_recovery(now);
+            self.publish(&breaker, now, transition);
+        } else {
+            self.gone.send_modify(|generation| *generation += 1);
+            tracing::warn!(
+                endpoint = self.url(),
+                outstanding = self.outstanding(),
+                "endpoint unhealthy; failing its waiting requests over"
+            );
+        }
+        true
+    }
+
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// A heartbeat of this healthy endpoint just failed (`true`) or passed (`false`). Going suspect takes
+    /// it out of the pick and wakes its waiting attempts: those that have waited longer than a heartbeat
+    /// timeout fail over at once (the endpoint is silent to both), the rest wait for the verdict.
+    pub fn set_suspect(&self, suspect: bool) {
+        if self.suspect.swap(suspect, Ordering::Relaxed) != suspect && suspect {
+            self.gone.send_modify(|generation| *generation += 1);
+            tracing::debug!(endpoint = self.url(), "heartbeat failed; endpoint suspect");
+        }
+    }
+
+    pub fn is_suspect(&self) -> bool {
+        self.suspect.load(Ordering::Relaxed)
+    }
+
+    /// Whether the breaker currently keeps this endpoint out (open or probing).
+    pub fn is_ejected(&self) -> bool {
+        self.gate.load(Ordering::Relaxed) != GATE_CLOSED
+    }
+
+    /// The breaker's state, for debug output and tests.
+    pub fn breaker_state(&self) -> State {
+        self.lock_breaker().state()
+    }
+
+    /// Times the breaker opened.
+    pub fn ejections(&self) -> u64 {
+        self.ejections.load(Ordering::Relaxed)
+    }
+
+    /// Back-pressure from the endpoint: no new requests for `pause` (it is not a failure).
+    pub fn cool_down(&self, pause: Duration, now: Instant) {
+        let until = self.millis(now + pause);
+        self.cooldown_until.fetch_max(until, Ordering::Relaxed);
+        tracing::info!(
+            endpoint = self.url(),
+            pause_ms = pause.as_millis() as u64,
+            "endpoint asked for back-off"
+        );
+    }
+
+    /// Changes when heartbeats find the endpoint suspect or declare it gone, after this call.
+    pub fn gone_signal(&self) -> watch::Receiver<u64> {
+        self.gone.subscribe()
+    }
+
+    fn lock_breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Mirrors the breaker into the gate and logs a transition once.
+    fn publish(&self, breaker: &Breaker, now: Instant, transition: Option<Transition>) {
+        let gate = match breaker.state() {
+            State::Closed { .. } => GATE_CLOSED,
+            State::HalfOpen {
+                probe_in_flight: true,
+            } => GATE_PROBING,
+            // Half-open with the probe slot free: eligible as a probe from now on.
+            State::HalfOpen {
+                probe_in_flight: false,
+            } => self.millis(now).max(1),
+            State::Open { until } => self.millis(until).max(1),
+        };
+        self.gate.store(gate, Ordering::Relaxed);
+        match transition {
+            Some(Transition::Opened { for_ }) => {
+                self.ejections.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    endpoint = self.url(),
+                    ejected_ms = for_.as_millis() as u64,
+                    "circuit opened"
+                );
+            }
+            Some(Transition::HalfOpened) => {
+                tracing::info!(
+                    endpoint = self.url(),
+                    "circuit half-open: one probe request admitted"
+                );
+            }
+            Some(Transition::Closed) => {
+                self.ramp_start.store(self.millis(now), Ordering::Relaxed);
+                tracing::info!(endpoint = self.url(), "circuit closed");
+            }
+            None => {}
         }
     }
 
@@ -98,12 +349,7 @@ impl Endpoint {
         self.failures.load(Ordering::Relaxed)
     }
 
-    /// Counts a request that failed at this endpoint.
-    pub fn record_failure(&self) {
-        self.failures.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Whether the balancer may pick this endpoint for a new request.
+    /// Whether the endpoint is in the set at all (not draining).
     pub fn is_available(&self) -> bool {
         !self.draining.load(Ordering::Relaxed)
     }

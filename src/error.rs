@@ -23,6 +23,12 @@ pub enum ProxyError {
     Upstream { endpoint: String, detail: String },
     #[error("endpoint {endpoint} sent no response headers within {}", humantime::format_duration(*.after))]
     ResponseTimeout { endpoint: String, after: Duration },
+    #[error("endpoint {endpoint} answered {status}")]
+    Status { endpoint: String, status: u16 },
+    #[error("the request body could not be read: {detail}")]
+    ClientBody { detail: String },
+    #[error("the request body did not arrive within the total timeout")]
+    ClientTooSlow,
 }
 
 impl ProxyError {
@@ -32,6 +38,11 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Status { status, .. } => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+            ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::ClientTooSlow => StatusCode::REQUEST_TIMEOUT,
         }
     }
 

@@ -9,13 +9,16 @@
 pub mod admin;
 pub mod balance;
 pub mod body;
+pub mod breaker;
 pub mod config;
 pub mod demo;
 pub mod endpoint;
 pub mod error;
 pub mod headers;
+pub mod health;
 pub mod proxy;
 pub mod registry;
+pub mod retry;
 pub mod server;
 pub mod sim;
 pub mod upstream;
@@ -69,7 +72,10 @@ struct Worker {
 
 impl Worker {
     fn run(self) {
-        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
             Ok(runtime) => runtime,
             Err(err) => {
                 tracing::error!(error = %err, "cannot start a worker runtime");
@@ -132,8 +138,11 @@ impl App {
             Arc::clone(&registry),
             ProxySettings::from_config(config),
         ));
-        let proxy_listeners =
-            server::bind_workers(config.listen, worker_count(config), "client traffic (listen)")?;
+        let proxy_listeners = server::bind_workers(
+            config.listen,
+            worker_count(config),
+            "client traffic (listen)",
+        )?;
         let proxy_addr = proxy_listeners
             .first()
             .and_then(|l| l.local_addr().ok())
@@ -186,6 +195,20 @@ impl App {
             Arc::clone(&self.readiness),
             admin_stop.clone(),
         ));
+        // Heartbeats run on this runtime with their own client, until the workers have drained.
+        let heartbeats_stop = CancellationToken::new();
+        let heartbeats = match upstream::build_client(&self.config) {
+            Ok(client) => Some(tokio::spawn(health::run(
+                Arc::clone(&self.registry),
+                self.config.health.clone(),
+                client,
+                heartbeats_stop.clone(),
+            ))),
+            Err(err) => {
+                tracing::error!(error = %err, "cannot build the heartbeat client; heartbeats are off");
+                None
+            }
+        };
         let mut workers = Vec::new();
         for (index, listener) in self.proxy_listeners.into_iter().enumerate() {
             let (done, finished) = tokio::sync::oneshot::channel::<()>();
@@ -210,6 +233,10 @@ impl App {
         }
         for finished in workers {
             let _ = finished.await;
+        }
+        heartbeats_stop.cancel();
+        if let Some(heartbeats) = heartbeats {
+            let _ = heartbeats.await;
         }
         admin_stop.cancel();
         let _ = admin.await;

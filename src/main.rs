@@ -68,6 +68,9 @@ enum Command {
         /// Print the final summary as one JSON line on stdout (the live table goes to stderr).
         #[arg(long)]
         json: bool,
+        /// Run the same fleet without interruptions (a baseline to compare against).
+        #[arg(long)]
+        no_interruptions: bool,
     },
     /// Serve a simulated fleet described by a YAML file until stopped (point a tongs config at it).
     Sim {
@@ -111,6 +114,7 @@ fn main() -> ExitCode {
             rps,
             seed,
             json,
+            no_interruptions,
         } => {
             let options = DemoOptions {
                 duration,
@@ -118,6 +122,7 @@ fn main() -> ExitCode {
                 rps,
                 seed,
                 json,
+                interruptions: !no_interruptions,
             };
             exit_on_error(demo(options))
         }

@@ -1,32 +1,49 @@
-//! The request handler: pick an endpoint, rewrite the request, send it, stream the answer back.
+//! The request handler: pick an endpoint, rewrite the request, send it, stream the answer back, and
+//! retry elsewhere when an endpoint fails before anything reached the client.
 //!
-//! One attempt per request for now; the attempt is shaped so that the resilience work can wrap it in a
-//! loop (pick with an exclusion set → send → classify → maybe retry elsewhere). The handler never panics
-//! on input and never waits without a deadline: every await here is bounded by a configured timeout.
+//! The attempt loop (pingora's shape, not tower's: the pick must see what was already tried):
+//! pick an eligible endpoint excluding those tried → send with a per-try deadline → classify → commit
+//! or retry. A response is committed to the client only once the endpoint has sent its headers *and*
+//! its first body bytes (or ended the body): a node preempted between the two costs a retry, not an
+//! error. While an attempt waits, heartbeats declaring its endpoint gone fail it over at once.
+//! After commit, a dying stream is ended as an error the client can see, never as a clean end.
+//!
+//! The handler never panics on input and never waits without a deadline.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use http::header::{self, HeaderValue};
-use http::request::Parts;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
-use http::{Request, Response, StatusCode, Uri, Version};
-use http_body_util::{BodyExt, Limited};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::balance;
+use crate::balance::{self, PickContext};
 use crate::body::ProxyBody;
-use crate::config::Config;
-use crate::endpoint::{Endpoint, Outstanding};
+use crate::breaker::{Admission, BreakerSettings};
+use crate::config::{Config, RetryConfig};
+use crate::endpoint::{Eligibility, Endpoint, EndpointId, Outstanding};
 use crate::error::{ProxyError, describe};
 use crate::headers::{self, X_REQUEST_ID};
 use crate::registry::Registry;
+use crate::retry::{
+    BodyError, FailureKind, ReplayBody, RetryPolicy, RetryStats, classify_status, retry_after,
+};
 use crate::upstream::{UpstreamBody, UpstreamClient};
+
+/// A request can opt out of retries with `x-tongs-retry: off` (non-idempotent routes).
+pub static X_TONGS_RETRY: http::HeaderName = http::HeaderName::from_static("x-tongs-retry");
+
+/// Longest back-off an endpoint's `Retry-After` can impose on it.
+const MAX_COOLDOWN: Duration = Duration::from_secs(30);
 
 /// The settings the request path reads on every request.
 #[derive(Clone, Debug)]
@@ -34,6 +51,12 @@ pub struct ProxySettings {
     pub response_headers_timeout: Duration,
     pub total_timeout: Duration,
     pub max_body_bytes: Option<u64>,
+    pub breaker: BreakerSettings,
+    pub max_ejected_percent: u32,
+    pub slow_start: Duration,
+    pub retry: RetryConfig,
+    /// How long an attempt may wait on an endpoint whose last heartbeat failed before it moves on.
+    pub suspect_grace: Duration,
 }
 
 impl ProxySettings {
@@ -42,6 +65,15 @@ impl ProxySettings {
             response_headers_timeout: config.timeouts.response_headers.get(),
             total_timeout: config.timeouts.total.get(),
             max_body_bytes: config.limits.max_body_bytes,
+            breaker: BreakerSettings {
+                consecutive_failures: config.breaker.consecutive_failures,
+                base_ejection: config.breaker.base_ejection.get(),
+                max_ejection: config.breaker.max_ejection.get(),
+            },
+            max_ejected_percent: config.breaker.max_ejected_percent,
+            slow_start: config.balancer.slow_start.get(),
+            retry: config.retry.clone(),
+            suspect_grace: config.health.timeout.get(),
         }
     }
 }
@@ -51,12 +83,14 @@ impl ProxySettings {
 pub struct ProxyStats {
     /// Requests received.
     pub requests: AtomicU64,
+    /// Attempts sent to endpoints (requests plus retries).
+    pub attempts: AtomicU64,
     /// Requests answered by tongs itself because no endpoint was available.
     pub rejected: AtomicU64,
-    /// Requests that failed at an endpoint (502/504 from tongs).
+    /// Requests whose every attempt failed.
     pub failed: AtomicU64,
-    /// Extra attempts sent to another endpoint after a failed one.
-    pub retries: AtomicU64,
+    /// Retries, by reason, and retries the budget refused.
+    pub retries: RetryStats,
 }
 
 /// Shared state of the request path.
@@ -66,15 +100,91 @@ pub struct ProxyStats {
 pub struct Proxy {
     registry: Arc<Registry>,
     settings: ProxySettings,
+    retry: RetryPolicy,
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
+}
+
+/// Endpoint ids already tried by one request (no allocation; more than fit are not excluded).
+#[derive(Clone, Copy, Default)]
+struct Tried {
+    ids: [EndpointId; 16],
+    len: usize,
+}
+
+impl Tried {
+    fn push(&mut self, id: EndpointId) {
+        if self.len < self.ids.len() {
+            self.ids[self.len] = id;
+            self.len += 1;
+        }
+    }
+
+    fn as_slice(&self) -> &[EndpointId] {
+        &self.ids[..self.len]
+    }
+}
+
+/// The client's request, rewritten once, from which each attempt's request is made.
+struct Template {
+    method: Method,
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+}
+
+impl Template {
+    fn build(&self, endpoint: &Endpoint, body: UpstreamBody) -> Request<UpstreamBody> {
+        let mut request = Request::new(body);
+        *request.method_mut() = self.method.clone();
+        *request.uri_mut() = upstream_uri(endpoint, &self.path_and_query);
+        // The endpoint speaks whatever version its connection negotiated; hyper wants 1.1 here and
+        // switches to HTTP/2 by itself when ALPN chose it.
+        *request.version_mut() = Version::HTTP_11;
+        let mut headers = self.headers.clone();
+        headers.insert(header::HOST, endpoint.host_header().clone());
+        *request.headers_mut() = headers;
+        request
+    }
+}
+
+/// A failed attempt: why, what the client would be told, and the endpoint's own answer if it gave one.
+struct Failure {
+    kind: FailureKind,
+    error: ProxyError,
+    response: Option<(Response<Incoming>, Outstanding)>,
+    endpoint: Arc<Endpoint>,
+}
+
+/// What one attempt came to.
+enum Attempt {
+    Committed {
+        response: Response<Incoming>,
+        first: Option<Frame<Bytes>>,
+        outstanding: Outstanding,
+    },
+    Failed(Failure),
+}
+
+/// Releases a half-open probe that ends without a verdict (its request was cancelled).
+struct ProbeGuard<'a> {
+    endpoint: &'a Endpoint,
+    pending: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.pending {
+            self.endpoint.release_probe(Instant::now());
+        }
+    }
 }
 
 impl Proxy {
     pub fn new(registry: Arc<Registry>, settings: ProxySettings) -> Self {
         Proxy {
             registry,
+            retry: RetryPolicy::new(&settings.retry),
             settings,
             stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
@@ -101,156 +211,423 @@ impl Proxy {
         client: SocketAddr,
     ) -> Response<ProxyBody> {
         let started = Instant::now();
+        let deadline = started + self.settings.total_timeout;
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        self.retry.deposit();
         let request_id = headers::request_id(request.headers());
-
-        if let Some(limit) = self.settings.max_body_bytes
-            && content_length(&request).is_some_and(|length| length > limit)
-        {
-            return self.reject(ProxyError::BodyTooLarge { limit }, &request_id, None);
-        }
-
-        let endpoint = {
-            let snapshot = self.registry.snapshot();
-            match balance::pick(&snapshot, &[]) {
-                Some(endpoint) => Arc::clone(endpoint),
-                None => return self.reject(ProxyError::NoEndpoint, &request_id, None),
-            }
-        };
-        let outstanding = endpoint.start_request();
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
         // request is taken apart.
         let upgrade =
             request.version() == Version::HTTP_11 && headers::is_upgrade_request(request.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
+        let retries_wanted = self.retry.enabled() && !opted_out(request.headers());
 
-        let upstream_request =
-            self.upstream_request(request, &endpoint, &request_id, client, upgrade);
-        let headers_timeout = self
-            .settings
-            .response_headers_timeout
-            .min(self.settings.total_timeout);
-        let sent =
-            tokio::time::timeout(headers_timeout, upstream.request(upstream_request)).await;
-        let mut response = match sent {
-            Ok(Ok(response)) => response,
-            Ok(Err(err)) => {
-                let error = self.classify(&endpoint, &err);
-                return self.reject(error, &request_id, Some(&endpoint));
+        let (parts, body) = request.into_parts();
+        let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        let mut template_headers = parts.headers;
+        headers::strip_hop_by_hop(&mut template_headers, upgrade);
+        headers::add_forwarded(&mut template_headers, client.ip(), original_host);
+        template_headers.insert(&X_REQUEST_ID, request_id.clone());
+        template_headers.remove(&X_TONGS_RETRY);
+        let template = Template {
+            method: parts.method,
+            path_and_query: parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+            headers: template_headers,
+        };
+
+        let replay_limit = if retries_wanted {
+            self.retry.replay_limit()
+        } else {
+            0
+        };
+        let prepared = tokio::time::timeout_at(
+            deadline,
+            ReplayBody::prepare(body, replay_limit, self.settings.max_body_bytes),
+        )
+        .await;
+        let body = match prepared {
+            Ok(Ok(body)) => body,
+            Ok(Err(BodyError::TooLarge)) => {
+                let limit = self.settings.max_body_bytes.unwrap_or_default();
+                return self.reject(ProxyError::BodyTooLarge { limit }, &request_id);
             }
-            Err(_elapsed) => {
-                let error = ProxyError::ResponseTimeout {
-                    endpoint: endpoint.url().to_owned(),
-                    after: headers_timeout,
+            Ok(Err(BodyError::Broken(err))) => {
+                let error = ProxyError::ClientBody {
+                    detail: describe(err.as_ref()),
                 };
-                return self.reject(error, &request_id, Some(&endpoint));
+                return self.reject(error, &request_id);
+            }
+            Err(_elapsed) => return self.reject(ProxyError::ClientTooSlow, &request_id),
+        };
+
+        let mut tried = Tried::default();
+        let mut last_failure: Option<Failure> = None;
+        for attempt in 1..=self.retry.max_attempts().max(1) {
+            let Some((endpoint, probe)) = self.pick(&tried) else {
+                break;
+            };
+            let Some(attempt_body) = body.for_attempt() else {
+                break;
+            };
+            tried.push(endpoint.id());
+            // The failure being retried is dropped (its connection released) only once a new attempt is
+            // really under way; until then it is the answer.
+            drop(last_failure.take());
+            self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let request = template.build(&endpoint, attempt_body);
+            let failure = match self
+                .attempt(upstream, request, &endpoint, probe, deadline, &body)
+                .await
+            {
+                Attempt::Committed {
+                    response,
+                    first,
+                    outstanding,
+                } => {
+                    return self.commit(
+                        response,
+                        first,
+                        outstanding,
+                        client_upgrade,
+                        &request_id,
+                        deadline,
+                    );
+                }
+                Attempt::Failed(failure) => failure,
+            };
+            tracing::debug!(
+                request_id = request_id.to_str().unwrap_or_default(),
+                endpoint = endpoint.url(),
+                attempt,
+                reason = failure.kind.as_str(),
+                error = %failure.error,
+                "attempt failed"
+            );
+            let retry = retries_wanted
+                && attempt < self.retry.max_attempts()
+                && self.retry.retries_on(failure.kind)
+                && body.replayable()
+                && Instant::now() < deadline;
+            last_failure = Some(failure);
+            if !retry {
+                break;
+            }
+            if !self.retry.withdraw() {
+                self.stats
+                    .retries
+                    .budget_exhausted
+                    .fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            if let Some(failure) = &last_failure {
+                self.stats.retries.count(failure.kind);
+            }
+            let backoff = self.retry.backoff(attempt);
+            if !backoff.is_zero() {
+                tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
+            }
+        }
+        match last_failure {
+            Some(failure) => self.fail(failure, &request_id, deadline),
+            None => self.reject(ProxyError::NoEndpoint, &request_id),
+        }
+    }
+
+    /// An eligible endpoint not yet tried, and whether it goes as its breaker's half-open probe.
+    fn pick(&self, tried: &Tried) -> Option<(Arc<Endpoint>, bool)> {
+        let now = Instant::now();
+        let snapshot = self.registry.snapshot();
+        let mut ctx = PickContext {
+            now,
+            slow_start_ms: u64::try_from(self.settings.slow_start.as_millis()).unwrap_or(u64::MAX),
+            ignore_health: false,
+            ignore_cooldown: false,
+        };
+        let mut exclude = *tried;
+        for _ in 0..6 {
+            let Some((endpoint, eligibility)) = balance::pick(&snapshot, exclude.as_slice(), &ctx)
+            else {
+                // Every endpoint asked for back-off: send to the least loaded of them anyway; a node that
+                // is still full says so again and the request moves on.
+                if !ctx.ignore_cooldown {
+                    ctx.ignore_cooldown = true;
+                    continue;
+                }
+                // Panic mode: when no endpoint passes its heartbeats, more likely tongs' own network or
+                // the health path is broken than every node died at once, so heartbeats are ignored
+                // (breakers still apply). Requests still fail fast if the nodes really are gone.
+                if !ctx.ignore_health
+                    && !snapshot.iter().any(|e| e.is_available() && e.is_healthy())
+                {
+                    ctx.ignore_health = true;
+                    continue;
+                }
+                return None;
+            };
+            match eligibility {
+                Eligibility::Yes => return Some((Arc::clone(endpoint), false)),
+                _ => match endpoint.admit(now) {
+                    Admission::Admit => return Some((Arc::clone(endpoint), false)),
+                    Admission::Probe => return Some((Arc::clone(endpoint), true)),
+                    Admission::Reject => exclude.push(endpoint.id()),
+                },
+            }
+        }
+        None
+    }
+
+    /// Sends one attempt and waits for the endpoint's headers and first body bytes.
+    async fn attempt(
+        &self,
+        upstream: &UpstreamClient,
+        request: Request<UpstreamBody>,
+        endpoint: &Arc<Endpoint>,
+        probe: bool,
+        deadline: Instant,
+        body: &ReplayBody,
+    ) -> Attempt {
+        let mut probe_guard = ProbeGuard {
+            endpoint,
+            pending: probe,
+        };
+        let outstanding = endpoint.start_request();
+        let attempt_started = Instant::now();
+        let mut gone = endpoint.gone_signal();
+        let grace = self.settings.suspect_grace;
+        let per_try = (Instant::now() + self.settings.response_headers_timeout).min(deadline);
+        let failed = |kind: FailureKind, error: ProxyError| Failure {
+            kind,
+            error,
+            response: None,
+            endpoint: Arc::clone(endpoint),
+        };
+        let timed_out = || ProxyError::ResponseTimeout {
+            endpoint: endpoint.url().to_owned(),
+            after: per_try.saturating_duration_since(Instant::now()),
+        };
+
+        // Headers, within the per-try deadline, unless heartbeats declare the endpoint gone first.
+        let sent = tokio::select! {
+            sent = tokio::time::timeout_at(per_try, upstream.request(request)) => Some(sent),
+            () = wait_gone(&mut gone, endpoint, attempt_started, grace) => None,
+        };
+        let mut response = match sent {
+            Some(Ok(Ok(response))) => response,
+            Some(Ok(Err(err))) => {
+                probe_guard.pending = false;
+                let (kind, error) = self.classify(endpoint, &err, body);
+                return Attempt::Failed(self.record(failed(kind, error)));
+            }
+            Some(Err(_elapsed)) => {
+                probe_guard.pending = false;
+                return Attempt::Failed(self.record(failed(FailureKind::Timeout, timed_out())));
+            }
+            None => {
+                probe_guard.pending = false;
+                return Attempt::Failed(self.record(self.gone(endpoint)));
             }
         };
 
-        tracing::debug!(
-            request_id = request_id.to_str().unwrap_or_default(),
-            endpoint = endpoint.url(),
-            status = response.status().as_u16(),
-            "response headers"
-        );
+        if let Some(kind) = classify_status(response.status(), response.headers()) {
+            probe_guard.pending = false;
+            if kind == FailureKind::BackPressure {
+                endpoint.cool_down(
+                    retry_after(response.headers(), MAX_COOLDOWN),
+                    Instant::now(),
+                );
+            }
+            let error = ProxyError::Status {
+                endpoint: endpoint.url().to_owned(),
+                status: response.status().as_u16(),
+            };
+            let mut failure = failed(kind, error);
+            failure.response = Some((response, outstanding));
+            return Attempt::Failed(self.record(failure));
+        }
 
+        // Commit on first byte: wait for the first body frame (or the end of the body) before the client
+        // sees anything, so an endpoint dying in between costs a retry instead of a broken response.
+        let first = if response.status() == StatusCode::SWITCHING_PROTOCOLS
+            || response.body().is_end_stream()
+        {
+            None
+        } else {
+            let frame = tokio::select! {
+                frame = tokio::time::timeout_at(per_try, response.body_mut().frame()) => Some(frame),
+                () = wait_gone(&mut gone, endpoint, attempt_started, grace) => None,
+            };
+            match frame {
+                Some(Ok(Some(Ok(frame)))) => Some(frame),
+                Some(Ok(None)) => None,
+                Some(Ok(Some(Err(err)))) => {
+                    probe_guard.pending = false;
+                    let error = ProxyError::Upstream {
+                        endpoint: endpoint.url().to_owned(),
+                        detail: format!(
+                            "response body broke before its first byte: {}",
+                            describe(&err)
+                        ),
+                    };
+                    return Attempt::Failed(self.record(failed(FailureKind::Reset, error)));
+                }
+                Some(Err(_elapsed)) => {
+                    probe_guard.pending = false;
+                    return Attempt::Failed(self.record(failed(FailureKind::Timeout, timed_out())));
+                }
+                None => {
+                    probe_guard.pending = false;
+                    return Attempt::Failed(self.record(self.gone(endpoint)));
+                }
+            }
+        };
+        probe_guard.pending = false;
+        endpoint.record_success(Instant::now());
+        Attempt::Committed {
+            response,
+            first,
+            outstanding,
+        }
+    }
+
+    /// The failure of an attempt whose endpoint heartbeats declared gone while it waited.
+    fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
+        Failure {
+            kind: FailureKind::Unhealthy,
+            error: ProxyError::Upstream {
+                endpoint: endpoint.url().to_owned(),
+                detail: "endpoint stopped answering heartbeats while the request waited".into(),
+            },
+            response: None,
+            endpoint: Arc::clone(endpoint),
+        }
+    }
+
+    /// Feeds a failed attempt to its endpoint's breaker (back-pressure is not the endpoint's fault).
+    fn record(&self, failure: Failure) -> Failure {
+        let endpoint = &failure.endpoint;
+        if failure.kind.is_endpoint_fault() {
+            endpoint.record_failure(&self.settings.breaker, Instant::now(), self.may_eject());
+        } else {
+            // A probe turned away by back-pressure tells nothing about health: let another request probe.
+            endpoint.release_probe(Instant::now());
+        }
+        failure
+    }
+
+    /// Whether one more endpoint may be ejected without exceeding `breaker.max_ejected_percent`.
+    fn may_eject(&self) -> bool {
+        let snapshot = self.registry.snapshot();
+        let ejected = snapshot.iter().filter(|e| e.is_ejected()).count();
+        (ejected + 1) * 100 <= snapshot.len() * self.settings.max_ejected_percent as usize
+    }
+
+    fn classify(
+        &self,
+        endpoint: &Endpoint,
+        err: &hyper_util::client::legacy::Error,
+        body: &ReplayBody,
+    ) -> (FailureKind, ProxyError) {
+        if body.exceeded_limit() {
+            let limit = self.settings.max_body_bytes.unwrap_or_default();
+            return (FailureKind::Reset, ProxyError::BodyTooLarge { limit });
+        }
+        let detail = describe(err);
+        if err.is_connect() {
+            (
+                FailureKind::ConnectFailure,
+                ProxyError::Connect {
+                    endpoint: endpoint.url().to_owned(),
+                    detail,
+                },
+            )
+        } else {
+            (
+                FailureKind::Reset,
+                ProxyError::Upstream {
+                    endpoint: endpoint.url().to_owned(),
+                    detail,
+                },
+            )
+        }
+    }
+
+    /// Hands a committed response to the client: its first frame, then the rest as it streams.
+    fn commit(
+        &self,
+        mut response: Response<Incoming>,
+        first: Option<Frame<Bytes>>,
+        outstanding: Outstanding,
+        client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+        request_id: &HeaderValue,
+        deadline: Instant,
+    ) -> Response<ProxyBody> {
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
         {
             let upstream_upgrade = hyper::upgrade::on(&mut response);
-            self.bridge_upgrade(client_upgrade, upstream_upgrade, outstanding, &request_id);
+            self.bridge_upgrade(client_upgrade, upstream_upgrade, outstanding, request_id);
             let (mut parts, _) = response.into_parts();
             headers::strip_hop_by_hop(&mut parts.headers, true);
-            parts.headers.insert(&X_REQUEST_ID, request_id);
+            parts.headers.insert(&X_REQUEST_ID, request_id.clone());
             return Response::from_parts(parts, ProxyBody::empty());
         }
-
         let (mut parts, body) = response.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers, false);
-        parts.headers.insert(&X_REQUEST_ID, request_id);
-        let deadline = tokio::time::sleep_until(started + self.settings.total_timeout);
-        let body = ProxyBody::upstream(body, outstanding, deadline, self.settings.total_timeout);
+        parts.headers.insert(&X_REQUEST_ID, request_id.clone());
+        let deadline_timer = tokio::time::sleep_until(deadline);
+        let body = ProxyBody::upstream(
+            first,
+            body,
+            outstanding,
+            deadline_timer,
+            self.settings.total_timeout,
+        );
         Response::from_parts(parts, body)
     }
 
-    /// The client's request rewritten for the endpoint.
-    fn upstream_request(
+    /// Answers with the last failure: the endpoint's own response when it gave one, else tongs' error.
+    fn fail(
         &self,
-        request: Request<Incoming>,
-        endpoint: &Endpoint,
+        failure: Failure,
         request_id: &HeaderValue,
-        client: SocketAddr,
-        upgrade: bool,
-    ) -> Request<UpstreamBody> {
-        let (mut parts, body) = request.into_parts();
-        let original_host = original_host(&parts);
-        parts.uri = upstream_uri(endpoint, &parts.uri);
-        // The endpoint speaks whatever version its connection negotiated; hyper wants 1.1 here and
-        // switches to HTTP/2 by itself when ALPN chose it.
-        parts.version = Version::HTTP_11;
-        let headers = &mut parts.headers;
-        headers::strip_hop_by_hop(headers, upgrade);
-        headers::add_forwarded(headers, client.ip(), original_host);
-        headers.insert(header::HOST, endpoint.host_header().clone());
-        headers.insert(&X_REQUEST_ID, request_id.clone());
-
-        let body: UpstreamBody = match self.settings.max_body_bytes {
-            // usize::MAX on 32-bit is still larger than any sane limit.
-            Some(limit) => {
-                Limited::new(body, usize::try_from(limit).unwrap_or(usize::MAX)).boxed_unsync()
-            }
-            None => body.map_err(Into::into).boxed_unsync(),
-        };
-        Request::from_parts(parts, body)
-    }
-
-    fn classify(&self, endpoint: &Endpoint, err: &hyper_util::client::legacy::Error) -> ProxyError {
-        if let Some(limit) = self.settings.max_body_bytes
-            && is_length_limit(err)
-        {
-            return ProxyError::BodyTooLarge { limit };
-        }
-        let detail = describe(err);
-        if err.is_connect() {
-            ProxyError::Connect {
-                endpoint: endpoint.url().to_owned(),
-                detail,
-            }
-        } else {
-            ProxyError::Upstream {
-                endpoint: endpoint.url().to_owned(),
-                detail,
-            }
-        }
-    }
-
-    fn reject(
-        &self,
-        error: ProxyError,
-        request_id: &HeaderValue,
-        endpoint: Option<&Endpoint>,
+        deadline: Instant,
     ) -> Response<ProxyBody> {
-        match &error {
-            ProxyError::NoEndpoint => {
-                self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        self.stats.failed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            endpoint = failure.endpoint.url(),
+            reason = failure.kind.as_str(),
+            error = %failure.error,
+            "request failed"
+        );
+        match failure.response {
+            Some((response, outstanding)) => {
+                self.commit(response, None, outstanding, None, request_id, deadline)
             }
-            ProxyError::Connect { .. }
-            | ProxyError::Upstream { .. }
-            | ProxyError::ResponseTimeout { .. } => {
-                self.stats.failed.fetch_add(1, Ordering::Relaxed);
-                if let Some(endpoint) = endpoint {
-                    endpoint.record_failure();
-                }
-            }
-            ProxyError::BodyTooLarge { .. } => {}
+            None => failure.error.into_response(request_id),
+        }
+    }
+
+    /// Answers a request tongs could not send anywhere.
+    fn reject(&self, error: ProxyError, request_id: &HeaderValue) -> Response<ProxyBody> {
+        if matches!(error, ProxyError::NoEndpoint) {
+            self.stats.rejected.fetch_add(1, Ordering::Relaxed);
         }
         tracing::warn!(
             request_id = request_id.to_str().unwrap_or_default(),
-            endpoint = endpoint.map(Endpoint::url),
             status = error.status().as_u16(),
             error = %error,
-            "request failed"
+            "request refused"
         );
         error.into_response(request_id)
     }
@@ -285,33 +662,57 @@ impl Proxy {
     }
 }
 
-fn content_length<B>(request: &Request<B>) -> Option<u64> {
-    request
-        .headers()
-        .get(header::CONTENT_LENGTH)?
-        .to_str()
-        .ok()?
-        .trim()
-        .parse()
-        .ok()
+/// Resolves when heartbeats say an attempt should move elsewhere: its endpoint was declared unhealthy,
+/// or went suspect (a heartbeat failed) while the attempt had already waited longer than `grace` (a
+/// heartbeat timeout) — silent to heartbeats and to this request alike.
+async fn wait_gone(
+    gone: &mut tokio::sync::watch::Receiver<u64>,
+    endpoint: &Endpoint,
+    started: Instant,
+    grace: Duration,
+) {
+    let mut signalled = false;
+    loop {
+        if signalled {
+            if !endpoint.is_healthy() {
+                return;
+            }
+            if endpoint.is_suspect() {
+                let waited = started.elapsed();
+                if waited >= grace {
+                    return;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(grace - waited) => continue,
+                    changed = gone.changed() => if changed.is_err() { return std::future::pending().await },
+                }
+                continue;
+            }
+        }
+        if gone.changed().await.is_err() {
+            // The endpoint is gone from memory; nothing will signal any more.
+            return std::future::pending().await;
+        }
+        signalled = true;
+    }
 }
 
-/// The host the client addressed: `Host` for HTTP/1, the `:authority` for HTTP/2.
-fn original_host(parts: &Parts) -> Option<HeaderValue> {
-    parts.headers.get(header::HOST).cloned().or_else(|| {
-        parts
-            .uri
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-    })
+/// Whether the request asked not to be retried (`x-tongs-retry: off`, `false` or `0`).
+fn opted_out(headers: &HeaderMap) -> bool {
+    headers
+        .get(&X_TONGS_RETRY)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "off" | "false" | "0" | "no"
+            )
+        })
 }
 
 /// The endpoint's scheme and authority, its path prefix, then the client's path and query.
-fn upstream_uri(endpoint: &Endpoint, client_uri: &Uri) -> Uri {
-    let path_and_query = client_uri
-        .path_and_query()
-        .cloned()
-        .unwrap_or_else(|| PathAndQuery::from_static("/"));
+fn upstream_uri(endpoint: &Endpoint, path_and_query: &PathAndQuery) -> Uri {
+    let path_and_query = path_and_query.clone();
     let path_and_query = if endpoint.path_prefix().is_empty() {
         path_and_query
     } else {
@@ -326,17 +727,6 @@ fn upstream_uri(endpoint: &Endpoint, client_uri: &Uri) -> Uri {
     Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"))
 }
 
-fn is_length_limit(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(cause) = source {
-        if cause.is::<http_body_util::LengthLimitError>() {
-            return true;
-        }
-        source = cause.source();
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -348,7 +738,7 @@ mod tests {
 
     #[test]
     fn upstream_uri_joins_prefix_path_and_query() {
-        let uri: Uri = "/v1/chat?stream=true".parse().unwrap();
+        let uri = PathAndQuery::from_static("/v1/chat?stream=true");
         assert_eq!(
             upstream_uri(&endpoint("http://10.0.0.7:8000"), &uri),
             "http://10.0.0.7:8000/v1/chat?stream=true"
@@ -357,9 +747,9 @@ mod tests {
             upstream_uri(&endpoint("https://abc.salad.cloud/api/"), &uri),
             "https://abc.salad.cloud/api/v1/chat?stream=true"
         );
-        let absolute: Uri = "http://client-side-host/x".parse().unwrap();
+        let root = PathAndQuery::from_static("/x");
         assert_eq!(
-            upstream_uri(&endpoint("http://[::1]:9"), &absolute),
+            upstream_uri(&endpoint("http://[::1]:9"), &root),
             "http://[::1]:9/x"
         );
     }

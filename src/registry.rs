@@ -47,6 +47,8 @@ impl EndpointSpec {
 /// The current endpoints, shared by every request.
 pub struct Registry {
     snapshot: ArcSwap<Vec<Arc<Endpoint>>>,
+    /// Bumped on every update, for the heartbeat loops that follow the set.
+    changes: tokio::sync::watch::Sender<u64>,
     next_id: AtomicU64,
     /// Serialises writers so two updates cannot interleave their read-modify-publish.
     writer: Mutex<()>,
@@ -62,6 +64,7 @@ impl Registry {
     pub fn new() -> Registry {
         Registry {
             snapshot: ArcSwap::from_pointee(Vec::new()),
+            changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
             writer: Mutex::new(()),
         }
@@ -70,6 +73,16 @@ impl Registry {
     /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
     pub fn snapshot(&self) -> arc_swap::Guard<Arc<Vec<Arc<Endpoint>>>> {
         self.snapshot.load()
+    }
+
+    /// The endpoints right now, as an owned handle (for holding across awaits).
+    pub fn snapshot_full(&self) -> Arc<Vec<Arc<Endpoint>>> {
+        self.snapshot.load_full()
+    }
+
+    /// Resolves `changed()` after every update.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changes.subscribe()
     }
 
     /// Replaces the whole set, keeping the state of endpoints that did not change.
@@ -117,6 +130,7 @@ impl Registry {
             );
         }
         self.snapshot.store(Arc::new(next));
+        self.changes.send_modify(|version| *version += 1);
     }
 }
 

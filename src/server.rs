@@ -181,7 +181,11 @@ pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, crate::Ap
 
 /// Binds `count` listening sockets on one address with SO_REUSEPORT, one per worker thread; the kernel
 /// spreads new connections over them. Port 0 is resolved by the first bind and reused by the rest.
-pub fn bind_workers(addr: SocketAddr, count: usize, what: &str) -> Result<Vec<std::net::TcpListener>, crate::AppError> {
+pub fn bind_workers(
+    addr: SocketAddr,
+    count: usize,
+    what: &str,
+) -> Result<Vec<std::net::TcpListener>, crate::AppError> {
     let failed = |addr, source| crate::AppError::Bind {
         what: what.to_owned(),
         addr,
@@ -196,9 +200,15 @@ pub fn bind_workers(addr: SocketAddr, count: usize, what: &str) -> Result<Vec<st
             Some(socket2::Protocol::TCP),
         )
         .map_err(|err| failed(addr, err))?;
-        socket.set_reuse_address(true).map_err(|err| failed(addr, err))?;
-        socket.set_reuse_port(true).map_err(|err| failed(addr, err))?;
-        socket.set_nonblocking(true).map_err(|err| failed(addr, err))?;
+        socket
+            .set_reuse_address(true)
+            .map_err(|err| failed(addr, err))?;
+        socket
+            .set_reuse_port(true)
+            .map_err(|err| failed(addr, err))?;
+        socket
+            .set_nonblocking(true)
+            .map_err(|err| failed(addr, err))?;
         socket.bind(&addr.into()).map_err(|err| failed(addr, err))?;
         socket.listen(1024).map_err(|err| failed(addr, err))?;
         let listener: std::net::TcpListener = socket.into();

@@ -209,9 +209,15 @@ async fn sigterm_drains_an_in_flight_stream_then_exits_zero() {
     running.wait_for_log("stopped accepting; draining in-flight requests");
     // While draining, the pod reports unready so the Service stops sending it clients.
     assert_eq!(get(&format!("http://{admin}/readyz")).await.0, 503);
-    // New connections are refused while the stream goes on.
-    let refused = tokio::net::TcpStream::connect(&listen).await;
-    assert!(refused.is_err(), "listener still accepting after SIGTERM");
+    // New connections are refused while the stream goes on (every worker closes its listener).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while tokio::net::TcpStream::connect(&listen).await.is_ok() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "listener still accepting after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 
     let mut rest = Vec::new();
     while let Some(frame) = tokio::time::timeout(Duration::from_secs(10), body.frame())

@@ -26,6 +26,8 @@ pub struct DemoOptions {
     pub seed: u64,
     /// Print the final summary as one JSON line on stdout (the live table goes to stderr).
     pub json: bool,
+    /// Inject interruptions (off gives the same fleet calm, as a baseline).
+    pub interruptions: bool,
 }
 
 impl Default for DemoOptions {
@@ -36,6 +38,7 @@ impl Default for DemoOptions {
             rps: 40.0,
             seed: 1,
             json: false,
+            interruptions: true,
         }
     }
 }
@@ -62,6 +65,9 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             spec.queue = capacity * 4;
             spec.tokens = 12;
             spec.report_load = true;
+            if !options.interruptions {
+                return spec;
+            }
             if i < InterruptionKind::ALL.len() {
                 // Fixed: starts staggered from 15 % of the run, each lasting 20 % of it.
                 let kind = InterruptionKind::ALL

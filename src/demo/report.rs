@@ -12,6 +12,7 @@ use serde::Serialize;
 
 use super::DemoOptions;
 use super::load::{LoadGenerator, Outcome};
+use crate::breaker::State;
 use crate::proxy::Proxy;
 use crate::sim::Fleet;
 
@@ -19,6 +20,8 @@ use crate::sim::Fleet;
 struct NodeRow {
     name: String,
     condition: &'static str,
+    health: &'static str,
+    circuit: &'static str,
     outstanding: u64,
     served: u64,
     errors: u64,
@@ -56,6 +59,20 @@ pub fn snapshot(
             NodeRow {
                 name: node.name().to_owned(),
                 condition: node.condition().label(),
+                health: endpoint.map_or("-", |e| {
+                    if !e.is_healthy() {
+                        "unhealthy"
+                    } else if e.is_suspect() {
+                        "suspect"
+                    } else {
+                        "healthy"
+                    }
+                }),
+                circuit: endpoint.map_or("-", |e| match e.breaker_state() {
+                    State::Closed { .. } => "closed",
+                    State::Open { .. } => "open",
+                    State::HalfOpen { .. } => "half-open",
+                }),
                 outstanding: endpoint.map_or(0, |e| e.outstanding()),
                 served: stats.served,
                 errors: endpoint.map_or(0, |e| e.failures()) + stats.gateway_503 + stats.shed,
@@ -80,7 +97,7 @@ pub fn snapshot(
         succeeded,
         failed,
         rejected,
-        retried: proxy.stats().retries.load(Ordering::Relaxed),
+        retried: proxy.stats().retries.total(),
         interruptions: fleet.interruptions_injected(),
         p50_ms,
         p99_ms,
@@ -91,15 +108,20 @@ fn render(view: &View) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<12} {:<12} {:>11} {:>8} {:>7} {:>8}",
-        "node", "state", "outstanding", "served", "errors", "circuit"
+        "{:<12} {:<12} {:<10} {:<10} {:>11} {:>8} {:>7}",
+        "node", "node state", "tongs sees", "circuit", "outstanding", "served", "errors"
     );
     for node in &view.nodes {
-        // No circuit breaker exists yet; the column shows "-" rather than a state nobody computed.
         let _ = writeln!(
             out,
-            "{:<12} {:<12} {:>11} {:>8} {:>7} {:>8}",
-            node.name, node.condition, node.outstanding, node.served, node.errors, "-"
+            "{:<12} {:<12} {:<10} {:<10} {:>11} {:>8} {:>7}",
+            node.name,
+            node.condition,
+            node.health,
+            node.circuit,
+            node.outstanding,
+            node.served,
+            node.errors
         );
     }
     let done = view.succeeded + view.failed + view.rejected;
@@ -202,6 +224,8 @@ pub struct Summary {
     /// Failed requests by kind: a status code, `broken`, `client-timeout`, `unfinished`.
     pub failed: BTreeMap<String, u64>,
     pub retried: u64,
+    /// Attempts sent to nodes per request (1.0 = no retries).
+    pub attempts_per_request: f64,
     pub rejected: u64,
     pub interruptions_injected: u64,
     pub latency_ms: Latency,
@@ -223,7 +247,13 @@ impl Summary {
             requests: r.sent(),
             succeeded: r.count(Outcome::Succeeded),
             failed: r.failures(),
-            retried: proxy.stats().retries.load(Ordering::Relaxed),
+            retried: proxy.stats().retries.total(),
+            attempts_per_request: {
+                let stats = proxy.stats();
+                let requests = stats.requests.load(Ordering::Relaxed).max(1);
+                let per = stats.attempts.load(Ordering::Relaxed) as f64 / requests as f64;
+                (per * 1000.0).round() / 1000.0
+            },
             rejected: r.count(Outcome::Rejected),
             interruptions_injected: fleet.interruptions_injected(),
             latency_ms: Latency {
@@ -270,7 +300,11 @@ impl Summary {
             let _ = writeln!(out, "    {kind:<12} {n:>7}");
         }
         let _ = writeln!(out, "  rejected       {:>7}", self.rejected);
-        let _ = writeln!(out, "  retried        {:>7}", self.retried);
+        let _ = writeln!(
+            out,
+            "  retried        {:>7}  ({:.3} attempts per request)",
+            self.retried, self.attempts_per_request
+        );
         let _ = writeln!(out, "  interruptions  {:>7}", self.interruptions_injected);
         let l = &self.latency_ms;
         let _ = writeln!(

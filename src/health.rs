@@ -1,0 +1,240 @@
+//! Heartbeats: one probe loop per endpoint, through the endpoint's own transport (plain or TLS).
+//!
+//! Each loop sends `GET <health.path>` every `health.interval` (jittered, so a large fleet is not probed in
+//! lock-step); a probe passes on any 2xx within `health.timeout`. `unhealthy_threshold` failures in a row
+//! mark the endpoint unhealthy — which takes it out of the pick and fails its waiting requests over to
+//! other endpoints at once — and `healthy_threshold` passes bring it back (with slow start). While a
+//! verdict is pending the loop probes every `health.fast_interval` instead (HAProxy's `fastinter`), so a
+//! silent node is found in about interval + 2 × timeout rather than interval × threshold. A passing probe
+//! also stands in for the breaker's half-open probe. A new endpoint is probed at once.
+//!
+//! The loops follow the registry: new endpoints get a loop, removed ones lose theirs.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Uri, header};
+use http_body_util::{BodyExt, Empty};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::HealthConfig;
+use crate::endpoint::{Endpoint, EndpointId};
+use crate::registry::Registry;
+use crate::upstream::{UpstreamBody, UpstreamClient};
+
+/// Runs the heartbeat loops of every endpoint in the registry until `shutdown`.
+pub async fn run(
+    registry: Arc<Registry>,
+    config: HealthConfig,
+    client: UpstreamClient,
+    shutdown: CancellationToken,
+) {
+    if !config.enabled {
+        return;
+    }
+    let config = Arc::new(config);
+    let mut changes = registry.subscribe();
+    let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
+    loop {
+        let snapshot = registry.snapshot_full();
+        loops.retain(|id, stop| {
+            let live = snapshot.iter().any(|e| e.id() == *id);
+            if !live {
+                stop.cancel();
+            }
+            live
+        });
+        for endpoint in snapshot.iter() {
+            if loops.contains_key(&endpoint.id()) {
+                continue;
+            }
+            let stop = shutdown.child_token();
+            loops.insert(endpoint.id(), stop.clone());
+            tokio::spawn(probe_loop(
+                Arc::clone(endpoint),
+                Arc::clone(&config),
+                client.clone(),
+                stop,
+            ));
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = changes.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+/// `base` lengthened or shortened at random by up to `jitter` of itself.
+fn jittered(base: Duration, jitter: f64) -> Duration {
+    base.mul_f64(1.0 + jitter * (2.0 * fastrand::f64() - 1.0))
+}
+
+/// Consecutive outcomes of one endpoint's heartbeats, and what they conclude.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Streak {
+    passes: u32,
+    failures: u32,
+}
+
+/// A change of verdict a heartbeat brought.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    Healthy,
+    Unhealthy,
+}
+
+impl Streak {
+    /// Records one heartbeat of an endpoint currently `healthy`; returns a new verdict when thresholds
+    /// are crossed.
+    pub fn record(
+        &mut self,
+        passed: bool,
+        healthy: bool,
+        config: &HealthConfig,
+    ) -> Option<Verdict> {
+        if passed {
+            self.failures = 0;
+            self.passes = self.passes.saturating_add(1);
+            (!healthy && self.passes >= config.healthy_threshold).then_some(Verdict::Healthy)
+        } else {
+            self.passes = 0;
+            self.failures = self.failures.saturating_add(1);
+            (healthy && self.failures >= config.unhealthy_threshold).then_some(Verdict::Unhealthy)
+        }
+    }
+
+    /// Whether a verdict is pending (the next heartbeat should come sooner).
+    pub fn changing(&self, healthy: bool) -> bool {
+        (healthy && self.failures > 0) || (!healthy && self.passes > 0)
+    }
+}
+
+async fn probe_loop(
+    endpoint: Arc<Endpoint>,
+    config: Arc<HealthConfig>,
+    client: UpstreamClient,
+    stop: CancellationToken,
+) {
+    // "At once", spread a little so a fleet discovered in one go is not probed in one burst.
+    let first = config
+        .interval
+        .get()
+        .mul_f64(config.jitter * fastrand::f64());
+    tokio::select! {
+        () = stop.cancelled() => return,
+        () = tokio::time::sleep(first) => {}
+    }
+    let mut streak = Streak::default();
+    loop {
+        let passed = probe(&endpoint, &config, &client).await;
+        let now = Instant::now();
+        if passed {
+            endpoint.heartbeat_passed(now);
+        }
+        let verdict = streak.record(passed, endpoint.is_healthy(), &config);
+        endpoint.set_suspect(!passed && endpoint.is_healthy() && verdict.is_none());
+        match verdict {
+            Some(Verdict::Healthy) => {
+                endpoint.set_healthy(true, now);
+            }
+            Some(Verdict::Unhealthy) => {
+                endpoint.set_healthy(false, now);
+            }
+            None => {}
+        }
+        let wait = if streak.changing(endpoint.is_healthy()) {
+            config.fast_interval.get()
+        } else {
+            jittered(config.interval.get(), config.jitter)
+        };
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// One heartbeat: true when the endpoint answered 2xx within the timeout.
+async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClient) -> bool {
+    let path = format!("{}{}", endpoint.path_prefix(), config.path);
+    let uri = Uri::builder()
+        .scheme(endpoint.scheme().clone())
+        .authority(endpoint.authority().clone())
+        .path_and_query(path)
+        .build();
+    let Ok(uri) = uri else {
+        return false;
+    };
+    let body: UpstreamBody = Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut request = Request::new(body);
+    *request.uri_mut() = uri;
+    request
+        .headers_mut()
+        .insert(header::HOST, endpoint.host_header().clone());
+    request.headers_mut().insert(
+        header::USER_AGENT,
+        header::HeaderValue::from_static("tongs-heartbeat"),
+    );
+    let exchange = async {
+        let response = client.request(request).await.ok()?;
+        let passed = response.status().is_success();
+        // Read the (small) body so the connection can be reused for the next heartbeat.
+        response.into_body().collect().await.ok()?;
+        Some(passed)
+    };
+    matches!(
+        tokio::time::timeout(config.timeout.get(), exchange).await,
+        Ok(Some(true))
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn thresholds_decide_the_verdict() {
+        let config = HealthConfig::default(); // 2 and 2
+        let mut streak = Streak::default();
+        assert_eq!(streak.record(false, true, &config), None);
+        assert!(streak.changing(true), "one failure: probe again soon");
+        assert_eq!(
+            streak.record(true, true, &config),
+            None,
+            "a pass resets the failures"
+        );
+        assert!(!streak.changing(true));
+        assert_eq!(streak.record(false, true, &config), None);
+        assert_eq!(
+            streak.record(false, true, &config),
+            Some(Verdict::Unhealthy)
+        );
+        assert_eq!(
+            streak.record(false, false, &config),
+            None,
+            "already unhealthy"
+        );
+        assert!(!streak.changing(false));
+        assert_eq!(streak.record(true, false, &config), None);
+        assert!(streak.changing(false));
+        assert_eq!(streak.record(true, false, &config), Some(Verdict::Healthy));
+    }
+
+    #[test]
+    fn jitter_stays_within_bounds_and_varies() {
+        let base = Duration::from_secs(2);
+        let samples: Vec<Duration> = (0..200).map(|_| jittered(base, 0.1)).collect();
+        assert!(
+            samples
+                .iter()
+                .all(|d| *d >= Duration::from_millis(1800) && *d <= Duration::from_millis(2200))
+        );
+        assert!(samples.iter().any(|d| *d < Duration::from_millis(1950)));
+        assert!(samples.iter().any(|d| *d > Duration::from_millis(2050)));
+    }
+}
