@@ -273,4 +273,77 @@ mod tests {
             assert_eq!(pick(&endpoints, &exclude, &ctx()).unwrap().0.id(), 499);
         }
     }
+
+    #[test]
+    fn unhealthy_suspect_and_cooling_endpoints_are_skipped_unless_all_are() {
+        let endpoints = fleet(&[1, 1, 1, 1]);
+        let now = Instant::now();
+        endpoints[0].set_healthy(false, now);
+        endpoints[1].set_suspect(true);
+        endpoints[2].cool_down(std::time::Duration::from_secs(10), now);
+        for _ in 0..20 {
+            assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 3);
+        }
+        assert!(pick(&endpoints, &[3], &ctx()).is_none());
+        let cooling_ok = PickContext {
+            ignore_cooldown: true,
+            ..ctx()
+        };
+        assert_eq!(pick(&endpoints, &[3], &cooling_ok).unwrap().0.id(), 2);
+        let panic = PickContext {
+            ignore_health: true,
+            ..ctx()
+        };
+        let picked = pick(&endpoints, &[2, 3], &panic).unwrap().0.id();
+        assert!(picked == 0 || picked == 1, "{picked}");
+    }
+
+    #[test]
+    fn an_ejected_endpoint_is_skipped_then_offered_as_a_probe() {
+        let endpoints = fleet(&[1, 1]);
+        let now = Instant::now();
+        let settings = crate::breaker::BreakerSettings::default();
+        for _ in 0..settings.consecutive_failures {
+            endpoints[0].record_failure(&settings, now, true);
+        }
+        assert!(endpoints[0].is_ejected());
+        for _ in 0..20 {
+            assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 1);
+        }
+        // After the ejection time the endpoint is offered once more, as the breaker's probe.
+        let later = PickContext::at(now + std::time::Duration::from_secs(10));
+        let (endpoint, eligibility) = pick(&endpoints, &[1], &later).unwrap();
+        assert_eq!((endpoint.id(), eligibility), (0, Eligibility::Probe));
+    }
+
+    #[test]
+    fn slow_start_ramps_a_recovered_endpoint() {
+        let endpoints = fleet(&[1, 1]);
+        let window = 10_000;
+        // New endpoints ramp from their creation too; look long after it.
+        let now = Instant::now() + std::time::Duration::from_secs(60);
+        endpoints[0].set_healthy(false, now);
+        endpoints[0].set_healthy(true, now);
+        let ramping = endpoints[0].effective_weight(endpoints[0].millis(now), window);
+        let steady = endpoints[1].effective_weight(endpoints[1].millis(now), window);
+        assert_eq!((ramping, steady), (100, 1000));
+        let halfway = now + std::time::Duration::from_secs(5);
+        assert_eq!(
+            endpoints[0].effective_weight(endpoints[0].millis(halfway), window),
+            550
+        );
+        // Holding requests open: the ramping endpoint gets about a tenth of them.
+        let ctx = PickContext {
+            slow_start_ms: window,
+            ..PickContext::at(now)
+        };
+        let mut held = Vec::new();
+        let mut on_ramping = 0;
+        for _ in 0..22 {
+            let (chosen, _) = pick(&endpoints, &[], &ctx).unwrap();
+            on_ramping += usize::from(chosen.id() == 0);
+            held.push(chosen.start_request());
+        }
+        assert!((1..=3).contains(&on_ramping), "{on_ramping}");
+    }
 }

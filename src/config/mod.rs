@@ -432,21 +432,12 @@ fn list(problems: &[Problem]) -> String {
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::parse(&read_file(path)?, &path.display().to_string())
+        load_validated(path, Config::validate)
     }
 
     /// Parses and validates config text; `origin` names it in errors (a file path, usually).
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let config: Config = parse_yaml(text, origin)?;
-        let problems = config.validate();
-        if problems.is_empty() {
-            Ok(config)
-        } else {
-            Err(ConfigError::Invalid {
-                origin: origin.to_owned(),
-                problems,
-            })
-        }
+        parse_validated(text, origin, Config::validate)
     }
 
     /// Checks what the types alone cannot; returns every problem, not just the first.
@@ -650,12 +641,34 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned + Default>(
     })
 }
 
-/// Reads a file for [`parse_yaml`]-style loaders.
-pub fn read_file(path: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+/// [`parse_yaml`], then `validate`, which returns every problem the types alone cannot catch.
+pub fn parse_validated<T: serde::de::DeserializeOwned + Default>(
+    text: &str,
+    origin: &str,
+    validate: impl FnOnce(&T) -> Vec<Problem>,
+) -> Result<T, ConfigError> {
+    let value: T = parse_yaml(text, origin)?;
+    let problems = validate(&value);
+    if problems.is_empty() {
+        Ok(value)
+    } else {
+        Err(ConfigError::Invalid {
+            origin: origin.to_owned(),
+            problems,
+        })
+    }
+}
+
+/// Reads a YAML file and [`parse_validated`]s it, naming the file in errors.
+pub fn load_validated<T: serde::de::DeserializeOwned + Default>(
+    path: &Path,
+    validate: impl FnOnce(&T) -> Vec<Problem>,
+) -> Result<T, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
         source,
-    })
+    })?;
+    parse_validated(&text, &path.display().to_string(), validate)
 }
 
 /// An endpoint URL split into what the request path needs.

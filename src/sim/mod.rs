@@ -22,7 +22,7 @@ use tokio::time::Instant;
 pub use node::{Condition, Node, NodeStats};
 pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
 
-use crate::config::{ConfigError, HumanDuration, Problem, parse_yaml, read_file};
+use crate::config::{ConfigError, HumanDuration, Problem, load_validated, parse_validated};
 
 /// A fleet of simulated nodes (the file `tongs sim --config FILE` reads).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -134,20 +134,11 @@ impl NodeSpec {
 
 impl FleetConfig {
     pub fn load(path: &Path) -> Result<FleetConfig, ConfigError> {
-        FleetConfig::parse(&read_file(path)?, &path.display().to_string())
+        load_validated(path, FleetConfig::validate)
     }
 
     pub fn parse(text: &str, origin: &str) -> Result<FleetConfig, ConfigError> {
-        let fleet: FleetConfig = parse_yaml(text, origin)?;
-        let problems = fleet.validate();
-        if problems.is_empty() {
-            Ok(fleet)
-        } else {
-            Err(ConfigError::Invalid {
-                origin: origin.to_owned(),
-                problems,
-            })
-        }
+        parse_validated(text, origin, FleetConfig::validate)
     }
 
     pub fn validate(&self) -> Vec<Problem> {
