@@ -6,7 +6,7 @@
 //! so a pick can skip ejected endpoints without locking. Heartbeats (health.rs) set `healthy` and fire
 //! the `gone` signal that in-flight attempts listen to.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -56,6 +56,8 @@ pub struct Endpoint {
     /// an ejection ends.
     gate: AtomicU64,
     breaker: Mutex<Breaker>,
+    /// The closed breaker's failure streak, mirrored so a success needs no lock when it is zero.
+    streak: AtomicU32,
     /// Back-pressure: no new requests before this millisecond (429 / 503 with Retry-After).
     cooldown_until: AtomicU64,
     /// Slow start began at this millisecond.
@@ -97,6 +99,7 @@ impl Endpoint {
             suspect: AtomicBool::new(false),
             gate: AtomicU64::new(GATE_CLOSED),
             breaker: Mutex::new(Breaker::default()),
+            streak: AtomicU32::new(0),
             cooldown_until: AtomicU64::new(0),
             ramp_start: AtomicU64::new(0),
             gone: watch::channel(0).0,
@@ -155,13 +158,10 @@ impl Endpoint {
 
     /// The endpoint answered a request well.
     pub fn record_success(&self, now: Instant) {
-        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
-            // Fast path: a closed breaker only needs its failure streak reset, and only if there is one.
-            let mut breaker = self.lock_breaker();
-            if breaker.state() != (State::Closed { failures: 0 }) {
-                let transition = breaker.on_success(now);
-                self.publish(&breaker, now, transition);
-            }
+        // The common case, a closed breaker with no failure streak, takes no lock.
+        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED
+            && self.streak.load(Ordering::Relaxed) == 0
+        {
             return;
         }
         let mut breaker = self.lock_breaker();
@@ -274,6 +274,11 @@ impl Endpoint {
 
     /// Mirrors the breaker into the gate and logs a transition once.
     fn publish(&self, breaker: &Breaker, now: Instant, transition: Option<Transition>) {
+        let streak = match breaker.state() {
+            State::Closed { failures } => failures,
+            _ => 0,
+        };
+        self.streak.store(streak, Ordering::Relaxed);
         let gate = match breaker.state() {
             State::Closed { .. } => GATE_CLOSED,
             State::HalfOpen {

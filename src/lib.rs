@@ -68,6 +68,8 @@ struct Worker {
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
     config: Config,
+    /// How many workers there are (each takes a share of the retry budget's floor).
+    workers: usize,
 }
 
 impl Worker {
@@ -97,10 +99,11 @@ impl Worker {
                     return;
                 }
             };
+            let worker = self.proxy.worker_path(upstream, self.workers);
             server::serve(
                 listener,
                 self.proxy,
-                upstream,
+                worker,
                 self.settings,
                 self.readiness,
                 self.shutdown,
@@ -210,6 +213,7 @@ impl App {
             }
         };
         let mut workers = Vec::new();
+        let count = self.proxy_listeners.len();
         for (index, listener) in self.proxy_listeners.into_iter().enumerate() {
             let (done, finished) = tokio::sync::oneshot::channel::<()>();
             let worker = Worker {
@@ -219,6 +223,7 @@ impl App {
                 readiness: Arc::clone(&self.readiness),
                 shutdown: shutdown.clone(),
                 config: self.config.clone(),
+                workers: count,
             };
             let spawned = std::thread::Builder::new()
                 .name(format!("tongs-worker-{index}"))

@@ -35,7 +35,8 @@ use crate::error::{ProxyError, describe};
 use crate::headers::{self, X_REQUEST_ID};
 use crate::registry::Registry;
 use crate::retry::{
-    BodyError, FailureKind, ReplayBody, RetryPolicy, RetryStats, classify_status, retry_after,
+    BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy, RetryStats, classify_status,
+    retry_after,
 };
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
@@ -104,6 +105,12 @@ pub struct Proxy {
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
+}
+
+/// What one worker thread owns on the request path: its pooled connections and its retry budget.
+pub struct WorkerPath {
+    upstream: UpstreamClient,
+    budget: RetryBudget,
 }
 
 /// Endpoint ids already tried by one request (no allocation; more than fit are not excluded).
@@ -203,17 +210,26 @@ impl Proxy {
         &self.upgrades
     }
 
+    /// The request path of one of `workers` worker threads, sending through `upstream`.
+    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
+        WorkerPath {
+            upstream,
+            budget: self.retry.budget(workers),
+        }
+    }
+
     /// Handles one client request; always produces a response.
     pub async fn handle(
         &self,
-        upstream: &UpstreamClient,
+        worker: &WorkerPath,
         mut request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<ProxyBody> {
+        let upstream = &worker.upstream;
         let started = Instant::now();
         let deadline = started + self.settings.total_timeout;
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        self.retry.deposit();
+        worker.budget.deposit();
         let request_id = headers::request_id(request.headers());
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
@@ -322,7 +338,7 @@ impl Proxy {
             if !retry {
                 break;
             }
-            if !self.retry.withdraw() {
+            if !worker.budget.withdraw() {
                 self.stats
                     .retries
                     .budget_exhausted

@@ -3,6 +3,9 @@
 //! The budget is tower's `TpsBudget` (Finagle's design): every request deposits, every retry withdraws,
 //! so retries add at most `budget_percent` of the request rate plus a small per-second floor. When the
 //! whole fleet fails, the budget runs dry and tongs answers at once instead of multiplying the load.
+//! Each worker thread keeps its own budget (a share of the floor, the same percentage), because a
+//! `TpsBudget` takes a lock on every deposit and one shared budget would be a lock every request of
+//! every thread contends for.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -124,21 +127,39 @@ impl RetryStats {
 /// The retry rules of one configuration.
 pub struct RetryPolicy {
     config: RetryConfig,
-    budget: TpsBudget,
+}
+
+/// One worker's retry budget.
+pub struct RetryBudget(TpsBudget);
+
+impl RetryBudget {
+    /// Every request deposits into the budget.
+    pub fn deposit(&self) {
+        self.0.deposit();
+    }
+
+    /// Takes one retry from the budget.
+    pub fn withdraw(&self) -> bool {
+        self.0.withdraw()
+    }
 }
 
 impl RetryPolicy {
     pub fn new(config: &RetryConfig) -> RetryPolicy {
-        // Validation keeps these within TpsBudget's own bounds (percent ≤ 1000 %, floor < i32::MAX).
-        let budget = TpsBudget::new(
-            Duration::from_secs(10),
-            config.budget_min_per_second,
-            config.budget_percent as f32 / 100.0,
-        );
         RetryPolicy {
             config: config.clone(),
-            budget,
         }
+    }
+
+    /// A budget for one of `workers` worker threads: the same percentage, a share of the floor.
+    pub fn budget(&self, workers: usize) -> RetryBudget {
+        let workers = u32::try_from(workers.max(1)).unwrap_or(u32::MAX);
+        // Validation keeps these within TpsBudget's own bounds (percent ≤ 1000 %, floor < i32::MAX).
+        RetryBudget(TpsBudget::new(
+            Duration::from_secs(10),
+            self.config.budget_min_per_second.div_ceil(workers),
+            self.config.budget_percent as f32 / 100.0,
+        ))
     }
 
     pub fn enabled(&self) -> bool {
@@ -151,16 +172,6 @@ impl RetryPolicy {
 
     pub fn replay_limit(&self) -> u64 {
         self.config.replay_limit_bytes
-    }
-
-    /// Every request deposits into the budget.
-    pub fn deposit(&self) {
-        self.budget.deposit();
-    }
-
-    /// Takes one retry from the budget.
-    pub fn withdraw(&self) -> bool {
-        self.budget.withdraw()
     }
 
     /// Whether `retry.on` lists this failure.
@@ -427,11 +438,11 @@ mod tests {
             budget_min_per_second: 0,
             ..RetryConfig::default()
         };
-        let policy = RetryPolicy::new(&config);
+        let budget = RetryPolicy::new(&config).budget(1);
         for _ in 0..100 {
-            policy.deposit();
+            budget.deposit();
         }
-        let granted = (0..100).filter(|_| policy.withdraw()).count();
+        let granted = (0..100).filter(|_| budget.withdraw()).count();
         assert_eq!(granted, 20);
     }
 

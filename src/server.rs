@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 use crate::admin::Readiness;
 use crate::config::Config;
 use crate::proxy::Proxy;
-use crate::upstream::UpstreamClient;
+use crate::proxy::WorkerPath;
 
 /// Connection-level settings of the client-facing server.
 #[derive(Clone, Debug)]
@@ -64,12 +64,13 @@ fn builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
 pub async fn serve(
     listener: TcpListener,
     proxy: Arc<Proxy>,
-    upstream: UpstreamClient,
+    worker: WorkerPath,
     settings: ServerSettings,
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
 ) {
     let builder = builder(&settings);
+    let worker = Arc::new(worker);
     let graceful = GracefulShutdown::new();
     loop {
         let accepted = tokio::select! {
@@ -89,11 +90,11 @@ pub async fn serve(
             tracing::debug!(error = %err, "set_nodelay failed");
         }
         let proxy = Arc::clone(&proxy);
-        let upstream = upstream.clone();
+        let worker = Arc::clone(&worker);
         let service = service_fn(move |request: hyper::Request<Incoming>| {
             let proxy = Arc::clone(&proxy);
-            let upstream = upstream.clone();
-            async move { Ok::<_, Infallible>(proxy.handle(&upstream, request, client).await) }
+            let worker = Arc::clone(&worker);
+            async move { Ok::<_, Infallible>(proxy.handle(&worker, request, client).await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
