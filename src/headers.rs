@@ -9,19 +9,23 @@ pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-fo
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1, plus the legacy
 /// `Keep-Alive` and `Proxy-Connection`). They must not cross the proxy.
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-];
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    // Standard names compare as enum values; this runs for every header of every message.
+    name == header::CONNECTION
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || name == KEEP_ALIVE
+        || name == PROXY_CONNECTION
+}
 
 /// Longest client-supplied request id kept as is; longer ones are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
@@ -43,6 +47,10 @@ fn connection_has_token(headers: &HeaderMap, token: &str) -> bool {
 /// Removes hop-by-hop headers, including those the `Connection` header names. With `keep_upgrade` the
 /// `Upgrade` header and `Connection: upgrade` survive, as a protocol switch needs them on the next hop.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    // Most messages carry none, or only `Connection: keep-alive`: one pass over the names decides.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -60,7 +68,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
         .get(header::TE)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"));
     let upgrade = headers.get(header::UPGRADE).cloned();
-    for name in HOP_BY_HOP {
+    let present: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| is_hop_by_hop(name))
+        .cloned()
+        .collect();
+    for name in present {
         headers.remove(name);
     }
     if te_trailers {
