@@ -68,6 +68,10 @@ pub struct Endpoint {
     /// Bumped when heartbeats declare the endpoint gone; waiting attempts fail over at once.
     gone: watch::Sender<u64>,
     ejections: AtomicU64,
+    /// Times heartbeats marked the endpoint unhealthy.
+    unhealthy_marks: AtomicU64,
+    /// Times the endpoint asked for back-off.
+    cooldowns: AtomicU64,
 }
 
 /// Milliseconds from a process-wide epoch to `now`: the form instants take in the endpoints' atomics.
@@ -114,6 +118,8 @@ impl Endpoint {
             ramp_start: AtomicU64::new(0),
             gone: watch::channel(0).0,
             ejections: AtomicU64::new(0),
+            unhealthy_marks: AtomicU64::new(0),
+            cooldowns: AtomicU64::new(0),
         }
     }
 
@@ -217,6 +223,7 @@ impl Endpoint {
             let transition = breaker.on_recovery(now);
             self.publish(&breaker, now, transition);
         } else {
+            self.unhealthy_marks.fetch_add(1, Ordering::Relaxed);
             self.gone.send_modify(|generation| *generation += 1);
             tracing::warn!(
                 endpoint = self.url(),
@@ -260,10 +267,21 @@ impl Endpoint {
         self.ejections.load(Ordering::Relaxed)
     }
 
+    /// Times heartbeats marked the endpoint unhealthy.
+    pub fn unhealthy_marks(&self) -> u64 {
+        self.unhealthy_marks.load(Ordering::Relaxed)
+    }
+
+    /// Times the endpoint asked for back-off (429, 503 with Retry-After).
+    pub fn cooldowns(&self) -> u64 {
+        self.cooldowns.load(Ordering::Relaxed)
+    }
+
     /// Back-pressure from the endpoint: no new requests for `pause` (it is not a failure).
     pub fn cool_down(&self, pause: Duration, now: Instant) {
         let until = self.millis(now + pause);
         self.cooldown_until.fetch_max(until, Ordering::Relaxed);
+        self.cooldowns.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             endpoint = self.url(),
             pause_ms = pause.as_millis() as u64,

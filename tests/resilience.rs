@@ -276,6 +276,7 @@ async fn back_pressure_is_not_a_failure() {
         );
         assert_eq!(pressed.ejections(), 0, "{url}");
         assert_eq!(pressed.failures(), 0, "{url}");
+        assert!(pressed.cooldowns() >= 1, "{url}: back-pressure is counted");
     }
     proxy.stop().await;
 }
@@ -734,6 +735,12 @@ async fn heartbeats_mark_unhealthy_and_back() {
     })
     .await;
     assert!(healthy_one.is_healthy(), "the good endpoint never flapped");
+    assert_eq!(
+        watched.unhealthy_marks(),
+        1,
+        "the transition is counted once"
+    );
+    assert_eq!(healthy_one.unhealthy_marks(), 0);
     proxy.stop().await;
 }
 
