@@ -83,8 +83,8 @@ enum Command {
 fn parse_duration(text: &str) -> Result<Duration, String> {
     let duration =
         humantime::parse_duration(text).map_err(|err| format!("{err} (write e.g. 30s or 2m)"))?;
-    if duration.is_zero() {
-        return Err("must be greater than zero".into());
+    if duration.is_zero() || duration > Duration::from_secs(24 * 3600) {
+        return Err("must be greater than zero and at most 24h".into());
     }
     Ok(duration)
 }

@@ -14,6 +14,9 @@ use serde::{Deserialize, Serialize};
 
 pub use duration::HumanDuration;
 
+/// Longest duration any key accepts (one day).
+pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);
+
 /// The whole configuration file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -485,6 +488,31 @@ impl Config {
                 problem(field.into(), "must be greater than zero".into());
             }
         }
+        // Deadlines are computed as now + duration; an absurd duration would overflow the clock.
+        let every_duration = [
+            ("timeouts.connect", self.timeouts.connect),
+            ("timeouts.response_headers", self.timeouts.response_headers),
+            ("timeouts.total", self.timeouts.total),
+            ("timeouts.idle", self.timeouts.idle),
+            ("timeouts.header_read", self.timeouts.header_read),
+            ("shutdown.grace", self.shutdown.grace),
+            ("health.interval", self.health.interval),
+            ("health.fast_interval", self.health.fast_interval),
+            ("health.timeout", self.health.timeout),
+            ("breaker.base_ejection", self.breaker.base_ejection),
+            ("breaker.max_ejection", self.breaker.max_ejection),
+            ("retry.backoff_base", self.retry.backoff_base),
+            ("retry.backoff_max", self.retry.backoff_max),
+            ("balancer.slow_start", self.balancer.slow_start),
+        ];
+        for (field, value) in every_duration {
+            if value > MAX_DURATION {
+                problem(
+                    field.into(),
+                    format!("must be at most {MAX_DURATION}, got {value}"),
+                );
+            }
+        }
         if self.timeouts.response_headers > self.timeouts.total {
             problem(
                 "timeouts.response_headers".into(),
@@ -789,6 +817,21 @@ limits: { max_header_bytes: 10 }
                 "timeouts.response_headers",
                 "limits.max_header_bytes",
             ]
+        );
+    }
+
+    #[test]
+    fn absurd_durations_are_refused() {
+        let err = Config::parse(
+            "timeouts: { total: 100000000000s, response_headers: 1s }\n",
+            "test",
+        )
+        .unwrap_err();
+        assert_eq!(err.problems()[0].field, "timeouts.total");
+        assert!(
+            err.problems()[0].message.contains("86400s"),
+            "{}",
+            err.problems()[0].message
         );
     }
 

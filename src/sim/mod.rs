@@ -163,6 +163,9 @@ impl FleetConfig {
             if node.service_time.mean.get().is_zero() {
                 problem(at("service_time.mean"), "must be greater than zero");
             }
+            if node.service_time.mean.get() > Duration::from_secs(3600) {
+                problem(at("service_time.mean"), "must be at most 3600s");
+            }
             if !(0.0..=3.0).contains(&node.service_time.spread) {
                 problem(at("service_time.spread"), "must be between 0 and 3");
             }
@@ -173,6 +176,13 @@ impl FleetConfig {
                 problem(at("tokens"), "must be at least 1");
             }
             for (j, interruption) in node.interruptions.iter().enumerate() {
+                // Times count from the fleet's start; a week bounds them well inside the clock's range.
+                if interruption.at.get() > WEEK || interruption.duration.get() > WEEK {
+                    problem(
+                        at(&format!("interruptions[{j}]")),
+                        "at and duration must be at most 604800s",
+                    );
+                }
                 if interruption.duration.get().is_zero() {
                     problem(
                         at(&format!("interruptions[{j}].duration")),
@@ -187,10 +197,17 @@ impl FleetConfig {
                 }
             }
             if let Some(random) = &node.random_interruptions {
-                if random.mean_interval.get().is_zero() {
+                if random.mean_interval.get() > WEEK || random.mean_duration.get() > WEEK {
+                    problem(
+                        at("random_interruptions"),
+                        "mean_interval and mean_duration must be at most 604800s",
+                    );
+                }
+                // Planned a day ahead at most: at one a second that is 86,400 entries per node.
+                if random.mean_interval.get() < Duration::from_secs(1) {
                     problem(
                         at("random_interruptions.mean_interval"),
-                        "must be greater than zero",
+                        "must be at least 1s",
                     );
                 }
                 if random.kinds.is_empty() {
@@ -210,6 +227,9 @@ impl FleetConfig {
         problems
     }
 }
+
+/// Longest interruption time or duration a fleet file accepts.
+const WEEK: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// A running fleet. Dropping it stops every node.
 pub struct Fleet {
