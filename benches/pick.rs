@@ -25,14 +25,21 @@ fn allocations() -> u64 {
 /// once outside the measured loop: the proxy reads the clock for its timeouts anyway, and in a bench
 /// build tokio's clock is slower than in the binary (its test-util feature is on for the tests). It is a
 /// minute after the fleet was built, so no endpoint is still in slow start (the steady state).
-fn context() -> PickContext {
+fn context(neutral_latency_us: Option<u64>) -> PickContext {
     static NOW: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
     let now = *NOW.get_or_init(|| tokio::time::Instant::now() + Duration::from_secs(60));
     PickContext {
         slow_start_ms: 5_000,
+        neutral_latency_us,
         ..PickContext::at(now)
     }
 }
+
+/// The two balancer policies: expected latency (the default) and plain least outstanding.
+const POLICIES: [(&str, Option<u64>); 2] = [
+    ("expected_latency", Some(50_000)),
+    ("least_outstanding", None),
+];
 
 const SIZES: [usize; 3] = [8, 64, 10_000];
 const ALLOC_CHECK_PICKS: u64 = 1_000_000;
@@ -57,6 +64,15 @@ fn fleet(n: usize) -> (Vec<Arc<Endpoint>>, Vec<Outstanding>) {
         .enumerate()
         .flat_map(|(i, endpoint)| (0..i % 5).map(|_| endpoint.start_request()))
         .collect();
+    // Latency estimates from 20 to 200 ms, observed just before the picks, as under steady traffic.
+    let now_ms = tongs::endpoint::millis(context(None).now);
+    for (i, endpoint) in endpoints.iter().enumerate() {
+        endpoint.observe_latency(
+            Duration::from_millis(20 + (i as u64 * 37) % 180),
+            now_ms,
+            10_000,
+        );
+    }
     (endpoints, held)
 }
 
@@ -66,20 +82,23 @@ fn exclusions(n: usize) -> Vec<EndpointId> {
 }
 
 fn bench_pick(c: &mut Criterion) {
-    let mut group = c.benchmark_group("pick");
-    for &n in &SIZES {
-        let (endpoints, _held) = fleet(n);
-        let exclude = exclusions(n);
-        group.bench_with_input(BenchmarkId::new("no_exclusions", n), &n, |b, _| {
-            b.iter(|| pick(black_box(&endpoints), black_box(&[]), &context()).map(|(e, _)| e.id()))
-        });
-        group.bench_with_input(BenchmarkId::new("exclude_3", n), &n, |b, _| {
-            b.iter(|| {
-                pick(black_box(&endpoints), black_box(&exclude), &context()).map(|(e, _)| e.id())
-            })
-        });
+    for (policy, neutral) in POLICIES {
+        let mut group = c.benchmark_group(format!("pick_{policy}"));
+        for &n in &SIZES {
+            let (endpoints, _held) = fleet(n);
+            let exclude = exclusions(n);
+            let ctx = context(neutral);
+            group.bench_with_input(BenchmarkId::new("no_exclusions", n), &n, |b, _| {
+                b.iter(|| pick(black_box(&endpoints), black_box(&[]), &ctx).map(|(e, _)| e.id()))
+            });
+            group.bench_with_input(BenchmarkId::new("exclude_3", n), &n, |b, _| {
+                b.iter(|| {
+                    pick(black_box(&endpoints), black_box(&exclude), &ctx).map(|(e, _)| e.id())
+                })
+            });
+        }
+        group.finish();
     }
-    group.finish();
 }
 
 /// Runs `ALLOC_CHECK_PICKS` picks per size (half with exclusions) and prints the allocations they made.
@@ -95,12 +114,17 @@ fn allocation_check() {
         );
         let exclude = exclusions(n);
         // One pick first, so any lazy one-time setup (e.g. the thread-local RNG) is not counted.
-        black_box(pick(&endpoints, &exclude, &context()));
+        black_box(pick(&endpoints, &exclude, &context(Some(50_000))));
         let before = allocations();
         let mut checksum = 0u64;
         for i in 0..ALLOC_CHECK_PICKS {
             let skip: &[EndpointId] = if i % 2 == 0 { &[] } else { &exclude };
-            let (picked, _) = pick(black_box(&endpoints), black_box(skip), &context()).unwrap();
+            let (picked, _) = pick(
+                black_box(&endpoints),
+                black_box(skip),
+                &context(Some(50_000)),
+            )
+            .unwrap();
             checksum = checksum.wrapping_add(picked.id());
         }
         let made = allocations() - before;

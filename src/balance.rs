@@ -34,6 +34,11 @@ pub struct PickContext {
     pub ignore_health: bool,
     /// Every eligible endpoint asked for back-off: pick among them anyway rather than turn clients away.
     pub ignore_cooldown: bool,
+    /// Rank by expected latency (`Some`: the fleet's estimate in microseconds, for endpoints without
+    /// one) or by outstanding count alone (`None`).
+    pub neutral_latency_us: Option<u64>,
+    /// Time constant of the latency estimates, milliseconds.
+    pub latency_decay_ms: u64,
 }
 
 impl PickContext {
@@ -43,6 +48,8 @@ impl PickContext {
             slow_start_ms: 0,
             ignore_health: false,
             ignore_cooldown: false,
+            neutral_latency_us: None,
+            latency_decay_ms: 10_000,
         }
     }
 }
@@ -72,12 +79,13 @@ pub fn pick<'a>(
     }
 }
 
-/// An eligible candidate with its load `(outstanding + 1, effective weight)`: a fraction, compared by
-/// cross-multiplication.
+/// An eligible candidate with its load as a fraction compared by cross-multiplication:
+/// `(outstanding + 1) × latency estimate` over the effective weight (the estimate is 1 for the plain
+/// least-outstanding policy).
 struct Candidate<'a> {
     endpoint: &'a Arc<Endpoint>,
     eligibility: Eligibility,
-    load: (u64, u64),
+    load: (u128, u64),
 }
 
 fn candidate<'a>(
@@ -97,14 +105,23 @@ fn candidate<'a>(
         endpoint,
         eligibility,
         load: (
-            endpoint.outstanding().saturating_add(1),
+            u128::from(endpoint.outstanding().saturating_add(1))
+                * u128::from(match ctx.neutral_latency_us {
+                    Some(neutral) => {
+                        endpoint.latency_estimate(now_ms, neutral, ctx.latency_decay_ms)
+                    }
+                    None => 1,
+                }),
             endpoint.effective_weight(now_ms, ctx.slow_start_ms),
         ),
     })
 }
 
-fn compare(a: (u64, u64), b: (u64, u64)) -> Ordering {
-    (u128::from(a.0) * u128::from(b.1)).cmp(&(u128::from(b.0) * u128::from(a.1)))
+fn compare(a: (u128, u64), b: (u128, u64)) -> Ordering {
+    // At most 2^64 × 2^64 × 10^7 on each side would overflow; saturating keeps the order sane far beyond
+    // any real outstanding count and latency.
+    a.0.saturating_mul(u128::from(b.1))
+        .cmp(&b.0.saturating_mul(u128::from(a.1)))
 }
 
 fn full_scan<'a>(

@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
-use tongs::config::{Config, ConfigError};
+use tongs::config::{BalancePolicy, Config, ConfigError};
 use tongs::demo::DemoOptions;
 use tongs::sim::{Fleet, FleetConfig};
 use tracing_subscriber::EnvFilter;
@@ -30,6 +30,12 @@ struct Cli {
     log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum PolicyArg {
+    ExpectedLatency,
+    LeastOutstanding,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -71,6 +77,9 @@ enum Command {
         /// Run the same fleet without interruptions (a baseline to compare against).
         #[arg(long)]
         no_interruptions: bool,
+        /// How tongs ranks the nodes (balancer.policy).
+        #[arg(long, value_enum, default_value_t = PolicyArg::ExpectedLatency)]
+        policy: PolicyArg,
     },
     /// Serve a simulated fleet described by a YAML file until stopped (point a tongs config at it).
     Sim {
@@ -115,6 +124,7 @@ fn main() -> ExitCode {
             seed,
             json,
             no_interruptions,
+            policy,
         } => {
             let options = DemoOptions {
                 duration,
@@ -123,6 +133,10 @@ fn main() -> ExitCode {
                 seed,
                 json,
                 interruptions: !no_interruptions,
+                policy: match policy {
+                    PolicyArg::ExpectedLatency => BalancePolicy::ExpectedLatency,
+                    PolicyArg::LeastOutstanding => BalancePolicy::LeastOutstanding,
+                },
             };
             exit_on_error(demo(options))
         }

@@ -29,7 +29,7 @@ use tokio_util::task::TaskTracker;
 use crate::balance::{self, PickContext};
 use crate::body::ProxyBody;
 use crate::breaker::{Admission, BreakerSettings};
-use crate::config::{Config, RetryConfig};
+use crate::config::{BalancePolicy, Config, RetryConfig};
 use crate::endpoint::{Eligibility, Endpoint, EndpointId, Outstanding};
 use crate::error::{ProxyError, describe};
 use crate::headers::{self, X_REQUEST_ID};
@@ -58,6 +58,8 @@ pub struct ProxySettings {
     pub retry: RetryConfig,
     /// How long an attempt may wait on an endpoint whose last heartbeat failed before it moves on.
     pub suspect_grace: Duration,
+    pub policy: BalancePolicy,
+    pub latency_decay: Duration,
 }
 
 impl ProxySettings {
@@ -75,6 +77,8 @@ impl ProxySettings {
             slow_start: config.balancer.slow_start.get(),
             retry: config.retry.clone(),
             suspect_grace: config.health.timeout.get(),
+            policy: config.balancer.policy,
+            latency_decay: config.balancer.latency_decay.get(),
         }
     }
 }
@@ -101,6 +105,9 @@ pub struct ProxyStats {
 pub struct Proxy {
     registry: Arc<Registry>,
     settings: ProxySettings,
+    /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
+    /// estimate of endpoints that have none of their own yet.
+    fleet_latency: AtomicU64,
     retry: RetryPolicy,
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
@@ -191,6 +198,7 @@ impl Proxy {
     pub fn new(registry: Arc<Registry>, settings: ProxySettings) -> Self {
         Proxy {
             registry,
+            fleet_latency: AtomicU64::new(0),
             retry: RetryPolicy::new(&settings.retry),
             settings,
             stats: ProxyStats::default(),
@@ -365,9 +373,14 @@ impl Proxy {
         let snapshot = self.registry.snapshot();
         let mut ctx = PickContext {
             now,
-            slow_start_ms: u64::try_from(self.settings.slow_start.as_millis()).unwrap_or(u64::MAX),
+            slow_start_ms: millis_of(self.settings.slow_start),
             ignore_health: false,
             ignore_cooldown: false,
+            neutral_latency_us: match self.settings.policy {
+                BalancePolicy::ExpectedLatency => Some(self.fleet_latency_us()),
+                BalancePolicy::LeastOutstanding => None,
+            },
+            latency_decay_ms: millis_of(self.settings.latency_decay),
         };
         let mut exclude = *tried;
         for _ in 0..6 {
@@ -507,12 +520,50 @@ impl Proxy {
             }
         };
         probe_guard.pending = false;
-        endpoint.record_success(Instant::now());
+        let now = Instant::now();
+        endpoint.record_success(now);
+        self.observe_latency(
+            endpoint,
+            now.saturating_duration_since(attempt_started),
+            now,
+        );
         Attempt::Committed {
             response,
             first,
             outstanding,
         }
+    }
+
+    /// The fleet's latency estimate in microseconds (1 ms before anything was observed).
+    pub fn fleet_latency_us(&self) -> u64 {
+        let estimate = f64::from_bits(self.fleet_latency.load(Ordering::Relaxed));
+        if estimate > 0.0 {
+            estimate as u64
+        } else {
+            1000
+        }
+    }
+
+    /// Feeds a committed attempt's time to first byte to its endpoint's estimate and the fleet's.
+    ///
+    /// Time to first byte — headers plus the first body bytes, which is when tongs commits — and not
+    /// time to the end of the body: a streamed answer is long because it streams, not because its node is
+    /// slow, and every endpoint serves the same mix of streamed and whole answers, so the first byte
+    /// compares them fairly. For a whole (non-streamed) answer it is the full service time anyway.
+    fn observe_latency(&self, endpoint: &Endpoint, sample: Duration, now: Instant) {
+        endpoint.observe_latency(
+            sample,
+            crate::endpoint::millis(now),
+            millis_of(self.settings.latency_decay),
+        );
+        let sample_us = (sample.as_secs_f64() * 1e6).max(1.0);
+        let fleet = f64::from_bits(self.fleet_latency.load(Ordering::Relaxed));
+        let next = if fleet <= 0.0 {
+            sample_us
+        } else {
+            fleet + (sample_us - fleet) * 0.02
+        };
+        self.fleet_latency.store(next.to_bits(), Ordering::Relaxed);
     }
 
     /// The failure of an attempt whose endpoint heartbeats declared gone while it waited.
@@ -711,6 +762,10 @@ async fn wait_gone(
         }
         signalled = true;
     }
+}
+
+fn millis_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Whether the request asked not to be retried (`x-tongs-retry: off`, `false` or `0`).

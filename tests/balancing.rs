@@ -1,4 +1,4 @@
-//! Least-outstanding balancing through the real proxy: requests held open on one endpoint (headers sent,
+//! Least-outstanding balancing (`balancer.policy: least-outstanding`) through the real proxy: requests held open on one endpoint (headers sent,
 //! body still streaming) push new requests to the idle one; weights shape how concurrent load spreads.
 
 mod support;
@@ -13,6 +13,9 @@ use http_body_util::BodyExt;
 use http_body_util::channel::Channel;
 use support::*;
 use tokio::sync::Notify;
+
+/// The plain count policy these tests are about (expected latency is tested in tests/latency.rs).
+const LEAST_OUTSTANDING: &str = "balancer: { policy: least-outstanding }\n";
 
 /// A backend that counts requests; `/hold` answers headers at once but keeps its body open until
 /// `release` is notified.
@@ -54,7 +57,11 @@ async fn holding_backend() -> HoldingBackend {
 async fn a_request_streaming_on_one_endpoint_sends_the_next_ones_elsewhere() {
     let a = holding_backend().await;
     let b = holding_backend().await;
-    let proxy = start_proxy(config_with("", &[a.backend.url(), b.backend.url()])).await;
+    let proxy = start_proxy(config_with(
+        LEAST_OUTSTANDING,
+        &[a.backend.url(), b.backend.url()],
+    ))
+    .await;
 
     // One long request: its headers arrive at once, its body stays open.
     let held = client()
@@ -104,7 +111,7 @@ async fn concurrent_requests_spread_by_weight() {
     let heavy = holding_backend().await;
     let light = holding_backend().await;
     let yaml = format!(
-        "discovery:\n  static:\n    - url: {}\n      weight: 3\n    - url: {}\n      weight: 1\n",
+        "{LEAST_OUTSTANDING}discovery:\n  static:\n    - url: {}\n      weight: 3\n    - url: {}\n      weight: 1\n",
         heavy.backend.url(),
         light.backend.url()
     );

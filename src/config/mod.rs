@@ -351,6 +351,12 @@ impl<'de> Deserialize<'de> for RetryOn {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BalancerConfig {
+    /// `expected-latency`: least (outstanding + 1) × latency estimate ÷ weight; `least-outstanding`: least
+    /// (outstanding + 1) ÷ weight.
+    pub policy: BalancePolicy,
+    /// Time constant of the latency estimate: how fast it forgets a fast answer, and how long an idle
+    /// endpoint's estimate takes to return to the fleet's (so a node slow once is tried again).
+    pub latency_decay: HumanDuration,
     /// A new or recovered endpoint's share of traffic ramps from 10 % to 100 % over this window; 0s
     /// turns slow start off.
     pub slow_start: HumanDuration,
@@ -359,9 +365,20 @@ pub struct BalancerConfig {
 impl Default for BalancerConfig {
     fn default() -> Self {
         Self {
+            policy: BalancePolicy::ExpectedLatency,
+            latency_decay: HumanDuration::from_secs(10),
             slow_start: HumanDuration::from_secs(5),
         }
     }
+}
+
+/// How the balancer ranks eligible endpoints.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BalancePolicy {
+    #[default]
+    ExpectedLatency,
+    LeastOutstanding,
 }
 
 /// Graceful shutdown.
@@ -504,6 +521,7 @@ impl Config {
             ("retry.backoff_base", self.retry.backoff_base),
             ("retry.backoff_max", self.retry.backoff_max),
             ("balancer.slow_start", self.balancer.slow_start),
+            ("balancer.latency_decay", self.balancer.latency_decay),
         ];
         for (field, value) in every_duration {
             if value > MAX_DURATION {
@@ -533,6 +551,7 @@ impl Config {
             ("health.fast_interval", self.health.fast_interval),
             ("health.timeout", self.health.timeout),
             ("breaker.base_ejection", self.breaker.base_ejection),
+            ("balancer.latency_decay", self.balancer.latency_decay),
         ] {
             if value.get().is_zero() {
                 problem(field.into(), "must be greater than zero".into());

@@ -12,7 +12,7 @@ pub use load::{LoadGenerator, LoadPlan, Outcome, Recorder};
 pub use report::Summary;
 
 use crate::App;
-use crate::config::{Config, HumanDuration, StaticEndpoint};
+use crate::config::{BalancePolicy, Config, HumanDuration, StaticEndpoint};
 use crate::sim::{
     Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
 };
@@ -28,6 +28,8 @@ pub struct DemoOptions {
     pub json: bool,
     /// Inject interruptions (off gives the same fleet calm, as a baseline).
     pub interruptions: bool,
+    /// How tongs ranks the nodes.
+    pub policy: BalancePolicy,
 }
 
 impl Default for DemoOptions {
@@ -39,6 +41,7 @@ impl Default for DemoOptions {
             seed: 1,
             json: false,
             interruptions: true,
+            policy: BalancePolicy::default(),
         }
     }
 }
@@ -96,12 +99,13 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
 
 /// The proxy configuration the demo runs: the fleet as static endpoints, loopback ports, and timeouts
 /// short enough that a silent node shows up within the run.
-pub fn demo_config(fleet: &Fleet) -> Config {
+pub fn demo_config(fleet: &Fleet, policy: BalancePolicy) -> Config {
     let mut config = Config {
         listen: ([127, 0, 0, 1], 0).into(),
         ..Config::default()
     };
     config.admin.listen = ([127, 0, 0, 1], 0).into();
+    config.balancer.policy = policy;
     config.timeouts.connect = HumanDuration::from_secs(1);
     config.timeouts.response_headers = HumanDuration::from_secs(10);
     config.timeouts.total = HumanDuration::from_secs(30);
@@ -117,7 +121,7 @@ pub fn demo_config(fleet: &Fleet) -> Config {
 pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::Result<Summary> {
     let fleet_config = demo_fleet(&options);
     let fleet = Fleet::start(&fleet_config, options.duration).await?;
-    let app = App::bind(&demo_config(&fleet)).await?;
+    let app = App::bind(&demo_config(&fleet, options.policy)).await?;
     let proxy = std::sync::Arc::clone(app.proxy());
     let target = format!("http://{}", app.proxy_addr());
     let proxy_stop = CancellationToken::new();
