@@ -180,7 +180,8 @@ enum Attempt {
     Failed(Failure),
 }
 
-/// Releases a half-open probe that ends without a verdict (its request was cancelled).
+/// Releases a half-open probe when its attempt ends, so one cancelled without a verdict (its client
+/// left) frees the slot. After a verdict the breaker is no longer probing and releasing changes nothing.
 struct ProbeGuard<'a> {
     endpoint: &'a Endpoint,
     pending: bool,
@@ -425,7 +426,8 @@ impl Proxy {
         deadline: Instant,
         body: &ReplayBody,
     ) -> Attempt {
-        let mut probe_guard = ProbeGuard {
+        // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
+        let _probe_guard = ProbeGuard {
             endpoint,
             pending: probe,
         };
@@ -453,22 +455,18 @@ impl Proxy {
         let mut response = match sent {
             Some(Ok(Ok(response))) => response,
             Some(Ok(Err(err))) => {
-                probe_guard.pending = false;
                 let (kind, error) = self.classify(endpoint, &err, body);
                 return Attempt::Failed(self.record(failed(kind, error)));
             }
             Some(Err(_elapsed)) => {
-                probe_guard.pending = false;
                 return Attempt::Failed(self.record(failed(FailureKind::Timeout, timed_out())));
             }
             None => {
-                probe_guard.pending = false;
                 return Attempt::Failed(self.record(self.gone(endpoint)));
             }
         };
 
         if let Some(kind) = classify_status(response.status(), response.headers()) {
-            probe_guard.pending = false;
             if kind == FailureKind::BackPressure {
                 endpoint.cool_down(
                     retry_after(response.headers(), MAX_COOLDOWN),
@@ -499,7 +497,6 @@ impl Proxy {
                 Some(Ok(Some(Ok(frame)))) => Some(frame),
                 Some(Ok(None)) => None,
                 Some(Ok(Some(Err(err)))) => {
-                    probe_guard.pending = false;
                     let error = ProxyError::Upstream {
                         endpoint: endpoint.url().to_owned(),
                         detail: format!(
@@ -510,16 +507,13 @@ impl Proxy {
                     return Attempt::Failed(self.record(failed(FailureKind::Reset, error)));
                 }
                 Some(Err(_elapsed)) => {
-                    probe_guard.pending = false;
                     return Attempt::Failed(self.record(failed(FailureKind::Timeout, timed_out())));
                 }
                 None => {
-                    probe_guard.pending = false;
                     return Attempt::Failed(self.record(self.gone(endpoint)));
                 }
             }
         };
-        probe_guard.pending = false;
         let now = Instant::now();
         endpoint.record_success(now);
         self.observe_latency(

@@ -27,9 +27,6 @@ use tongs::breaker::State;
 use tongs::endpoint::Endpoint;
 use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec, ResponseKind};
 
-/// Longest any single exchange in this file may take before the test calls it hung.
-const HANG: Duration = Duration::from_secs(30);
-
 /// Heartbeats fast enough for a test to see verdicts within a second or two.
 const HEARTBEATS: &str = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms }\n";
 
@@ -65,24 +62,6 @@ async fn answering(
 /// A backend answering 502 to everything.
 async fn bad_gateway() -> (Backend, Hits) {
     answering(502, &[], "bad gateway").await
-}
-
-/// Sends `request` and returns status and body text; a broken body panics.
-async fn send(request: Request<TestBody>) -> (u16, String) {
-    let exchange = async {
-        let response = client().request(request).await.expect("the proxy answers");
-        let status = response.status().as_u16();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
-    };
-    tokio::time::timeout(HANG, exchange)
-        .await
-        .expect("the exchange finished in time")
 }
 
 /// A POST of `body` (sent with its `Content-Length`).

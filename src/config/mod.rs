@@ -492,38 +492,33 @@ impl Config {
                 );
             }
         }
-        let timeouts = [
-            ("timeouts.connect", self.timeouts.connect),
-            ("timeouts.response_headers", self.timeouts.response_headers),
-            ("timeouts.total", self.timeouts.total),
-            ("timeouts.idle", self.timeouts.idle),
-            ("timeouts.header_read", self.timeouts.header_read),
-            ("shutdown.grace", self.shutdown.grace),
+        // Every duration key: whether zero makes sense, and a ceiling, since deadlines are computed as
+        // now + duration and an absurd duration would overflow the clock.
+        let durations = [
+            ("timeouts.connect", self.timeouts.connect, false),
+            (
+                "timeouts.response_headers",
+                self.timeouts.response_headers,
+                false,
+            ),
+            ("timeouts.total", self.timeouts.total, false),
+            ("timeouts.idle", self.timeouts.idle, false),
+            ("timeouts.header_read", self.timeouts.header_read, false),
+            ("shutdown.grace", self.shutdown.grace, false),
+            ("health.interval", self.health.interval, false),
+            ("health.fast_interval", self.health.fast_interval, false),
+            ("health.timeout", self.health.timeout, false),
+            ("breaker.base_ejection", self.breaker.base_ejection, false),
+            ("breaker.max_ejection", self.breaker.max_ejection, false),
+            ("retry.backoff_base", self.retry.backoff_base, true),
+            ("retry.backoff_max", self.retry.backoff_max, true),
+            ("balancer.slow_start", self.balancer.slow_start, true),
+            ("balancer.latency_decay", self.balancer.latency_decay, false),
         ];
-        for (field, value) in timeouts {
-            if value.get().is_zero() {
+        for (field, value, zero_allowed) in durations {
+            if value.get().is_zero() && !zero_allowed {
                 problem(field.into(), "must be greater than zero".into());
             }
-        }
-        // Deadlines are computed as now + duration; an absurd duration would overflow the clock.
-        let every_duration = [
-            ("timeouts.connect", self.timeouts.connect),
-            ("timeouts.response_headers", self.timeouts.response_headers),
-            ("timeouts.total", self.timeouts.total),
-            ("timeouts.idle", self.timeouts.idle),
-            ("timeouts.header_read", self.timeouts.header_read),
-            ("shutdown.grace", self.shutdown.grace),
-            ("health.interval", self.health.interval),
-            ("health.fast_interval", self.health.fast_interval),
-            ("health.timeout", self.health.timeout),
-            ("breaker.base_ejection", self.breaker.base_ejection),
-            ("breaker.max_ejection", self.breaker.max_ejection),
-            ("retry.backoff_base", self.retry.backoff_base),
-            ("retry.backoff_max", self.retry.backoff_max),
-            ("balancer.slow_start", self.balancer.slow_start),
-            ("balancer.latency_decay", self.balancer.latency_decay),
-        ];
-        for (field, value) in every_duration {
             if value > MAX_DURATION {
                 problem(
                     field.into(),
@@ -545,17 +540,6 @@ impl Config {
                 "health.path".into(),
                 format!("must start with /, got {:?}", self.health.path),
             );
-        }
-        for (field, value) in [
-            ("health.interval", self.health.interval),
-            ("health.fast_interval", self.health.fast_interval),
-            ("health.timeout", self.health.timeout),
-            ("breaker.base_ejection", self.breaker.base_ejection),
-            ("balancer.latency_decay", self.balancer.latency_decay),
-        ] {
-            if value.get().is_zero() {
-                problem(field.into(), "must be greater than zero".into());
-            }
         }
         for (field, value) in [
             (

@@ -163,20 +163,34 @@ pub fn client() -> Client<HttpConnector, TestBody> {
     Client::builder(TokioExecutor::new()).build_http()
 }
 
+/// Longest any test exchange may take before the test fails instead of hanging.
+pub const HANG: Duration = Duration::from_secs(30);
+
+/// Sends `request` and returns status and body text; a broken body or no answer within [`HANG`] panics.
+pub async fn send(request: Request<TestBody>) -> (u16, String) {
+    let target = request.uri().to_string();
+    let exchange = async {
+        let response = client()
+            .request(request)
+            .await
+            .unwrap_or_else(|err| panic!("{target}: {err}"));
+        let status = response.status().as_u16();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .expect("body")
+            .to_bytes();
+        (status, String::from_utf8_lossy(&body).into_owned())
+    };
+    tokio::time::timeout(HANG, exchange)
+        .await
+        .unwrap_or_else(|_| panic!("{target}: no answer within {HANG:?}"))
+}
+
 /// Sends a GET and returns status and body text.
 pub async fn get(url: &str) -> (u16, String) {
-    let response = client()
-        .get(url.parse().unwrap())
-        .await
-        .unwrap_or_else(|err| panic!("GET {url}: {err}"));
-    let status = response.status().as_u16();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .expect("body")
-        .to_bytes();
-    (status, String::from_utf8_lossy(&body).into_owned())
+    send(Request::get(url).body(full("")).expect("a valid URL")).await
 }
 
 /// Polls `check` until it returns true or `limit` passes; panics with `what` on timeout.
