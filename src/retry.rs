@@ -20,19 +20,11 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use tower::retry::budget::{Budget, TpsBudget};
 
-use crate::config::{RetryConfig, RetryOn};
+use crate::config::RetryConfig;
 use crate::upstream::{BoxError, UpstreamBody};
 
-/// Why an attempt failed (or was turned away), in the terms of `retry.on`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FailureKind {
-    ConnectFailure,
-    Reset,
-    Timeout,
-    Unhealthy,
-    BackPressure,
-    Status(u16),
-}
+/// Why an attempt failed (or was turned away): the very conditions `retry.on` lists.
+pub use crate::config::RetryOn as FailureKind;
 
 impl FailureKind {
     pub fn as_str(self) -> &'static str {
@@ -176,15 +168,7 @@ impl RetryPolicy {
 
     /// Whether `retry.on` lists this failure.
     pub fn retries_on(&self, kind: FailureKind) -> bool {
-        let wanted = match kind {
-            FailureKind::ConnectFailure => RetryOn::ConnectFailure,
-            FailureKind::Reset => RetryOn::Reset,
-            FailureKind::Timeout => RetryOn::Timeout,
-            FailureKind::Unhealthy => RetryOn::Unhealthy,
-            FailureKind::BackPressure => RetryOn::BackPressure,
-            FailureKind::Status(code) => RetryOn::Status(code),
-        };
-        self.config.on.contains(&wanted)
+        self.config.on.contains(&kind)
     }
 
     /// Backoff before retry number `retry` (1 for the first retry): full jitter up to base × 2^(retry−1).
@@ -449,7 +433,7 @@ mod tests {
     #[test]
     fn retry_on_follows_the_config() {
         let config = RetryConfig {
-            on: vec![RetryOn::ConnectFailure, RetryOn::Status(503)],
+            on: vec![FailureKind::ConnectFailure, FailureKind::Status(503)],
             ..RetryConfig::default()
         };
         let policy = RetryPolicy::new(&config);
