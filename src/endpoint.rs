@@ -15,8 +15,10 @@ use http::uri::{Authority, Scheme};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::admission::Queue;
 use crate::breaker::{Admission, Breaker, BreakerSettings, State, Transition};
-use crate::config::EndpointUrl;
+use crate::config::{EndpointUrl, LimitMode};
+use crate::limit::{LimitSettings, Limiter};
 
 /// `gate` value of a closed breaker.
 const GATE_CLOSED: u64 = 0;
@@ -36,6 +38,8 @@ pub struct Endpoint {
     id: EndpointId,
     /// Requests picked for this endpoint whose response body has not ended yet.
     outstanding: AtomicU64,
+    /// Most requests allowed outstanding at once (`u64::MAX`: no limit).
+    limit: AtomicU64,
     /// The breaker's state for the pick: [`GATE_CLOSED`], [`GATE_PROBING`], or the millisecond at which
     /// an ejection ends.
     gate: AtomicU64,
@@ -76,6 +80,10 @@ pub struct Endpoint {
     unhealthy_marks: AtomicU64,
     /// Times the endpoint asked for back-off.
     cooldowns: AtomicU64,
+    /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
+    limiter: Mutex<Option<Limiter>>,
+    /// The queue to wake when a slot here comes free.
+    queue: OnceLock<Arc<Queue>>,
 }
 
 /// Milliseconds from a process-wide epoch to `now`: the form instants take in the endpoints' atomics.
@@ -110,6 +118,7 @@ impl Endpoint {
             host_header,
             weight: weight.max(1),
             outstanding: AtomicU64::new(0),
+            limit: AtomicU64::new(u64::MAX),
             requests: AtomicU64::new(0),
             failures: AtomicU64::new(0),
             draining: AtomicBool::new(false),
@@ -126,6 +135,8 @@ impl Endpoint {
             ejections: AtomicU64::new(0),
             unhealthy_marks: AtomicU64::new(0),
             cooldowns: AtomicU64::new(0),
+            limiter: Mutex::new(None),
+            queue: OnceLock::new(),
         }
     }
 
@@ -142,7 +153,8 @@ impl Endpoint {
         ignore_cooldown: bool,
     ) -> Eligibility {
         let unwell = !self.healthy.load(Ordering::Relaxed) || self.suspect.load(Ordering::Relaxed);
-        if self.draining.load(Ordering::Relaxed)
+        if self.outstanding.load(Ordering::Relaxed) >= self.limit.load(Ordering::Relaxed)
+            || self.draining.load(Ordering::Relaxed)
             || (!ignore_health && unwell)
             || (!ignore_cooldown && self.cooldown_until.load(Ordering::Relaxed) > now_ms)
         {
@@ -338,6 +350,11 @@ impl Endpoint {
         );
     }
 
+    /// Whether the endpoint asked for back-off that has not ended at `now_ms`.
+    pub fn cooling_down(&self, now_ms: u64) -> bool {
+        self.cooldown_until.load(Ordering::Relaxed) > now_ms
+    }
+
     /// Changes when heartbeats find the endpoint suspect or declare it gone, after this call.
     pub fn gone_signal(&self) -> watch::Receiver<u64> {
         self.gone.subscribe()
@@ -440,13 +457,126 @@ impl Endpoint {
         self.draining.store(draining, Ordering::Relaxed);
     }
 
-    /// Counts a request as outstanding here until the returned guard is dropped.
+    /// Counts a request as outstanding here until the returned guard is dropped, regardless of the
+    /// limit (upgrades and tests; the request path uses [`Endpoint::try_start_request`]).
     pub fn start_request(self: &Arc<Self>) -> Outstanding {
-        self.outstanding.fetch_add(1, Ordering::Relaxed);
+        let in_flight = self.outstanding.fetch_add(1, Ordering::Relaxed) + 1;
         self.requests.fetch_add(1, Ordering::Relaxed);
         Outstanding {
             endpoint: Arc::clone(self),
+            in_flight,
         }
+    }
+
+    /// Takes one of the endpoint's slots if it is below its concurrency limit. Exact under races: two
+    /// workers cannot both take the last slot.
+    pub fn try_start_request(self: &Arc<Self>) -> Option<Outstanding> {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let mut current = self.outstanding.load(Ordering::SeqCst);
+        loop {
+            if current >= limit {
+                return None;
+            }
+            match self.outstanding.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => break,
+                Err(actual) => current = actual,
+            }
+        }
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        Some(Outstanding {
+            endpoint: Arc::clone(self),
+            in_flight: current + 1,
+        })
+    }
+
+    /// The concurrency limit in force (`None`: unlimited).
+    pub fn limit(&self) -> Option<u64> {
+        match self.limit.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            limit => Some(limit),
+        }
+    }
+
+    /// The adaptive limiter's unloaded latency in microseconds, if it measured one.
+    pub fn unloaded_latency_us(&self) -> Option<u64> {
+        self.lock_limiter()
+            .as_ref()
+            .map(Limiter::unloaded_us)
+            .filter(|&us| us > 0)
+    }
+
+    /// Where to send wakes when a slot comes free (set once, by the registry).
+    pub fn set_queue(&self, queue: Arc<Queue>) {
+        let _ = self.queue.set(queue);
+    }
+
+    /// Applies the limit settings (on creation and on reload). An adaptive limiter keeps what it learnt
+    /// when only other settings changed.
+    pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
+        let mut limiter = self.lock_limiter();
+        let limit = match settings.mode {
+            LimitMode::None => {
+                *limiter = None;
+                u64::MAX
+            }
+            LimitMode::Static => {
+                *limiter = None;
+                u64::from(settings.initial)
+            }
+            LimitMode::Adaptive => {
+                let state = match limiter.take() {
+                    Some(mut kept) => {
+                        kept.set_settings(*settings);
+                        kept
+                    }
+                    None => Limiter::new(*settings, self.millis(now)),
+                };
+                let limit = u64::from(state.limit());
+                *limiter = Some(state);
+                limit
+            }
+        };
+        self.store_limit(limit);
+    }
+
+    /// Feeds the adaptive limiter a committed request's time to first byte.
+    pub fn observe_limit_sample(&self, sample: Duration, in_flight: u64, now: Instant) {
+        let mut limiter = self.lock_limiter();
+        if let Some(state) = limiter.as_mut() {
+            let limit = state.on_sample(sample, in_flight, self.millis(now));
+            drop(limiter);
+            self.store_limit(u64::from(limit));
+        }
+    }
+
+    /// The endpoint pushed back: the adaptive limit drops at once.
+    pub fn limit_back_pressure(&self) {
+        let mut limiter = self.lock_limiter();
+        if let Some(state) = limiter.as_mut() {
+            let limit = state.on_back_pressure();
+            drop(limiter);
+            self.store_limit(u64::from(limit));
+        }
+    }
+
+    fn store_limit(&self, limit: u64) {
+        let old = self.limit.swap(limit, Ordering::Relaxed);
+        if limit > old
+            && let Some(queue) = self.queue.get()
+        {
+            queue.wake_one();
+        }
+    }
+
+    fn lock_limiter(&self) -> std::sync::MutexGuard<'_, Option<Limiter>> {
+        self.limiter
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -458,17 +588,28 @@ impl Endpoint {
 #[derive(Debug)]
 pub struct Outstanding {
     endpoint: Arc<Endpoint>,
+    /// Requests outstanding on the endpoint when this one started, itself included.
+    in_flight: u64,
 }
 
 impl Outstanding {
     pub fn endpoint(&self) -> &Arc<Endpoint> {
         &self.endpoint
     }
+
+    pub fn in_flight_at_start(&self) -> u64 {
+        self.in_flight
+    }
 }
 
 impl Drop for Outstanding {
     fn drop(&mut self) {
-        self.endpoint.outstanding.fetch_sub(1, Ordering::Relaxed);
+        // SeqCst on both sides of the hand-off (this decrement then the queue's waiting count; a joiner's
+        // increment of that count then its look at this one): one of the two always sees the other.
+        self.endpoint.outstanding.fetch_sub(1, Ordering::SeqCst);
+        if let Some(queue) = self.endpoint.queue.get() {
+            queue.wake_one();
+        }
     }
 }
 

@@ -7,14 +7,27 @@ use std::time::Duration;
 
 use http::{HeaderValue, Response, StatusCode, header};
 
+use crate::admission::Reason;
 use crate::body::ProxyBody;
 use crate::headers::X_REQUEST_ID;
+
+/// Names why tongs itself refused a request (`queue-full`, `queue-timeout`, `no-endpoints`,
+/// `shed-low-priority`).
+pub static X_TONGS_REJECT_REASON: http::HeaderName =
+    http::HeaderName::from_static("x-tongs-reject-reason");
 
 /// A request the proxy could not complete.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    #[error("no endpoint is available")]
-    NoEndpoint,
+    #[error("{detail}")]
+    Refused {
+        reason: Reason,
+        detail: String,
+        /// Seconds until trying again is likely to succeed.
+        retry_after: u64,
+    },
+    #[error("header {header} must be a whole number of milliseconds above zero, got {value:?}")]
+    BadDeadline { header: String, value: String },
     #[error("request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
     #[error("could not connect to endpoint {endpoint}: {detail}")]
@@ -34,7 +47,8 @@ pub enum ProxyError {
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::NoEndpoint => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Refused { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::BadDeadline { .. } => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -48,13 +62,34 @@ impl ProxyError {
 
     /// The response a client sees.
     pub fn into_response(self, request_id: &HeaderValue) -> Response<ProxyBody> {
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "error": self.to_string(),
             "request_id": request_id.to_str().unwrap_or_default(),
         });
+        if let ProxyError::Refused {
+            reason,
+            retry_after,
+            ..
+        } = &self
+        {
+            body["reason"] = reason.as_str().into();
+            body["retry_after_seconds"] = (*retry_after).into();
+        }
         let mut response = Response::new(ProxyBody::full(body.to_string()));
         *response.status_mut() = self.status();
         let headers = response.headers_mut();
+        if let ProxyError::Refused {
+            reason,
+            retry_after,
+            ..
+        } = &self
+        {
+            headers.insert(
+                &X_TONGS_REJECT_REASON,
+                HeaderValue::from_static(reason.as_str()),
+            );
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
         headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
@@ -85,7 +120,7 @@ mod tests {
 
     #[test]
     fn statuses_match_the_failure() {
-        assert_eq!(ProxyError::NoEndpoint.status(), 503);
+        assert_eq!(refused().status(), 503);
         assert_eq!(ProxyError::BodyTooLarge { limit: 1 }.status(), 413);
         let connect = ProxyError::Connect {
             endpoint: "http://a".into(),
@@ -102,9 +137,19 @@ mod tests {
 
     #[test]
     fn renders_json_with_the_request_id() {
-        let response = ProxyError::NoEndpoint.into_response(&HeaderValue::from_static("rid-1"));
+        let response = refused().into_response(&HeaderValue::from_static("rid-1"));
         assert_eq!(response.status(), 503);
         assert_eq!(response.headers()["x-request-id"], "rid-1");
         assert_eq!(response.headers()["content-type"], "application/json");
+        assert_eq!(response.headers()["x-tongs-reject-reason"], "queue-full");
+        assert_eq!(response.headers()["retry-after"], "7");
+    }
+
+    fn refused() -> ProxyError {
+        ProxyError::Refused {
+            reason: Reason::QueueFull,
+            detail: "the queue is full".into(),
+            retry_after: 7,
+        }
     }
 }

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod admission;
 pub mod balance;
 pub mod body;
 pub mod breaker;
@@ -16,6 +17,7 @@ pub mod endpoint;
 pub mod error;
 pub mod headers;
 pub mod health;
+pub mod limit;
 pub mod proxy;
 pub mod registry;
 pub mod retry;
@@ -133,6 +135,10 @@ impl App {
         // Fail on a bad CA file now, before listening, rather than in each worker.
         upstream::build_client(config)?;
         let registry = Arc::new(Registry::new());
+        registry.set_limits(limit::LimitSettings::from_config(&config.concurrency));
+        registry
+            .queue()
+            .set_settings(admission::QueueSettings::from_config(&config.queue));
         registry.replace(EndpointSpec::from_config(config));
         let readiness = Arc::new(Readiness::default());
         // Static discovery is synced the moment it is applied.

@@ -26,6 +26,7 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+use crate::admission::{Priority, Reason, Waited};
 use crate::balance::{self, PickContext};
 use crate::body::ProxyBody;
 use crate::breaker::{Admission, BreakerSettings};
@@ -60,6 +61,10 @@ pub struct ProxySettings {
     pub suspect_grace: Duration,
     pub policy: BalancePolicy,
     pub latency_decay: Duration,
+    /// Header carrying a request's priority.
+    pub priority_header: http::HeaderName,
+    /// Header carrying a client's own deadline in milliseconds.
+    pub deadline_header: http::HeaderName,
 }
 
 impl ProxySettings {
@@ -79,6 +84,11 @@ impl ProxySettings {
             suspect_grace: config.health.timeout.get(),
             policy: config.balancer.policy,
             latency_decay: config.balancer.latency_decay.get(),
+            // Validated by Config::validate; the fallbacks only serve configs built in code.
+            priority_header: http::HeaderName::from_bytes(config.queue.priority_header.as_bytes())
+                .unwrap_or_else(|_| http::HeaderName::from_static("x-priority")),
+            deadline_header: http::HeaderName::from_bytes(config.queue.deadline_header.as_bytes())
+                .unwrap_or_else(|_| http::HeaderName::from_static("x-tongs-timeout-ms")),
         }
     }
 }
@@ -90,7 +100,8 @@ pub struct ProxyStats {
     pub requests: AtomicU64,
     /// Attempts sent to endpoints (requests plus retries).
     pub attempts: AtomicU64,
-    /// Requests answered by tongs itself because no endpoint was available.
+    /// Requests tongs refused itself (queue full or timed out, shed, no endpoints); by reason in the
+    /// queue's stats.
     pub rejected: AtomicU64,
     /// Requests whose every attempt failed.
     pub failed: AtomicU64,
@@ -170,6 +181,27 @@ struct Failure {
     endpoint: Arc<Endpoint>,
 }
 
+/// A slot taken on an endpoint for one attempt, and whether the attempt is its breaker's probe.
+struct Slot {
+    outstanding: Outstanding,
+    probe: bool,
+}
+
+/// What a pick found.
+enum Picked {
+    Slot(Slot),
+    /// Nothing now; capacity may come free.
+    Wait,
+    /// Nothing left to try for this request.
+    Nowhere,
+}
+
+/// Why a request stops looking for an endpoint.
+enum Stop {
+    Nowhere,
+    Refused(Reason),
+}
+
 /// What one attempt came to.
 enum Attempt {
     Committed {
@@ -236,10 +268,15 @@ impl Proxy {
     ) -> Response<ProxyBody> {
         let upstream = &worker.upstream;
         let started = Instant::now();
-        let deadline = started + self.settings.total_timeout;
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         worker.budget.deposit();
         let request_id = headers::request_id(request.headers());
+        let deadline = match self.client_deadline(request.headers()) {
+            Ok(Some(wanted)) => started + wanted.min(self.settings.total_timeout),
+            Ok(None) => started + self.settings.total_timeout,
+            Err(error) => return self.reject(error, &request_id),
+        };
+        let priority = Priority::from_header(request.headers().get(&self.settings.priority_header));
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
         // request is taken apart.
@@ -298,12 +335,22 @@ impl Proxy {
         let mut tried = Tried::default();
         let mut last_failure: Option<Failure> = None;
         for attempt in 1..=self.retry.max_attempts().max(1) {
-            let Some((endpoint, probe)) = self.pick(&tried) else {
-                break;
+            let slot = match self
+                .acquire(&tried, priority, deadline, &mut last_failure)
+                .await
+            {
+                Ok(slot) => slot,
+                Err(Stop::Nowhere) => break,
+                Err(Stop::Refused(reason)) => match last_failure {
+                    // A retry that found no room: the endpoint's failure is the better answer.
+                    Some(failure) => return self.fail(failure, &request_id, deadline),
+                    None => return self.refuse(reason, &request_id),
+                },
             };
             let Some(attempt_body) = body.for_attempt() else {
                 break;
             };
+            let endpoint = Arc::clone(slot.outstanding.endpoint());
             tried.push(endpoint.id());
             // The failure being retried is dropped (its connection released) only once a new attempt is
             // really under way; until then it is the answer.
@@ -311,7 +358,7 @@ impl Proxy {
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
             let request = template.build(&endpoint, attempt_body);
             let failure = match self
-                .attempt(upstream, request, &endpoint, probe, deadline, &body)
+                .attempt(upstream, request, slot, deadline, &body)
                 .await
             {
                 Attempt::Committed {
@@ -364,12 +411,89 @@ impl Proxy {
         }
         match last_failure {
             Some(failure) => self.fail(failure, &request_id, deadline),
-            None => self.reject(ProxyError::NoEndpoint, &request_id),
+            None => self.refuse(Reason::NoEndpoints, &request_id),
         }
     }
 
-    /// An eligible endpoint not yet tried, and whether it goes as its breaker's half-open probe.
-    fn pick(&self, tried: &Tried) -> Option<(Arc<Endpoint>, bool)> {
+    /// The client's own deadline from the deadline header, if it sent one.
+    fn client_deadline(&self, headers: &HeaderMap) -> Result<Option<Duration>, ProxyError> {
+        let Some(value) = headers.get(&self.settings.deadline_header) else {
+            return Ok(None);
+        };
+        match value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+            Some(ms) if ms > 0 => Ok(Some(Duration::from_millis(ms))),
+            _ => Err(ProxyError::BadDeadline {
+                header: self.settings.deadline_header.to_string(),
+                value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            }),
+        }
+    }
+
+    /// A slot on an endpoint not yet tried, waiting in the queue while none has one.
+    ///
+    /// A first attempt waits whenever nothing can take it (every endpoint full, cooling down, down, or
+    /// none discovered yet). A retry waits only if some untried endpoint is up and merely full or cooling
+    /// down; otherwise there is nowhere left to go. While others wait, a new request joins behind them
+    /// rather than taking a slot that came free for the first in line.
+    async fn acquire(
+        &self,
+        tried: &Tried,
+        priority: Priority,
+        deadline: Instant,
+        last_failure: &mut Option<Failure>,
+    ) -> Result<Slot, Stop> {
+        let queue = self.registry.queue();
+        if queue.is_empty() {
+            match self.pick(tried) {
+                Picked::Slot(slot) => return Ok(slot),
+                Picked::Nowhere => return Err(Stop::Nowhere),
+                Picked::Wait => {}
+            }
+        }
+        // A failed attempt's answer holds its endpoint's slot; waiting must not keep it from others.
+        if let Some(failure) = last_failure.as_mut() {
+            failure.response = None;
+        }
+        let mut ticket = match queue.join(priority) {
+            Ok(ticket) => ticket,
+            Err(reason) => return Err(Stop::Refused(self.refusal(reason))),
+        };
+        let until = deadline.min(ticket.since() + queue.settings().max_wait);
+        let mut look = ticket.is_head();
+        loop {
+            if look {
+                match self.pick(tried) {
+                    Picked::Slot(slot) => {
+                        ticket.admitted();
+                        return Ok(slot);
+                    }
+                    Picked::Nowhere => return Err(Stop::Nowhere),
+                    Picked::Wait => ticket.requeue(),
+                }
+            }
+            match ticket.wait(until).await {
+                Waited::Go => look = true,
+                Waited::TimedOut => return Err(Stop::Refused(self.refusal(Reason::QueueTimeout))),
+                Waited::Shed => return Err(Stop::Refused(Reason::ShedLowPriority)),
+            }
+        }
+    }
+
+    /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
+    fn refusal(&self, reason: Reason) -> Reason {
+        let none_up = !self
+            .registry
+            .snapshot()
+            .iter()
+            .any(|e| e.is_available() && e.is_healthy() && !e.is_ejected());
+        match reason {
+            Reason::QueueFull | Reason::QueueTimeout if none_up => Reason::NoEndpoints,
+            other => other,
+        }
+    }
+
+    /// A slot on an eligible endpoint not yet tried, or whether waiting may give one.
+    fn pick(&self, tried: &Tried) -> Picked {
         let now = Instant::now();
         let snapshot = self.registry.snapshot();
         let mut ctx = PickContext {
@@ -387,12 +511,6 @@ impl Proxy {
         for _ in 0..6 {
             let Some((endpoint, eligibility)) = balance::pick(&snapshot, exclude.as_slice(), &ctx)
             else {
-                // Every endpoint asked for back-off: send to the least loaded of them anyway; a node that
-                // is still full says so again and the request moves on.
-                if !ctx.ignore_cooldown {
-                    ctx.ignore_cooldown = true;
-                    continue;
-                }
                 // Panic mode: when no endpoint passes its heartbeats, more likely tongs' own network or
                 // the health path is broken than every node died at once, so heartbeats are ignored
                 // (breakers still apply). Requests still fail fast if the nodes really are gone.
@@ -402,18 +520,48 @@ impl Proxy {
                     ctx.ignore_health = true;
                     continue;
                 }
-                return None;
+                break;
             };
-            match eligibility {
-                Eligibility::Yes => return Some((Arc::clone(endpoint), false)),
+            let probe = match eligibility {
+                Eligibility::Yes => false,
                 _ => match endpoint.admit(now) {
-                    Admission::Admit => return Some((Arc::clone(endpoint), false)),
-                    Admission::Probe => return Some((Arc::clone(endpoint), true)),
-                    Admission::Reject => exclude.push(endpoint.id()),
+                    Admission::Admit => false,
+                    Admission::Probe => true,
+                    Admission::Reject => {
+                        exclude.push(endpoint.id());
+                        continue;
+                    }
                 },
+            };
+            // The pick saw room; another worker may have taken the last slot since.
+            match endpoint.try_start_request() {
+                Some(outstanding) => return Picked::Slot(Slot { outstanding, probe }),
+                None => {
+                    if probe {
+                        endpoint.release_probe(now);
+                    }
+                    exclude.push(endpoint.id());
+                }
             }
         }
-        None
+        // Nothing now. A first attempt waits for anything; a retry only for an endpoint that is up and
+        // merely full or cooling down.
+        if tried.len == 0 {
+            return Picked::Wait;
+        }
+        let now_ms = crate::endpoint::millis(now);
+        let worth_waiting = snapshot.iter().any(|e| {
+            !tried.as_slice().contains(&e.id())
+                && e.is_available()
+                && e.is_healthy()
+                && !e.is_ejected()
+                && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
+        });
+        if worth_waiting {
+            Picked::Wait
+        } else {
+            Picked::Nowhere
+        }
     }
 
     /// Sends one attempt and waits for the endpoint's headers and first body bytes.
@@ -421,17 +569,17 @@ impl Proxy {
         &self,
         upstream: &UpstreamClient,
         request: Request<UpstreamBody>,
-        endpoint: &Arc<Endpoint>,
-        probe: bool,
+        slot: Slot,
         deadline: Instant,
         body: &ReplayBody,
     ) -> Attempt {
+        let Slot { outstanding, probe } = slot;
+        let endpoint = &Arc::clone(outstanding.endpoint());
         // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
         let _probe_guard = ProbeGuard {
             endpoint,
             pending: probe,
         };
-        let outstanding = endpoint.start_request();
         let attempt_started = Instant::now();
         let mut gone = endpoint.gone_signal();
         let grace = self.settings.suspect_grace;
@@ -472,6 +620,7 @@ impl Proxy {
                     retry_after(response.headers(), MAX_COOLDOWN),
                     Instant::now(),
                 );
+                endpoint.limit_back_pressure();
             }
             let error = ProxyError::Status {
                 endpoint: endpoint.url().to_owned(),
@@ -516,11 +665,9 @@ impl Proxy {
         };
         let now = Instant::now();
         endpoint.record_success(now);
-        self.observe_latency(
-            endpoint,
-            now.saturating_duration_since(attempt_started),
-            now,
-        );
+        let first_byte = now.saturating_duration_since(attempt_started);
+        self.observe_latency(endpoint, first_byte, now);
+        endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
         Attempt::Committed {
             response,
             first,
@@ -684,11 +831,37 @@ impl Proxy {
         }
     }
 
+    /// Refuses a request tongs could not place: 503 with the reason and a `Retry-After` from how fast
+    /// the queue drains.
+    fn refuse(&self, reason: Reason, request_id: &HeaderValue) -> Response<ProxyBody> {
+        let queue = self.registry.queue();
+        queue.count_rejection(reason);
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        let settings = queue.settings();
+        let detail = match reason {
+            Reason::QueueFull => format!(
+                "every endpoint is busy and the queue is full ({} waiting)",
+                queue.len()
+            ),
+            Reason::QueueTimeout => format!(
+                "no endpoint freed up within the wait allowed (queue.max_wait {}, or the request's deadline)",
+                humantime::format_duration(settings.max_wait)
+            ),
+            Reason::NoEndpoints => "no endpoint is available".to_owned(),
+            Reason::ShedLowPriority => {
+                "low-priority request shed while the queue is congested".to_owned()
+            }
+        };
+        let error = ProxyError::Refused {
+            reason,
+            detail,
+            retry_after: queue.retry_after(),
+        };
+        self.reject(error, request_id)
+    }
+
     /// Answers a request tongs could not send anywhere.
     fn reject(&self, error: ProxyError, request_id: &HeaderValue) -> Response<ProxyBody> {
-        if matches!(error, ProxyError::NoEndpoint) {
-            self.stats.rejected.fetch_add(1, Ordering::Relaxed);
-        }
         tracing::warn!(
             request_id = request_id.to_str().unwrap_or_default(),
             status = error.status().as_u16(),

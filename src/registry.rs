@@ -13,7 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
+use crate::admission::Queue;
 use crate::config::{Config, EndpointUrl};
+use crate::limit::LimitSettings;
 use crate::endpoint::Endpoint;
 
 /// What discovery says an endpoint should be.
@@ -52,6 +54,10 @@ pub struct Registry {
     next_id: AtomicU64,
     /// Serialises writers so two updates cannot interleave their read-modify-publish.
     writer: Mutex<()>,
+    /// Concurrency limits every endpoint gets.
+    limits: Mutex<LimitSettings>,
+    /// Where requests wait for an endpoint's slot; endpoints wake it when one comes free.
+    queue: Arc<Queue>,
 }
 
 impl Default for Registry {
@@ -67,7 +73,33 @@ impl Registry {
             changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
             writer: Mutex::new(()),
+            limits: Mutex::new(LimitSettings::none()),
+            queue: Arc::new(Queue::default()),
         }
+    }
+
+    /// The queue of requests waiting for a slot.
+    pub fn queue(&self) -> &Arc<Queue> {
+        &self.queue
+    }
+
+    /// The concurrency limits endpoints get.
+    pub fn limits(&self) -> LimitSettings {
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Applies new concurrency limits to every endpoint, now and to come.
+    pub fn set_limits(&self, settings: LimitSettings) {
+        let _writer = self
+            .writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = settings;
+        let now = tokio::time::Instant::now();
+        for endpoint in self.snapshot.load().iter() {
+            endpoint.apply_limit(&settings, now);
+        }
+        self.queue.wake_one();
     }
 
     /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
@@ -102,12 +134,10 @@ impl Registry {
                 Some(existing) => next.push(Arc::clone(existing)),
                 None => {
                     let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    next.push(Arc::new(Endpoint::new(
-                        id,
-                        &spec.url,
-                        spec.parsed,
-                        spec.weight,
-                    )));
+                    let endpoint = Endpoint::new(id, &spec.url, spec.parsed, spec.weight);
+                    endpoint.apply_limit(&self.limits(), tokio::time::Instant::now());
+                    endpoint.set_queue(Arc::clone(&self.queue));
+                    next.push(Arc::new(endpoint));
                 }
             }
         }
@@ -131,6 +161,8 @@ impl Registry {
         }
         self.snapshot.store(Arc::new(next));
         self.changes.send_modify(|version| *version += 1);
+        // New endpoints may have room for whoever waits.
+        self.queue.wake_one();
     }
 }
 

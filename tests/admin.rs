@@ -19,11 +19,13 @@ async fn probes_answer_on_the_admin_port() {
 
 #[tokio::test]
 async fn readiness_does_not_depend_on_endpoints() {
-    // No endpoint at all: requests get a clear 503, and the proxy stays ready so they keep reaching it.
-    let proxy = start_proxy(config_with("", &[])).await;
+    // No endpoint at all: requests wait in the queue for one (scale from zero), then get a clear 503,
+    // and the proxy stays ready so they keep reaching it.
+    let proxy = start_proxy(config_with("queue: { max_wait: 300ms }\n", &[])).await;
     assert_eq!(get(&format!("http://{}/readyz", proxy.admin)).await.0, 200);
     let (status, body) = get(&proxy.url("/v1/chat")).await;
     assert_eq!(status, 503);
     assert!(body.contains("no endpoint"), "{body}");
+    assert!(body.contains(r#""reason":"no-endpoints""#), "{body}");
     proxy.stop().await;
 }

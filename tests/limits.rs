@@ -419,7 +419,9 @@ async fn silent_connection_is_closed_after_header_read_timeout() {
 
 #[tokio::test]
 async fn no_endpoint_gets_503_with_a_json_error() {
-    let proxy = start_proxy(config_with("", &[])).await;
+    // The queue is off, so the refusal is immediate (with the queue on, the request would first wait
+    // for an endpoint to appear).
+    let proxy = start_proxy(config_with("queue: { max_length: 0 }\n", &[])).await;
     let request = Request::builder()
         .uri(proxy.url("/v1/models"))
         .header("x-request-id", "rid-503")

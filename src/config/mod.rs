@@ -34,6 +34,8 @@ pub struct Config {
     pub breaker: BreakerConfig,
     pub retry: RetryConfig,
     pub balancer: BalancerConfig,
+    pub concurrency: ConcurrencyConfig,
+    pub queue: QueueConfig,
     pub shutdown: ShutdownConfig,
 }
 
@@ -51,6 +53,8 @@ impl Default for Config {
             breaker: BreakerConfig::default(),
             retry: RetryConfig::default(),
             balancer: BalancerConfig::default(),
+            concurrency: ConcurrencyConfig::default(),
+            queue: QueueConfig::default(),
             shutdown: ShutdownConfig::default(),
         }
     }
@@ -381,6 +385,77 @@ pub enum BalancePolicy {
     LeastOutstanding,
 }
 
+/// How many requests each endpoint is given at once.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConcurrencyConfig {
+    /// `none` (no per-endpoint limit), `static` (`max_outstanding_per_endpoint` each), or `adaptive`
+    /// (learned per endpoint from its latency and its own 429/503 answers).
+    pub limit: LimitMode,
+    /// The static limit, and the adaptive limit's starting value.
+    pub max_outstanding_per_endpoint: u32,
+    /// Bounds of the adaptive limit.
+    pub min_limit: u32,
+    pub max_limit: u32,
+    /// How often the adaptive limiter re-measures an endpoint's unloaded latency (at half its limit).
+    pub probe_interval: HumanDuration,
+    /// The adaptive limit is multiplied by this when the endpoint answers 429, or 503 with Retry-After.
+    pub backoff_ratio: f64,
+}
+
+impl Default for ConcurrencyConfig {
+    fn default() -> Self {
+        Self {
+            limit: LimitMode::None,
+            max_outstanding_per_endpoint: 8,
+            min_limit: 1,
+            max_limit: 256,
+            probe_interval: HumanDuration::from_secs(60),
+            backoff_ratio: 0.75,
+        }
+    }
+}
+
+/// Kind of per-endpoint concurrency limit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LimitMode {
+    #[default]
+    None,
+    Static,
+    Adaptive,
+}
+
+/// Where requests wait when no endpoint can take them.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// Requests that may wait at once; 0 turns the queue off (such requests are refused at once).
+    pub max_length: usize,
+    /// Longest wait in the queue; the request's own deadline may cut it shorter.
+    pub max_wait: HumanDuration,
+    /// Request header giving the priority: `high`, `normal` (the default) or `low`.
+    pub priority_header: String,
+    /// Request header with the client's own deadline in milliseconds (like Envoy's
+    /// `x-envoy-upstream-rq-timeout-ms`); it can only shorten `timeouts.total`.
+    pub deadline_header: String,
+    /// Congestion: while the oldest waiter has waited longer than this, low-priority arrivals are refused
+    /// at once (`shed-low-priority`).
+    pub shed_low_priority_after: HumanDuration,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_length: 1000,
+            max_wait: HumanDuration::from_secs(30),
+            priority_header: "x-priority".into(),
+            deadline_header: "x-tongs-timeout-ms".into(),
+            shed_low_priority_after: HumanDuration::from_secs(5),
+        }
+    }
+}
+
 /// Graceful shutdown.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -514,6 +589,17 @@ impl Config {
             ("retry.backoff_max", self.retry.backoff_max, true),
             ("balancer.slow_start", self.balancer.slow_start, true),
             ("balancer.latency_decay", self.balancer.latency_decay, false),
+            (
+                "concurrency.probe_interval",
+                self.concurrency.probe_interval,
+                false,
+            ),
+            ("queue.max_wait", self.queue.max_wait, false),
+            (
+                "queue.shed_low_priority_after",
+                self.queue.shed_low_priority_after,
+                false,
+            ),
         ];
         for (field, value, zero_allowed) in durations {
             if value.get().is_zero() && !zero_allowed {
@@ -603,6 +689,56 @@ impl Config {
                 "retry.budget_min_per_second".into(),
                 "must be at most 100000".into(),
             );
+        }
+        let concurrency = &self.concurrency;
+        for (field, value) in [
+            (
+                "concurrency.max_outstanding_per_endpoint",
+                concurrency.max_outstanding_per_endpoint,
+            ),
+            ("concurrency.min_limit", concurrency.min_limit),
+        ] {
+            if !(1..=100_000).contains(&value) {
+                problem(
+                    field.into(),
+                    format!("must be between 1 and 100000, got {value}"),
+                );
+            }
+        }
+        if concurrency.max_limit < concurrency.min_limit || concurrency.max_limit > 100_000 {
+            problem(
+                "concurrency.max_limit".into(),
+                format!(
+                    "must be between concurrency.min_limit ({}) and 100000, got {}",
+                    concurrency.min_limit, concurrency.max_limit
+                ),
+            );
+        }
+        if !(0.1..1.0).contains(&concurrency.backoff_ratio) {
+            problem(
+                "concurrency.backoff_ratio".into(),
+                format!(
+                    "must be at least 0.1 and below 1, got {}",
+                    concurrency.backoff_ratio
+                ),
+            );
+        }
+        if self.queue.max_length > 1_000_000 {
+            problem(
+                "queue.max_length".into(),
+                format!("must be at most 1000000, got {}", self.queue.max_length),
+            );
+        }
+        for (field, name) in [
+            ("queue.priority_header", &self.queue.priority_header),
+            ("queue.deadline_header", &self.queue.deadline_header),
+        ] {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                problem(
+                    field.into(),
+                    format!("{name:?} is not a valid header name"),
+                );
+            }
         }
         if self.limits.max_header_bytes < 8192 {
             problem(

@@ -1,0 +1,598 @@
+//! The queue where requests wait when no endpoint can take them: every endpoint at its concurrency
+//! limit, cooling down, or none available yet.
+//!
+//! One queue for the process (all workers), ordered by priority and FIFO within a priority. A request
+//! leaves it the moment an endpoint frees a slot: the slot's release wakes the first waiter
+//! ([`Queue::wake_one`]), which picks again; if it gets a slot, it wakes the next in turn, in case more
+//! capacity came free at once. Nothing polls, except that the waiter at the head of the queue looks
+//! again every [`HEAD_RECHECK`], for capacity that returns by the clock rather than by a release (a
+//! cooldown or an ejection ending, a heartbeat passing).
+//!
+//! A full queue answers at once. A higher-priority arrival displaces the newest waiter of the lowest
+//! priority below its own. While the oldest waiter has waited longer than `shed_low_priority_after`,
+//! low-priority arrivals are refused at once.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::HeaderValue;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::config::QueueConfig;
+
+/// How often the waiter at the head of the queue looks for capacity that came back by the clock.
+pub const HEAD_RECHECK: Duration = Duration::from_millis(100);
+
+/// A request's priority, from the configured header (`high`, `normal`, `low`; anything else is normal).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    High = 0,
+    Normal = 1,
+    Low = 2,
+}
+
+impl Priority {
+    pub fn from_header(value: Option<&HeaderValue>) -> Priority {
+        match value.map(HeaderValue::as_bytes) {
+            Some(v) if v.eq_ignore_ascii_case(b"high") => Priority::High,
+            Some(v) if v.eq_ignore_ascii_case(b"low") => Priority::Low,
+            _ => Priority::Normal,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+/// Why tongs refused a request itself (the `x-tongs-reject-reason` header and the JSON body say it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// The queue was full and the request could not displace anyone.
+    QueueFull,
+    /// The request waited `queue.max_wait`, or until its own deadline, without an endpoint freeing up.
+    QueueTimeout,
+    /// No endpoint is available at all (none discovered, or every one down) and the queue is off or the
+    /// wait ran out.
+    NoEndpoints,
+    /// Congestion: low priority was refused, or displaced by a higher-priority request.
+    ShedLowPriority,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 4] = [
+        Reason::QueueFull,
+        Reason::QueueTimeout,
+        Reason::NoEndpoints,
+        Reason::ShedLowPriority,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::QueueFull => "queue-full",
+            Reason::QueueTimeout => "queue-timeout",
+            Reason::NoEndpoints => "no-endpoints",
+            Reason::ShedLowPriority => "shed-low-priority",
+        }
+    }
+}
+
+/// Settings the queue reads; replaced whole on reload.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QueueSettings {
+    pub max_length: usize,
+    pub max_wait: Duration,
+    pub shed_after: Duration,
+}
+
+impl QueueSettings {
+    pub fn from_config(config: &QueueConfig) -> QueueSettings {
+        QueueSettings {
+            max_length: config.max_length,
+            max_wait: config.max_wait.get(),
+            shed_after: config.shed_low_priority_after.get(),
+        }
+    }
+}
+
+impl Default for QueueSettings {
+    fn default() -> Self {
+        QueueSettings::from_config(&QueueConfig::default())
+    }
+}
+
+/// Counters of the queue.
+#[derive(Debug, Default)]
+pub struct QueueStats {
+    /// Requests that joined the queue.
+    pub enqueued: AtomicU64,
+    /// Requests that left it for an endpoint.
+    pub admitted: AtomicU64,
+    /// Total time admitted requests waited, in microseconds.
+    pub wait_us: AtomicU64,
+    /// Refusals by reason, in [`Reason::ALL`] order.
+    pub rejected: [AtomicU64; 4],
+}
+
+impl QueueStats {
+    pub fn rejected(&self, reason: Reason) -> u64 {
+        self.rejected[reason as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// Position in the queue: priority first, then arrival order.
+type Key = (Priority, u64);
+
+/// What a waiter is told.
+#[derive(Debug)]
+enum Wake {
+    /// Capacity came free: pick again.
+    Go,
+    /// Displaced by a higher-priority arrival.
+    Shed,
+}
+
+struct Entry {
+    wake: oneshot::Sender<Wake>,
+    since: Instant,
+}
+
+struct State {
+    entries: BTreeMap<Key, Entry>,
+    next_seq: u64,
+    settings: QueueSettings,
+    drain: DrainMeter,
+}
+
+/// How fast the queue hands requests to endpoints: an EWMA of handoffs per second over one-second
+/// buckets, the basis of `Retry-After`.
+#[derive(Debug)]
+struct DrainMeter {
+    bucket_start: Instant,
+    count: u32,
+    per_second: f64,
+}
+
+impl DrainMeter {
+    fn roll(&mut self, now: Instant) {
+        let elapsed = now.saturating_duration_since(self.bucket_start).as_secs_f64();
+        if elapsed >= 1.0 {
+            let rate = f64::from(self.count) / elapsed;
+            // Long silences count as several empty buckets.
+            let weight = 0.5f64.powf(elapsed.min(30.0));
+            self.per_second = self.per_second * weight + rate * (1.0 - weight);
+            self.count = 0;
+            self.bucket_start = now;
+        }
+    }
+
+    fn record(&mut self, now: Instant) {
+        self.roll(now);
+        self.count = self.count.saturating_add(1);
+    }
+
+    fn rate(&mut self, now: Instant) -> f64 {
+        self.roll(now);
+        let partial = now.saturating_duration_since(self.bucket_start).as_secs_f64();
+        let current = if partial > 0.2 {
+            f64::from(self.count) / partial
+        } else {
+            0.0
+        };
+        self.per_second.max(current)
+    }
+}
+
+/// The process-wide queue.
+pub struct Queue {
+    state: Mutex<State>,
+    /// Entries in the queue, readable without the lock (a release checks it on every request).
+    waiting: AtomicUsize,
+    stats: QueueStats,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("waiting", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Queue {
+    fn default() -> Self {
+        Queue::new(QueueSettings::default())
+    }
+}
+
+impl Queue {
+    pub fn new(settings: QueueSettings) -> Queue {
+        Queue {
+            state: Mutex::new(State {
+                entries: BTreeMap::new(),
+                next_seq: 0,
+                settings,
+                drain: DrainMeter {
+                    bucket_start: Instant::now(),
+                    count: 0,
+                    per_second: 0.0,
+                },
+            }),
+            waiting: AtomicUsize::new(0),
+            stats: QueueStats::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub fn set_settings(&self, settings: QueueSettings) {
+        self.lock().settings = settings;
+    }
+
+    pub fn settings(&self) -> QueueSettings {
+        self.lock().settings.clone()
+    }
+
+    /// Requests waiting right now.
+    pub fn len(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> &QueueStats {
+        &self.stats
+    }
+
+    /// Counts a refusal.
+    pub fn count_rejection(&self, reason: Reason) {
+        self.stats.rejected[reason as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Joins the queue, or says at once why not.
+    pub fn join(&self, priority: Priority) -> Result<Ticket<'_>, Reason> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let max_length = state.settings.max_length;
+        if max_length == 0 {
+            return Err(Reason::QueueFull);
+        }
+        if priority == Priority::Low
+            && let Some(oldest) = state.entries.values().map(|e| e.since).min()
+            && now.saturating_duration_since(oldest) > state.settings.shed_after
+        {
+            return Err(Reason::ShedLowPriority);
+        }
+        if state.entries.len() >= max_length {
+            // The newest waiter of the lowest priority present makes room, if that is below ours.
+            match state.entries.last_key_value() {
+                Some((&key, _)) if key.0 > priority => {
+                    if let Some(victim) = state.entries.remove(&key) {
+                        self.waiting.fetch_sub(1, Ordering::SeqCst);
+                        let _ = victim.wake.send(Wake::Shed);
+                    }
+                }
+                _ => return Err(Reason::QueueFull),
+            }
+        }
+        let key = (priority, state.next_seq);
+        state.next_seq += 1;
+        let (wake, woken) = oneshot::channel();
+        state.entries.insert(key, Entry { wake, since: now });
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        self.stats.enqueued.fetch_add(1, Ordering::Relaxed);
+        Ok(Ticket {
+            queue: self,
+            key,
+            since: now,
+            woken: Some(woken),
+            in_queue: true,
+            go: false,
+        })
+    }
+
+    /// Capacity came free: the first waiter may pick again. Cheap when nobody waits.
+    pub fn wake_one(&self) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut state = self.lock();
+        while let Some((_, entry)) = state.entries.pop_first() {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            if entry.wake.send(Wake::Go).is_ok() {
+                break;
+            }
+        }
+    }
+
+    /// Seconds a refused client should wait before trying again: how long the queue, at the rate it has
+    /// been draining, takes to serve everyone ahead plus this client; `max_wait` when it is not draining.
+    pub fn retry_after(&self) -> u64 {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let rate = state.drain.rate(now);
+        let max = state.settings.max_wait.as_secs().max(1);
+        if rate <= 0.01 {
+            return max;
+        }
+        let ahead = state.entries.len() as f64 + 1.0;
+        ((ahead / rate).ceil() as u64).clamp(1, max)
+    }
+
+    /// Whether `key` is first in line.
+    fn is_head(&self, key: Key) -> bool {
+        self.lock()
+            .entries
+            .first_key_value()
+            .is_some_and(|(first, _)| *first == key)
+    }
+}
+
+/// A place in the queue. Dropping it leaves the queue (a client that went away), and passes on a wake
+/// it received, so capacity is never stranded.
+pub struct Ticket<'a> {
+    queue: &'a Queue,
+    key: Key,
+    since: Instant,
+    woken: Option<oneshot::Receiver<Wake>>,
+    in_queue: bool,
+    /// A wake was received (the entry was taken out of the queue by whoever woke it).
+    go: bool,
+}
+
+/// What a wait came to.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Waited {
+    /// Capacity may be free: pick again, then [`Ticket::admitted`] or [`Ticket::requeue`].
+    Go,
+    /// The deadline passed.
+    TimedOut,
+    /// Displaced by a higher-priority arrival.
+    Shed,
+}
+
+impl Ticket<'_> {
+    pub fn priority(&self) -> Priority {
+        self.key.0
+    }
+
+    /// Whether this request is first in line.
+    pub fn is_head(&self) -> bool {
+        self.in_queue && self.queue.is_head(self.key)
+    }
+
+    /// When the request joined the queue.
+    pub fn since(&self) -> Instant {
+        self.since
+    }
+
+    /// Waits for a wake or `until`. The head of the queue also returns [`Waited::Go`] every
+    /// [`HEAD_RECHECK`] (still in the queue) to look for capacity that came back by the clock.
+    pub async fn wait(&mut self, until: Instant) -> Waited {
+        loop {
+            let Some(woken) = self.woken.as_mut() else {
+                return Waited::TimedOut;
+            };
+            let now = Instant::now();
+            let head = self.in_queue && self.queue.is_head(self.key);
+            let wake_at = if head {
+                until.min(now + HEAD_RECHECK)
+            } else {
+                until
+            };
+            // Biased: a wake or displacement that already arrived wins over a deadline that passed.
+            tokio::select! {
+                biased;
+                wake = woken => {
+                    self.woken = None;
+                    self.in_queue = false;
+                    return match wake {
+                        Ok(Wake::Go) => {
+                            self.go = true;
+                            Waited::Go
+                        }
+                        Ok(Wake::Shed) => Waited::Shed,
+                        // The sender is only dropped with the entry, which happens only when
+                        // the queue lets go of the request: treat it as a wake.
+                        Err(_) => Waited::Go,
+                    };
+                }
+                () = tokio::time::sleep_until(wake_at) => {
+                    if Instant::now() >= until {
+                        return Waited::TimedOut;
+                    }
+                    if head {
+                        return Waited::Go;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The pick after a wake found nothing: back to the same place in line.
+    pub fn requeue(&mut self) {
+        if self.in_queue {
+            return;
+        }
+        let (wake, woken) = oneshot::channel();
+        let mut state = self.queue.lock();
+        state.entries.insert(
+            self.key,
+            Entry {
+                wake,
+                since: self.since,
+            },
+        );
+        self.queue.waiting.fetch_add(1, Ordering::SeqCst);
+        self.woken = Some(woken);
+        self.in_queue = true;
+        self.go = false;
+    }
+
+    /// The request got an endpoint: leave the queue, and count how long it waited.
+    pub fn admitted(mut self) {
+        self.leave();
+        let waited = Instant::now().saturating_duration_since(self.since);
+        let stats = &self.queue.stats;
+        stats.admitted.fetch_add(1, Ordering::Relaxed);
+        stats.wait_us.fetch_add(
+            u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.queue.lock().drain.record(Instant::now());
+        // Dropping passes the wake on: more capacity may have come free at once.
+    }
+
+    fn leave(&mut self) {
+        if self.in_queue {
+            let mut state = self.queue.lock();
+            if state.entries.remove(&self.key).is_some() {
+                self.queue.waiting.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.in_queue = false;
+            self.go = self.go || self.woken.as_mut().is_some_and(|w| w.try_recv().is_ok());
+        }
+    }
+}
+
+impl Drop for Ticket<'_> {
+    fn drop(&mut self) {
+        self.leave();
+        if self.go {
+            self.queue.wake_one();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn queue(max_length: usize) -> Queue {
+        Queue::new(QueueSettings {
+            max_length,
+            max_wait: Duration::from_secs(10),
+            shed_after: Duration::from_secs(1),
+        })
+    }
+
+    #[test]
+    fn priorities_parse_leniently() {
+        let parse = |v: &'static str| Priority::from_header(Some(&HeaderValue::from_static(v)));
+        assert_eq!(parse("high"), Priority::High);
+        assert_eq!(parse("LOW"), Priority::Low);
+        assert_eq!(parse("urgent"), Priority::Normal);
+        assert_eq!(Priority::from_header(None), Priority::Normal);
+    }
+
+    #[tokio::test]
+    async fn wakes_in_priority_order_then_fifo() {
+        let q = queue(10);
+        let mut tickets = vec![
+            ("low", q.join(Priority::Low).unwrap()),
+            ("normal-1", q.join(Priority::Normal).unwrap()),
+            ("normal-2", q.join(Priority::Normal).unwrap()),
+            ("high", q.join(Priority::High).unwrap()),
+        ];
+        assert_eq!(q.len(), 4);
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            q.wake_one();
+            for (name, ticket) in &mut tickets {
+                if let Some(woken) = ticket.woken.as_mut()
+                    && let Ok(Wake::Go) = woken.try_recv()
+                {
+                    ticket.woken = None;
+                    ticket.in_queue = false;
+                    order.push(*name);
+                }
+            }
+        }
+        assert_eq!(order, ["high", "normal-1", "normal-2", "low"]);
+        assert_eq!(q.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn full_queue_refuses_or_displaces_the_newest_lowest() {
+        let q = queue(2);
+        let mut low_old = q.join(Priority::Low).unwrap();
+        let mut low_new = q.join(Priority::Low).unwrap();
+        assert_eq!(q.join(Priority::Low).err(), Some(Reason::QueueFull));
+        let _high = q.join(Priority::High).unwrap();
+        assert_eq!(q.len(), 2);
+        let soon = Instant::now() + Duration::from_millis(50);
+        assert_eq!(low_new.wait(soon).await, Waited::Shed);
+        // The older low waiter is still there; it is not the head, so it just times out.
+        assert_eq!(low_old.wait(soon).await, Waited::TimedOut);
+        // A normal arrival displaces the remaining low one; then the queue holds high and normal only.
+        let _normal = q.join(Priority::Normal).unwrap();
+        assert_eq!(low_old.wait(soon).await, Waited::Shed);
+        assert_eq!(q.join(Priority::Normal).err(), Some(Reason::QueueFull));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn low_priority_is_shed_under_congestion() {
+        let q = queue(10);
+        let _waiting = q.join(Priority::Normal).unwrap();
+        assert!(q.join(Priority::Low).is_ok(), "not congested yet");
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert_eq!(q.join(Priority::Low).err(), Some(Reason::ShedLowPriority));
+        assert!(q.join(Priority::Normal).is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_dropped_ticket_leaves_and_passes_its_wake_on() {
+        let q = queue(10);
+        let first = q.join(Priority::Normal).unwrap();
+        let mut second = q.join(Priority::Normal).unwrap();
+        q.wake_one();
+        assert_eq!(q.len(), 1);
+        // The first waiter went away without using its wake: the second gets it.
+        drop(first);
+        let soon = Instant::now() + Duration::from_secs(1);
+        assert_eq!(second.wait(soon).await, Waited::Go);
+        assert_eq!(q.len(), 0);
+        second.requeue();
+        assert_eq!(q.len(), 1);
+        drop(second);
+        assert_eq!(q.len(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_after_follows_the_drain_rate() {
+        let q = queue(1000);
+        assert_eq!(q.retry_after(), 10, "not draining: max_wait");
+        let mut waiting = Vec::new();
+        for _ in 0..40 {
+            waiting.push(q.join(Priority::Normal).unwrap());
+        }
+        // Five handoffs a second for four seconds.
+        for _ in 0..20 {
+            q.wake_one();
+            let mut ticket = waiting.remove(0);
+            assert_eq!(
+                ticket.wait(Instant::now() + Duration::from_secs(1)).await,
+                Waited::Go
+            );
+            ticket.go = false;
+            ticket.admitted();
+            tokio::time::advance(Duration::from_millis(200)).await;
+        }
+        // 20 waiting at about 5 per second: about 4 s.
+        let estimate = q.retry_after();
+        assert!((3..=6).contains(&estimate), "{estimate}");
+    }
+}

@@ -1,0 +1,311 @@
+//! Per-endpoint concurrency limits: static, or adaptive.
+//!
+//! The adaptive limiter follows Envoy's adaptive concurrency filter (a gradient against the endpoint's
+//! unloaded latency), but runs per endpoint, because the nodes of one fleet differ by an order of
+//! magnitude: a consumer card serves 2 requests at once, a datacenter card 30.
+//!
+//! - **Unloaded latency.** First of all the limit is `min_limit` for a few samples, then every
+//!   `probe_interval` it drops to half; the mean time to first byte of requests started at that
+//!   concurrency is the endpoint's latency when nothing queues inside it.
+//! - **Gradient.** Samples are averaged over windows of about two rounds of the limit. With
+//!   `gradient = unloaded ÷ window average` clamped to 0.5 ..= 1, the next limit is
+//!   `gradient × limit + √limit ÷ 2`. A node that queues internally answers slower in proportion to
+//!   the excess, so the limit settles a little above the node's real capacity (capacity 4 → about 5)
+//!   instead of growing until requests time out.
+//! - **Back-pressure.** A 429, or 503 with Retry-After, multiplies the limit by `backoff_ratio` at once.
+//! - **Demand.** A window in which no request started above half the limit does not raise it: a limit
+//!   nobody tested says nothing about capacity.
+
+use std::time::Duration;
+
+use crate::config::{ConcurrencyConfig, LimitMode};
+
+/// What a limit is made of, as the registry applies it to every endpoint.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LimitSettings {
+    pub mode: LimitMode,
+    pub initial: u32,
+    pub min: u32,
+    pub max: u32,
+    pub probe_interval: Duration,
+    pub backoff_ratio: f64,
+}
+
+impl LimitSettings {
+    pub fn from_config(config: &ConcurrencyConfig) -> LimitSettings {
+        LimitSettings {
+            mode: config.limit,
+            initial: config.max_outstanding_per_endpoint,
+            min: config.min_limit.max(1),
+            max: config.max_limit.max(config.min_limit.max(1)),
+            probe_interval: config.probe_interval.get(),
+            backoff_ratio: config.backoff_ratio,
+        }
+    }
+
+    /// No limit at all (the default).
+    pub fn none() -> LimitSettings {
+        LimitSettings::from_config(&ConcurrencyConfig::default())
+    }
+}
+
+/// Samples a probe collects before it trusts its unloaded latency.
+const PROBE_SAMPLES: u32 = 5;
+
+/// An adaptive limit's state. Pure: times come in as milliseconds, and every method returns the limit
+/// to enforce from now on.
+#[derive(Clone, Debug)]
+pub struct Limiter {
+    settings: LimitSettings,
+    limit: f64,
+    /// Mean time to first byte at low concurrency (µs); 0 until the first probe ends.
+    unloaded_us: f64,
+    window: Window,
+    probe: Option<Probe>,
+    next_probe_ms: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Window {
+    sum_us: f64,
+    count: u32,
+    /// Highest concurrency (this request included) at which a sample of the window started.
+    peak_in_flight: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Probe {
+    /// The limit to return to.
+    saved: f64,
+    /// Only samples started at or below this concurrency count.
+    at: u64,
+    sum_us: f64,
+    count: u32,
+}
+
+impl Limiter {
+    /// A limiter that starts by measuring the endpoint's unloaded latency.
+    pub fn new(settings: LimitSettings, now_ms: u64) -> Limiter {
+        let start = f64::from(settings.initial.clamp(settings.min, settings.max));
+        let mut limiter = Limiter {
+            settings,
+            limit: start,
+            unloaded_us: 0.0,
+            window: Window::default(),
+            probe: None,
+            next_probe_ms: now_ms,
+        };
+        limiter.start_probe(now_ms);
+        limiter
+    }
+
+    /// New settings from a reload; what was learnt stays, within the new bounds.
+    pub fn set_settings(&mut self, settings: LimitSettings) {
+        self.settings = settings;
+        self.limit = self
+            .limit
+            .clamp(f64::from(settings.min), f64::from(settings.max));
+    }
+
+    /// The limit to enforce now.
+    pub fn limit(&self) -> u32 {
+        let limit = match &self.probe {
+            Some(probe) => probe.at as f64,
+            None => self.limit,
+        };
+        (limit.round() as u32).clamp(self.settings.min, self.settings.max)
+    }
+
+    /// The unloaded latency the gradient compares with (µs; 0 before the first probe ended).
+    pub fn unloaded_us(&self) -> u64 {
+        self.unloaded_us as u64
+    }
+
+    /// A request that started when `in_flight` requests (itself included) were outstanding here got its
+    /// first byte after `sample`.
+    pub fn on_sample(&mut self, sample: Duration, in_flight: u64, now_ms: u64) -> u32 {
+        let sample_us = (sample.as_secs_f64() * 1e6).max(1.0);
+        if let Some(probe) = &mut self.probe {
+            if in_flight <= probe.at {
+                probe.sum_us += sample_us;
+                probe.count += 1;
+                if probe.count >= PROBE_SAMPLES {
+                    self.unloaded_us = probe.sum_us / f64::from(probe.count);
+                    self.limit = probe.saved;
+                    self.probe = None;
+                    self.window = Window::default();
+                    let jitter = 0.9 + 0.2 * fastrand::f64();
+                    let interval = self.settings.probe_interval.as_millis() as f64 * jitter;
+                    self.next_probe_ms = now_ms.saturating_add(interval as u64);
+                }
+            }
+            return self.limit();
+        }
+        if now_ms >= self.next_probe_ms {
+            self.start_probe(now_ms);
+            return self.limit();
+        }
+        let window = &mut self.window;
+        window.sum_us += sample_us;
+        window.count += 1;
+        window.peak_in_flight = window.peak_in_flight.max(in_flight);
+        let size = (2.0 * self.limit).ceil().max(8.0) as u32;
+        if window.count >= size {
+            let average = window.sum_us / f64::from(window.count);
+            let tested = window.peak_in_flight as f64 * 2.0 >= self.limit;
+            let gradient = (self.unloaded_us / average).clamp(0.5, 1.0);
+            let mut next = gradient * self.limit + self.limit.sqrt() / 2.0;
+            if !tested {
+                next = next.min(self.limit);
+            }
+            self.limit = next.clamp(f64::from(self.settings.min), f64::from(self.settings.max));
+            self.window = Window::default();
+        }
+        self.limit()
+    }
+
+    /// The endpoint pushed back (429, or 503 with Retry-After).
+    pub fn on_back_pressure(&mut self) -> u32 {
+        let reduced = (self.limit * self.settings.backoff_ratio).max(f64::from(self.settings.min));
+        match &mut self.probe {
+            Some(probe) => probe.saved = reduced,
+            None => self.limit = reduced,
+        }
+        self.window = Window::default();
+        self.limit()
+    }
+
+    fn start_probe(&mut self, now_ms: u64) {
+        // The first probe knows nothing of the node, so it measures at the minimum; later ones at half a
+        // limit that has settled just above the node's capacity, which is below that capacity.
+        let at = if self.unloaded_us > 0.0 {
+            (self.limit / 2.0).floor().max(f64::from(self.settings.min)) as u64
+        } else {
+            u64::from(self.settings.min)
+        };
+        self.probe = Some(Probe {
+            saved: self.limit,
+            at: at.max(1),
+            sum_us: 0.0,
+            count: 0,
+        });
+        self.window = Window::default();
+        self.next_probe_ms = now_ms;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> LimitSettings {
+        LimitSettings {
+            mode: LimitMode::Adaptive,
+            initial: 8,
+            min: 1,
+            max: 256,
+            probe_interval: Duration::from_secs(60),
+            backoff_ratio: 0.75,
+        }
+    }
+
+    /// A node serving `capacity` requests at once in `service` each, queueing the rest: with `limit`
+    /// requests outstanding, each waits `limit ÷ capacity` services (Little's law, saturated).
+    fn latency(service_ms: f64, capacity: f64, in_flight: u64) -> Duration {
+        let factor = (in_flight as f64 / capacity).max(1.0);
+        Duration::from_secs_f64(service_ms * factor / 1000.0)
+    }
+
+    /// Drives the limiter as a saturated client would: every request starts at the current limit.
+    fn drive(limiter: &mut Limiter, capacity: f64, samples: usize, now_ms: &mut u64) -> u32 {
+        for _ in 0..samples {
+            let in_flight = u64::from(limiter.limit());
+            limiter.on_sample(latency(100.0, capacity, in_flight), in_flight, *now_ms);
+            *now_ms += 20;
+        }
+        limiter.limit()
+    }
+
+    #[test]
+    fn starts_with_a_probe_at_the_minimum() {
+        let limiter = Limiter::new(settings(), 0);
+        assert_eq!(limiter.limit(), 1);
+        assert_eq!(limiter.unloaded_us(), 0);
+    }
+
+    #[test]
+    fn settles_a_little_above_the_real_capacity() {
+        for capacity in [1.0, 4.0, 16.0] {
+            let mut limiter = Limiter::new(settings(), 0);
+            let mut now = 0;
+            let limit = drive(&mut limiter, capacity, 2000, &mut now);
+            assert!(
+                (capacity as u32..=(capacity * 1.6).ceil() as u32 + 1).contains(&limit),
+                "capacity {capacity}: limit {limit}"
+            );
+            assert_eq!(limiter.unloaded_us(), 100_000, "capacity {capacity}");
+        }
+    }
+
+    #[test]
+    fn grows_from_one_when_the_node_is_large() {
+        let mut limiter = Limiter::new(
+            LimitSettings {
+                initial: 1,
+                ..settings()
+            },
+            0,
+        );
+        let mut now = 0;
+        let limit = drive(&mut limiter, 40.0, 3000, &mut now);
+        assert!((40..=48).contains(&limit), "{limit}");
+    }
+
+    #[test]
+    fn back_pressure_cuts_the_limit_at_once() {
+        let mut limiter = Limiter::new(settings(), 0);
+        let mut now = 0;
+        let before = drive(&mut limiter, 16.0, 1000, &mut now);
+        let after = limiter.on_back_pressure();
+        assert!(
+            f64::from(after) <= f64::from(before) * 0.75 + 1.0,
+            "{before} → {after}"
+        );
+        let mut floor = limiter.clone();
+        for _ in 0..50 {
+            floor.on_back_pressure();
+        }
+        assert_eq!(floor.limit(), 1, "never below min_limit");
+    }
+
+    #[test]
+    fn an_untested_limit_does_not_grow() {
+        let mut limiter = Limiter::new(settings(), 0);
+        let mut now = 0;
+        // Finish the probe, then feed samples that all started alone.
+        for _ in 0..PROBE_SAMPLES {
+            limiter.on_sample(Duration::from_millis(100), 1, now);
+            now += 10;
+        }
+        let start = limiter.limit();
+        for _ in 0..500 {
+            limiter.on_sample(Duration::from_millis(100), 1, now);
+            now += 10;
+        }
+        assert_eq!(limiter.limit(), start);
+    }
+
+    #[test]
+    fn probes_again_after_the_interval_and_restores_the_limit() {
+        let mut limiter = Limiter::new(settings(), 0);
+        let mut now = 0;
+        let settled = drive(&mut limiter, 8.0, 1000, &mut now);
+        now += 70_000;
+        limiter.on_sample(Duration::from_millis(100), 1, now);
+        assert!(limiter.limit() < settled, "probing at half the limit");
+        for _ in 0..PROBE_SAMPLES {
+            limiter.on_sample(Duration::from_millis(100), 1, now);
+        }
+        assert_eq!(limiter.limit(), settled, "the limit is back after the probe");
+    }
+}
