@@ -3,7 +3,8 @@
 //! `/healthz`: the process is alive and serving. `/readyz`: the configuration is loaded and the first
 //! discovery sync is done, and the process is not draining. Readiness deliberately ignores endpoint
 //! health: an unready proxy is removed from its Service, which turns a clear 503 from tongs into
-//! "connection refused" for every client.
+//! "connection refused" for every client. `/demand`: JSON with requests queued and outstanding, the
+//! signal to scale the GPU fleet on (KEDA's `metrics-api` scaler reads `demand` from it).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -19,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::body::ProxyBody;
+use crate::registry::Registry;
 
 /// What the readiness probe reports.
 #[derive(Debug, Default)]
@@ -51,7 +53,11 @@ fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
     response
 }
 
-fn route(request: &Request<Incoming>, readiness: &Readiness) -> Response<ProxyBody> {
+fn route(
+    request: &Request<Incoming>,
+    readiness: &Readiness,
+    registry: &Registry,
+) -> Response<ProxyBody> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
@@ -59,15 +65,30 @@ fn route(request: &Request<Incoming>, readiness: &Readiness) -> Response<ProxyBo
         "/healthz" => answer(StatusCode::OK, "ok\n"),
         "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+        "/demand" => {
+            let body = serde_json::to_string(&registry.demand()).unwrap_or_default();
+            let mut response = answer(StatusCode::OK, "");
+            *response.body_mut() = ProxyBody::full(body);
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("application/json"),
+            );
+            response
+        }
         _ => answer(
             StatusCode::NOT_FOUND,
-            "not found: try /healthz or /readyz\n",
+            "not found: try /healthz, /readyz or /demand\n",
         ),
     }
 }
 
 /// Serves the admin endpoints until `shutdown` is cancelled.
-pub async fn serve(listener: TcpListener, readiness: Arc<Readiness>, shutdown: CancellationToken) {
+pub async fn serve(
+    listener: TcpListener,
+    readiness: Arc<Readiness>,
+    registry: Arc<Registry>,
+    shutdown: CancellationToken,
+) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -82,9 +103,9 @@ pub async fn serve(listener: TcpListener, readiness: Arc<Readiness>, shutdown: C
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let readiness = Arc::clone(&readiness);
+        let (readiness, registry) = (Arc::clone(&readiness), Arc::clone(&registry));
         let service = service_fn(move |request| {
-            let response = route(&request, &readiness);
+            let response = route(&request, &readiness, &registry);
             async move { Ok::<_, Infallible>(response) }
         });
         let connection = builder

@@ -162,7 +162,9 @@ struct DrainMeter {
 
 impl DrainMeter {
     fn roll(&mut self, now: Instant) {
-        let elapsed = now.saturating_duration_since(self.bucket_start).as_secs_f64();
+        let elapsed = now
+            .saturating_duration_since(self.bucket_start)
+            .as_secs_f64();
         if elapsed >= 1.0 {
             let rate = f64::from(self.count) / elapsed;
             // Long silences count as several empty buckets.
@@ -180,7 +182,9 @@ impl DrainMeter {
 
     fn rate(&mut self, now: Instant) -> f64 {
         self.roll(now);
-        let partial = now.saturating_duration_since(self.bucket_start).as_secs_f64();
+        let partial = now
+            .saturating_duration_since(self.bucket_start)
+            .as_secs_f64();
         let current = if partial > 0.2 {
             f64::from(self.count) / partial
         } else {

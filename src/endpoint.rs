@@ -555,10 +555,10 @@ impl Endpoint {
     }
 
     /// The endpoint pushed back: the adaptive limit drops at once.
-    pub fn limit_back_pressure(&self) {
+    pub fn limit_back_pressure(&self, now: Instant) {
         let mut limiter = self.lock_limiter();
         if let Some(state) = limiter.as_mut() {
-            let limit = state.on_back_pressure();
+            let limit = state.on_back_pressure(self.millis(now));
             drop(limiter);
             self.store_limit(u64::from(limit));
         }

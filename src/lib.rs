@@ -202,6 +202,7 @@ impl App {
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
             Arc::clone(&self.readiness),
+            Arc::clone(&self.registry),
             admin_stop.clone(),
         ));
         // Heartbeats run on this runtime with their own client, until the workers have drained.

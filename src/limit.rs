@@ -9,9 +9,9 @@
 //!   concurrency is the endpoint's latency when nothing queues inside it.
 //! - **Gradient.** Samples are averaged over windows of about two rounds of the limit. With
 //!   `gradient = unloaded ÷ window average` clamped to 0.5 ..= 1, the next limit is
-//!   `gradient × limit + √limit ÷ 2`. A node that queues internally answers slower in proportion to
-//!   the excess, so the limit settles a little above the node's real capacity (capacity 4 → about 5)
-//!   instead of growing until requests time out.
+//!   `gradient × limit + max(1, √limit ÷ 2)`, enforced rounded down. A node that queues internally
+//!   answers slower in proportion to the excess, so the limit settles a little above the node's real
+//!   capacity (capacity 4 → 5) instead of growing until requests time out.
 //! - **Back-pressure.** A 429, or 503 with Retry-After, multiplies the limit by `backoff_ratio` at once.
 //! - **Demand.** A window in which no request started above half the limit does not raise it: a limit
 //!   nobody tested says nothing about capacity.
@@ -63,6 +63,8 @@ pub struct Limiter {
     window: Window,
     probe: Option<Probe>,
     next_probe_ms: u64,
+    /// When back-pressure last cut the limit.
+    last_cut_ms: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -94,6 +96,7 @@ impl Limiter {
             window: Window::default(),
             probe: None,
             next_probe_ms: now_ms,
+            last_cut_ms: None,
         };
         limiter.start_probe(now_ms);
         limiter
@@ -113,7 +116,9 @@ impl Limiter {
             Some(probe) => probe.at as f64,
             None => self.limit,
         };
-        (limit.round() as u32).clamp(self.settings.min, self.settings.max)
+        // Rounded down: the limit's fixed point sits above the capacity by design, and enforcing it
+        // rounded down keeps that margin small.
+        (limit.floor() as u32).clamp(self.settings.min, self.settings.max)
     }
 
     /// The unloaded latency the gradient compares with (µs; 0 before the first probe ended).
@@ -154,7 +159,9 @@ impl Limiter {
             let average = window.sum_us / f64::from(window.count);
             let tested = window.peak_in_flight as f64 * 2.0 >= self.limit;
             let gradient = (self.unloaded_us / average).clamp(0.5, 1.0);
-            let mut next = gradient * self.limit + self.limit.sqrt() / 2.0;
+            // The gradient describes the limit that was enforced (rounded down), so it applies to that.
+            let enforced = f64::from(self.limit());
+            let mut next = gradient * enforced + (enforced.sqrt() / 2.0).max(1.0);
             if !tested {
                 next = next.min(self.limit);
             }
@@ -164,8 +171,22 @@ impl Limiter {
         self.limit()
     }
 
-    /// The endpoint pushed back (429, or 503 with Retry-After).
-    pub fn on_back_pressure(&mut self) -> u32 {
+    /// The endpoint pushed back (429, or 503 with Retry-After). The requests in flight when it first
+    /// pushed back tend to be refused together; one cut per unloaded latency (100 ms before one is
+    /// known) answers that one event once, not once per request.
+    pub fn on_back_pressure(&mut self, now_ms: u64) -> u32 {
+        let quiet_ms = if self.unloaded_us > 0.0 {
+            (self.unloaded_us / 1000.0).ceil() as u64
+        } else {
+            100
+        };
+        if self
+            .last_cut_ms
+            .is_some_and(|last| now_ms.saturating_sub(last) < quiet_ms)
+        {
+            return self.limit();
+        }
+        self.last_cut_ms = Some(now_ms);
         let reduced = (self.limit * self.settings.backoff_ratio).max(f64::from(self.settings.min));
         match &mut self.probe {
             Some(probe) => probe.saved = reduced,
@@ -266,14 +287,19 @@ mod tests {
         let mut limiter = Limiter::new(settings(), 0);
         let mut now = 0;
         let before = drive(&mut limiter, 16.0, 1000, &mut now);
-        let after = limiter.on_back_pressure();
+        let after = limiter.on_back_pressure(now);
         assert!(
             f64::from(after) <= f64::from(before) * 0.75 + 1.0,
             "{before} → {after}"
         );
+        assert_eq!(
+            limiter.on_back_pressure(now + 10),
+            after,
+            "the same event (within one unloaded latency, 100 ms) cuts once"
+        );
         let mut floor = limiter.clone();
-        for _ in 0..50 {
-            floor.on_back_pressure();
+        for step in 1..=50 {
+            floor.on_back_pressure(now + step * 200);
         }
         assert_eq!(floor.limit(), 1, "never below min_limit");
     }
@@ -306,6 +332,10 @@ mod tests {
         for _ in 0..PROBE_SAMPLES {
             limiter.on_sample(Duration::from_millis(100), 1, now);
         }
-        assert_eq!(limiter.limit(), settled, "the limit is back after the probe");
+        assert_eq!(
+            limiter.limit(),
+            settled,
+            "the limit is back after the probe"
+        );
     }
 }

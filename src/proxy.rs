@@ -357,10 +357,7 @@ impl Proxy {
             drop(last_failure.take());
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
             let request = template.build(&endpoint, attempt_body);
-            let failure = match self
-                .attempt(upstream, request, slot, deadline, &body)
-                .await
-            {
+            let failure = match self.attempt(upstream, request, slot, deadline, &body).await {
                 Attempt::Committed {
                     response,
                     first,
@@ -420,7 +417,11 @@ impl Proxy {
         let Some(value) = headers.get(&self.settings.deadline_header) else {
             return Ok(None);
         };
-        match value.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+        match value
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
             Some(ms) if ms > 0 => Ok(Some(Duration::from_millis(ms))),
             _ => Err(ProxyError::BadDeadline {
                 header: self.settings.deadline_header.to_string(),
@@ -620,7 +621,7 @@ impl Proxy {
                     retry_after(response.headers(), MAX_COOLDOWN),
                     Instant::now(),
                 );
-                endpoint.limit_back_pressure();
+                endpoint.limit_back_pressure(Instant::now());
             }
             let error = ProxyError::Status {
                 endpoint: endpoint.url().to_owned(),

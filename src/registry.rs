@@ -15,8 +15,8 @@ use arc_swap::ArcSwap;
 
 use crate::admission::Queue;
 use crate::config::{Config, EndpointUrl};
-use crate::limit::LimitSettings;
 use crate::endpoint::Endpoint;
+use crate::limit::LimitSettings;
 
 /// What discovery says an endpoint should be.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -44,6 +44,21 @@ impl EndpointSpec {
             })
             .collect()
     }
+}
+
+/// What the fleet is asked for right now: the signal to scale GPU nodes on.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct Demand {
+    /// Requests waiting in tongs' queue for a slot.
+    pub queued: u64,
+    /// Requests on endpoints (streams until they end).
+    pub outstanding: u64,
+    /// `queued + outstanding`: what KEDA should scale on.
+    pub demand: u64,
+    /// Sum of the endpoints' concurrency limits (null when any endpoint is unlimited).
+    pub capacity: Option<u64>,
+    /// Endpoints in the set (draining ones excluded).
+    pub endpoints: u64,
 }
 
 /// The current endpoints, shared by every request.
@@ -75,6 +90,31 @@ impl Registry {
             writer: Mutex::new(()),
             limits: Mutex::new(LimitSettings::none()),
             queue: Arc::new(Queue::default()),
+        }
+    }
+
+    /// Queued plus outstanding requests, and the capacity the limits allow.
+    pub fn demand(&self) -> Demand {
+        let snapshot = self.snapshot.load();
+        let mut outstanding = 0u64;
+        let mut capacity = Some(0u64);
+        let mut endpoints = 0u64;
+        for endpoint in snapshot.iter() {
+            outstanding += endpoint.outstanding();
+            if endpoint.is_available() {
+                endpoints += 1;
+                capacity = capacity
+                    .zip(endpoint.limit())
+                    .map(|(sum, limit)| sum.saturating_add(limit));
+            }
+        }
+        let queued = self.queue.len() as u64;
+        Demand {
+            queued,
+            outstanding,
+            demand: queued + outstanding,
+            capacity,
+            endpoints,
         }
     }
 

@@ -734,10 +734,7 @@ impl Config {
             ("queue.deadline_header", &self.queue.deadline_header),
         ] {
             if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
-                problem(
-                    field.into(),
-                    format!("{name:?} is not a valid header name"),
-                );
+                problem(field.into(), format!("{name:?} is not a valid header name"));
             }
         }
         if self.limits.max_header_bytes < 8192 {

@@ -82,6 +82,9 @@ pub struct NodeStats {
     pub in_flight: usize,
     /// Most requests ever served at the same time.
     pub peak_concurrency: usize,
+    /// Most requests ever at the node at the same time, waiting for capacity included: the
+    /// concurrency a proxy in front actually sent.
+    pub peak_in_flight: usize,
     /// Interruptions that have begun.
     pub interruptions: u64,
 }
@@ -91,6 +94,7 @@ struct Shared {
     capacity: Arc<Semaphore>,
     waiting: AtomicUsize,
     in_flight: AtomicUsize,
+    peak_in_flight: AtomicUsize,
     serving: AtomicUsize,
     peak_concurrency: AtomicUsize,
     served: AtomicU64,
@@ -130,6 +134,7 @@ impl Node {
             spec,
             waiting: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
+            peak_in_flight: AtomicUsize::new(0),
             serving: AtomicUsize::new(0),
             peak_concurrency: AtomicUsize::new(0),
             served: AtomicU64::new(0),
@@ -188,6 +193,7 @@ impl Node {
             gateway_503: s.gateway_503.load(Ordering::Relaxed),
             in_flight: s.in_flight.load(Ordering::Relaxed),
             peak_concurrency: s.peak_concurrency.load(Ordering::Relaxed),
+            peak_in_flight: s.peak_in_flight.load(Ordering::Relaxed),
             interruptions: s.interruptions.load(Ordering::Relaxed),
         }
     }
@@ -325,7 +331,8 @@ struct InFlight(Arc<Shared>);
 
 impl InFlight {
     fn new(shared: &Arc<Shared>) -> InFlight {
-        shared.in_flight.fetch_add(1, Ordering::Relaxed);
+        let now = shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
+        shared.peak_in_flight.fetch_max(now, Ordering::Relaxed);
         InFlight(Arc::clone(shared))
     }
 }
