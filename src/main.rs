@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
-use tongs::config::{BalancePolicy, Config, ConfigError};
+use tongs::config::{BalancePolicy, Config, ConfigError, LimitMode};
 use tongs::demo::DemoOptions;
 use tongs::sim::{Fleet, FleetConfig};
 use tracing_subscriber::EnvFilter;
@@ -36,6 +36,13 @@ struct Cli {
 enum PolicyArg {
     ExpectedLatency,
     LeastOutstanding,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LimitArg {
+    None,
+    Static,
+    Adaptive,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -80,6 +87,9 @@ enum Command {
         /// How tongs ranks the nodes (balancer.policy).
         #[arg(long, value_enum, default_value_t = PolicyArg::ExpectedLatency)]
         policy: PolicyArg,
+        /// Per-node concurrency limit (concurrency.limit); the excess waits in tongs' queue.
+        #[arg(long, value_enum, default_value_t = LimitArg::Adaptive)]
+        limit: LimitArg,
     },
     /// Serve a simulated fleet described by a YAML file until stopped (point a tongs config at it).
     Sim {
@@ -125,6 +135,7 @@ fn main() -> ExitCode {
             json,
             no_interruptions,
             policy,
+            limit,
         } => {
             let options = DemoOptions {
                 duration,
@@ -136,6 +147,11 @@ fn main() -> ExitCode {
                 policy: match policy {
                     PolicyArg::ExpectedLatency => BalancePolicy::ExpectedLatency,
                     PolicyArg::LeastOutstanding => BalancePolicy::LeastOutstanding,
+                },
+                limit: match limit {
+                    LimitArg::None => LimitMode::None,
+                    LimitArg::Static => LimitMode::Static,
+                    LimitArg::Adaptive => LimitMode::Adaptive,
                 },
             };
             exit_on_error(demo(options))

@@ -21,7 +21,8 @@ use tokio_util::task::TaskTracker;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Outcome {
     Succeeded,
-    /// tongs itself answered 503 (no endpoint available): a rejection, not a failure of a node.
+    /// tongs itself answered 503 (queue full or timed out, shed, no endpoint): a rejection, not a
+    /// failure of a node.
     Rejected,
     /// Any other non-2xx status (e.g. 502, 503 passed through from a gateway, 504).
     Status(u16),
@@ -223,30 +224,19 @@ async fn exchange(
         Err(_) => return Outcome::Broken,
     };
     let status = response.status();
-    let made_by_tongs = response
+    // tongs names the reason of its own refusals; a node's or a gateway's 503 carries no such header.
+    let refused_by_tongs = response
         .headers()
-        .get(header::CONTENT_TYPE)
-        .is_some_and(|v| v == "application/json");
-    let body = match response.into_body().collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(_) => return Outcome::Broken,
-    };
+        .contains_key(&crate::error::X_TONGS_REJECT_REASON);
+    // The whole body must arrive: a stream cut short is a failure whatever its status said.
+    if response.into_body().collect().await.is_err() {
+        return Outcome::Broken;
+    }
     if status.is_success() {
         return Outcome::Succeeded;
     }
-    if status == StatusCode::SERVICE_UNAVAILABLE && made_by_tongs && is_no_endpoint(&body) {
+    if status == StatusCode::SERVICE_UNAVAILABLE && refused_by_tongs {
         return Outcome::Rejected;
     }
     Outcome::Status(status.as_u16())
-}
-
-fn is_no_endpoint(body: &[u8]) -> bool {
-    serde_json::from_slice::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| {
-            v.get("error")
-                .and_then(|e| e.as_str())
-                .map(|e| e.contains("no endpoint"))
-        })
-        .unwrap_or(false)
 }

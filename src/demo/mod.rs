@@ -12,7 +12,7 @@ pub use load::{LoadGenerator, LoadPlan, Outcome, Recorder};
 pub use report::Summary;
 
 use crate::App;
-use crate::config::{BalancePolicy, Config, HumanDuration, StaticEndpoint};
+use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
     Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
 };
@@ -30,6 +30,8 @@ pub struct DemoOptions {
     pub interruptions: bool,
     /// How tongs ranks the nodes.
     pub policy: BalancePolicy,
+    /// Per-node concurrency limit (static: 4 each).
+    pub limit: LimitMode,
 }
 
 impl Default for DemoOptions {
@@ -42,6 +44,7 @@ impl Default for DemoOptions {
             json: false,
             interruptions: true,
             policy: BalancePolicy::default(),
+            limit: LimitMode::Adaptive,
         }
     }
 }
@@ -99,13 +102,16 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
 
 /// The proxy configuration the demo runs: the fleet as static endpoints, loopback ports, and timeouts
 /// short enough that a silent node shows up within the run.
-pub fn demo_config(fleet: &Fleet, policy: BalancePolicy) -> Config {
+pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
     let mut config = Config {
         listen: ([127, 0, 0, 1], 0).into(),
         ..Config::default()
     };
     config.admin.listen = ([127, 0, 0, 1], 0).into();
-    config.balancer.policy = policy;
+    config.balancer.policy = options.policy;
+    config.concurrency.limit = options.limit;
+    config.concurrency.max_outstanding_per_endpoint = 4;
+    config.queue.max_wait = HumanDuration::from_secs(10);
     config.timeouts.connect = HumanDuration::from_secs(1);
     config.timeouts.response_headers = HumanDuration::from_secs(10);
     config.timeouts.total = HumanDuration::from_secs(30);
@@ -121,7 +127,7 @@ pub fn demo_config(fleet: &Fleet, policy: BalancePolicy) -> Config {
 pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::Result<Summary> {
     let fleet_config = demo_fleet(&options);
     let fleet = Fleet::start(&fleet_config, options.duration).await?;
-    let app = App::bind(&demo_config(&fleet, options.policy)).await?;
+    let app = App::bind(&demo_config(&fleet, &options)).await?;
     let proxy = std::sync::Arc::clone(app.proxy());
     let target = format!("http://{}", app.proxy_addr());
     let proxy_stop = CancellationToken::new();

@@ -23,6 +23,7 @@ struct NodeRow {
     health: &'static str,
     circuit: &'static str,
     outstanding: u64,
+    limit: Option<u64>,
     served: u64,
     errors: u64,
 }
@@ -36,6 +37,7 @@ pub struct View {
     failed: u64,
     rejected: u64,
     retried: u64,
+    queued: usize,
     interruptions: u64,
     p50_ms: f64,
     p99_ms: f64,
@@ -74,6 +76,7 @@ pub fn snapshot(
                     State::HalfOpen { .. } => "half-open",
                 }),
                 outstanding: endpoint.map_or(0, |e| e.outstanding()),
+                limit: endpoint.and_then(|e| e.limit()),
                 served: stats.served,
                 errors: endpoint.map_or(0, |e| e.failures()) + stats.gateway_503 + stats.shed,
             }
@@ -98,6 +101,7 @@ pub fn snapshot(
         failed,
         rejected,
         retried: proxy.stats().retries.total(),
+        queued: proxy.registry().queue().len(),
         interruptions: fleet.interruptions_injected(),
         p50_ms,
         p99_ms,
@@ -108,18 +112,20 @@ fn render(view: &View) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<12} {:<12} {:<10} {:<10} {:>11} {:>8} {:>7}",
-        "node", "node state", "tongs sees", "circuit", "outstanding", "served", "errors"
+        "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>8} {:>7}",
+        "node", "node state", "tongs sees", "circuit", "outstanding", "limit", "served", "errors"
     );
     for node in &view.nodes {
+        let limit = node.limit.map_or_else(|| "-".to_owned(), |l| l.to_string());
         let _ = writeln!(
             out,
-            "{:<12} {:<12} {:<10} {:<10} {:>11} {:>8} {:>7}",
+            "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>8} {:>7}",
             node.name,
             node.condition,
             node.health,
             node.circuit,
             node.outstanding,
+            limit,
             node.served,
             node.errors
         );
@@ -132,13 +138,14 @@ fn render(view: &View) -> String {
     };
     let _ = writeln!(
         out,
-        "t={:>5.1}s sent={} ok={:.1}% failed={} retried={} rejected={} interruptions={} p50={:.0}ms p99={:.0}ms",
+        "t={:>5.1}s sent={} ok={:.1}% failed={} retried={} rejected={} queued={} interruptions={} p50={:.0}ms p99={:.0}ms",
         view.elapsed.as_secs_f64(),
         view.sent,
         success,
         view.failed,
         view.retried,
         view.rejected,
+        view.queued,
         view.interruptions,
         view.p50_ms,
         view.p99_ms
