@@ -322,6 +322,31 @@ impl Queue {
         }
     }
 
+    /// Wakes the first waiter behind `key`: a woken request that could not use the slot (a retry that
+    /// must not go back to the endpoint that freed it) hands the wake down the line.
+    fn wake_after(&self, key: Key) {
+        if self.waiting.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut state = self.lock();
+        loop {
+            let Some(next) = state
+                .entries
+                .range((std::ops::Bound::Excluded(key), std::ops::Bound::Unbounded))
+                .next()
+                .map(|(k, _)| *k)
+            else {
+                return;
+            };
+            if let Some(entry) = state.entries.remove(&next) {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                if entry.wake.send(Wake::Go).is_ok() {
+                    return;
+                }
+            }
+        }
+    }
+
     /// Seconds a refused client should wait before trying again: how long the queue, at the rate it has
     /// been draining, takes to serve everyone ahead plus this client; `max_wait` when it is not draining.
     pub fn retry_after(&self) -> u64 {
@@ -424,6 +449,17 @@ impl Ticket<'_> {
                 }
             }
         }
+    }
+
+    /// Whether the last wait ended with a wake from a release (not a look of the head's own).
+    pub fn woken_by_release(&self) -> bool {
+        self.go
+    }
+
+    /// After a wake this request could not use: passes it to the next in line (see
+    /// [`Queue::wake_after`]). Call after [`Ticket::requeue`].
+    pub fn pass_on(&self) {
+        self.queue.wake_after(self.key);
     }
 
     /// The pick after a wake found nothing: back to the same place in line.
@@ -573,6 +609,22 @@ mod tests {
         assert_eq!(q.len(), 1);
         drop(second);
         assert_eq!(q.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_wake_passed_on_goes_to_the_next_in_line_not_back() {
+        let q = queue(10);
+        let mut first = q.join(Priority::Normal).unwrap();
+        let mut second = q.join(Priority::Normal).unwrap();
+        q.wake_one();
+        let soon = Instant::now() + Duration::from_secs(1);
+        assert_eq!(first.wait(soon).await, Waited::Go);
+        assert!(first.woken_by_release());
+        first.requeue();
+        first.pass_on();
+        assert_eq!(second.wait(soon).await, Waited::Go, "the second got the wake");
+        assert!(first.is_head(), "the first kept its place");
+        assert_eq!(q.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

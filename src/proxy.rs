@@ -469,7 +469,15 @@ impl Proxy {
                         return Ok(slot);
                     }
                     Picked::Nowhere => return Err(Stop::Nowhere),
-                    Picked::Wait => ticket.requeue(),
+                    Picked::Wait => {
+                        let woken = ticket.woken_by_release();
+                        ticket.requeue();
+                        // A retry may have been woken by a slot on an endpoint it already tried: that
+                        // slot is someone else's, so the wake goes down the line.
+                        if woken && tried.len > 0 {
+                            ticket.pass_on();
+                        }
+                    }
                 }
             }
             match ticket.wait(until).await {

@@ -546,3 +546,56 @@ async fn the_adaptive_limit_settles_near_a_nodes_capacity_and_drops_when_it_reje
     }
     proxy.stop().await;
 }
+
+#[tokio::test]
+async fn a_retry_waits_in_the_queue_for_a_full_endpoint_it_has_not_tried() {
+    // A holds its requests until the test lets them go; B pushes back on everything.
+    let (a, gate, arrivals) = gated().await;
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&refusals);
+    let b = backend(move |_request: Request<Incoming>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Response::builder()
+                .status(429)
+                .header("retry-after", "0")
+                .body(full("busy"))
+                .unwrap()
+        }
+    })
+    .await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n";
+    let proxy = start_proxy(config_with(config, &[a.url(), b.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let spawn = |tag: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move { ask(&url, &[("x-tag", tag)]).await })
+    };
+
+    // Whether it tries B first or not, the first request ends up holding A's only slot.
+    let first = spawn("first");
+    eventually("the first request at A", HANG, || {
+        arrivals.lock().unwrap().len() == 1
+    })
+    .await;
+    // The second finds A full, goes to B, is pushed back, and waits for A instead of failing.
+    let before = refusals.load(Ordering::SeqCst);
+    let second = spawn("second");
+    queued(&proxy, 1).await;
+    assert_eq!(
+        refusals.load(Ordering::SeqCst),
+        before + 1,
+        "B was tried first"
+    );
+    gate.add_permits(2);
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!((first.status, first.body.as_str()), (200, "first"));
+    assert_eq!(
+        (second.status, second.body.as_str()),
+        (200, "second"),
+        "{second:?}"
+    );
+    assert_eq!(*arrivals.lock().unwrap(), ["first", "second"]);
+    proxy.stop().await;
+}
