@@ -340,7 +340,7 @@ mod tests {
     fn slow_start_ramps_a_recovered_endpoint() {
         let endpoints = fleet(&[1, 1]);
         let window = 10_000;
-        // New endpoints ramp from their creation too; look long after it.
+        // Look long after creation; endpoints that start together do not ramp anyway.
         let now = Instant::now() + std::time::Duration::from_secs(60);
         endpoints[0].set_healthy(false, now);
         endpoints[0].set_healthy(true, now);

@@ -175,7 +175,12 @@ impl Registry {
                 None => {
                     let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                     let endpoint = Endpoint::new(id, &spec.url, spec.parsed, spec.weight);
-                    endpoint.apply_limit(&self.limits(), tokio::time::Instant::now());
+                    let now = tokio::time::Instant::now();
+                    endpoint.apply_limit(&self.limits(), now);
+                    // The first set starts together; an endpoint joining a serving set ramps in.
+                    if !current.is_empty() {
+                        endpoint.start_slow_start(now);
+                    }
                     endpoint.set_queue(Arc::clone(&self.queue));
                     next.push(Arc::new(endpoint));
                 }
@@ -231,6 +236,17 @@ mod tests {
         assert_eq!(snapshot[1].url(), "http://c:1");
         drop(held);
         assert_eq!(a.outstanding(), 0);
+    }
+
+    #[test]
+    fn endpoints_joining_a_serving_set_ramp_in_and_the_first_set_does_not() {
+        let registry = Registry::new();
+        registry.replace(vec![spec("http://a:1", 1)]);
+        registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
+        let snapshot = registry.snapshot();
+        let now_ms = crate::endpoint::millis(tokio::time::Instant::now());
+        assert_eq!(snapshot[0].effective_weight(now_ms, 5000), 1000);
+        assert!(snapshot[1].effective_weight(now_ms, 5000) < 1000);
     }
 
     #[test]
