@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::body::ProxyBody;
-use crate::registry::Registry;
+use crate::proxy::Proxy;
 
 /// What the readiness probe reports.
 #[derive(Debug, Default)]
@@ -53,11 +53,18 @@ fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
     response
 }
 
-fn route(
-    request: &Request<Incoming>,
-    readiness: &Readiness,
-    registry: &Registry,
-) -> Response<ProxyBody> {
+fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
+    let body = serde_json::to_string(value).unwrap_or_default();
+    let mut response = Response::new(ProxyBody::full(body));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> Response<ProxyBody> {
+    let registry = proxy.registry();
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
@@ -65,19 +72,41 @@ fn route(
         "/healthz" => answer(StatusCode::OK, "ok\n"),
         "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        "/demand" => {
-            let body = serde_json::to_string(&registry.demand()).unwrap_or_default();
+        "/demand" => json(&registry.demand()),
+        "/debug/endpoints" => {
+            let now = tokio::time::Instant::now();
+            let slow_start = proxy.settings().slow_start;
+            let endpoints: Vec<_> = registry
+                .snapshot()
+                .iter()
+                .map(|e| e.view(now, slow_start))
+                .collect();
+            let queue = registry.queue();
+            json(&serde_json::json!({
+                "endpoints": endpoints,
+                "demand": registry.demand(),
+                "queue": {
+                    "waiting": queue.len(),
+                    "retry_after_seconds": queue.retry_after(),
+                },
+                "balancer": {
+                    "policy": proxy.settings().policy,
+                    "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
+                },
+            }))
+        }
+        "/metrics" => {
             let mut response = answer(StatusCode::OK, "");
-            *response.body_mut() = ProxyBody::full(body);
+            *response.body_mut() = ProxyBody::full(proxy.metrics().render(proxy));
             response.headers_mut().insert(
                 header::CONTENT_TYPE,
-                header::HeaderValue::from_static("application/json"),
+                header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
             );
             response
         }
         _ => answer(
             StatusCode::NOT_FOUND,
-            "not found: try /healthz, /readyz or /demand\n",
+            "not found: try /healthz, /readyz, /metrics, /demand or /debug/endpoints\n",
         ),
     }
 }
@@ -86,9 +115,11 @@ fn route(
 pub async fn serve(
     listener: TcpListener,
     readiness: Arc<Readiness>,
-    registry: Arc<Registry>,
+    proxy: Arc<Proxy>,
     shutdown: CancellationToken,
 ) {
+    // Histograms keep atomic buckets until drained; drain them between scrapes too.
+    let mut upkeep = tokio::time::interval(Duration::from_secs(5));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -97,15 +128,19 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
+            _ = upkeep.tick() => {
+                proxy.metrics().upkeep();
+                continue;
+            }
             accepted = listener.accept() => accepted,
         };
         let Ok((stream, _)) = accepted else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let (readiness, registry) = (Arc::clone(&readiness), Arc::clone(&registry));
+        let (readiness, proxy) = (Arc::clone(&readiness), Arc::clone(&proxy));
         let service = service_fn(move |request| {
-            let response = route(&request, &readiness, &registry);
+            let response = route(&request, &readiness, &proxy);
             async move { Ok::<_, Infallible>(response) }
         });
         let connection = builder

@@ -622,7 +622,11 @@ mod tests {
         assert!(first.woken_by_release());
         first.requeue();
         first.pass_on();
-        assert_eq!(second.wait(soon).await, Waited::Go, "the second got the wake");
+        assert_eq!(
+            second.wait(soon).await,
+            Waited::Go,
+            "the second got the wake"
+        );
         assert!(first.is_head(), "the first kept its place");
         assert_eq!(q.len(), 1);
     }

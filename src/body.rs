@@ -17,6 +17,7 @@ use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
 use crate::endpoint::Outstanding;
+use crate::proxy::Finish;
 use crate::upstream::BoxError;
 
 pin_project! {
@@ -41,6 +42,8 @@ pin_project! {
             total: Duration,
             // `None` once the stream has ended: the request stops counting as outstanding right there.
             outstanding: Option<Outstanding>,
+            // Counts the request in the metrics when the body goes.
+            finish: Option<Finish>,
         },
         Full {
             data: Option<Bytes>,
@@ -70,11 +73,23 @@ impl ProxyBody {
                 deadline,
                 total,
                 outstanding: Some(outstanding),
+                finish: None,
             },
         }
     }
 
     /// A complete body made by tongs (error messages, admin answers).
+    /// Hands `finish` to a streamed body, to drop when the body goes; gives it back for any other body.
+    pub fn on_end(&mut self, finish: Finish) -> Result<(), Finish> {
+        match &mut self.kind {
+            Kind::Upstream { finish: slot, .. } => {
+                *slot = Some(finish);
+                Ok(())
+            }
+            Kind::Full { .. } => Err(finish),
+        }
+    }
+
     pub fn full(data: impl Into<Bytes>) -> Self {
         ProxyBody {
             kind: Kind::Full {
@@ -105,6 +120,7 @@ impl Body for ProxyBody {
                 deadline,
                 total,
                 outstanding,
+                finish,
             } => {
                 if let Some(frame) = first.take() {
                     return Poll::Ready(Some(Ok(frame)));
@@ -116,15 +132,18 @@ impl Body for ProxyBody {
                     Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
                     Poll::Ready(Some(Err(err))) => {
                         *outstanding = None;
+                        *finish = None;
                         Poll::Ready(Some(Err(err.into())))
                     }
                     Poll::Ready(None) => {
                         *outstanding = None;
+                        *finish = None;
                         Poll::Ready(None)
                     }
                     Poll::Pending => match deadline.poll(cx) {
                         Poll::Ready(()) => {
                             *outstanding = None;
+                            *finish = None;
                             Poll::Ready(Some(Err(TotalTimeout(*total).into())))
                         }
                         Poll::Pending => Poll::Pending,

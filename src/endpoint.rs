@@ -45,7 +45,7 @@ pub struct Endpoint {
     gate: AtomicU64,
     /// Back-pressure: no new requests before this millisecond (429 / 503 with Retry-After).
     cooldown_until: AtomicU64,
-    /// Slow start began at this millisecond.
+    /// Slow start began at this millisecond (0: not ramping).
     ramp_start: AtomicU64,
     weight: u32,
     /// A draining endpoint takes no new requests; in-flight ones finish.
@@ -84,7 +84,58 @@ pub struct Endpoint {
     limiter: Mutex<Option<Limiter>>,
     /// The queue to wake when a slot here comes free.
     queue: OnceLock<Arc<Queue>>,
+    /// The last heartbeat: when it ended (ms, 0: none yet), how long it took (µs), and whether it passed.
+    heartbeat_at: AtomicU64,
+    heartbeat_rtt_us: AtomicU64,
+    heartbeat_ok: AtomicBool,
+    /// Where the endpoint came from (`static`, later the discovery sources).
+    source: &'static str,
 }
+
+/// What an endpoint is doing, for /debug/endpoints, metrics and the status page.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EndpointView {
+    pub url: String,
+    pub source: &'static str,
+    pub weight: u32,
+    /// The one word an operator needs first: draining, unhealthy, ejected, probing, cooldown, suspect,
+    /// slow-start or healthy.
+    pub state: &'static str,
+    pub healthy: bool,
+    pub suspect: bool,
+    pub draining: bool,
+    pub cooling_down: bool,
+    pub slow_start: bool,
+    /// `closed`, `open` or `half-open`.
+    pub breaker: &'static str,
+    pub outstanding: u64,
+    /// Concurrency limit (null: none).
+    pub limit: Option<u64>,
+    pub requests: u64,
+    pub failures: u64,
+    pub ejections: u64,
+    pub cooldowns: u64,
+    /// Expected-latency estimate (time to first byte), ms; null before the first answer.
+    pub latency_ms: Option<f64>,
+    /// The adaptive limiter's unloaded latency, ms.
+    pub unloaded_latency_ms: Option<f64>,
+    /// Seconds since the last heartbeat ended (null: none yet), its duration and verdict.
+    pub last_heartbeat_age_s: Option<f64>,
+    pub last_heartbeat_ms: Option<f64>,
+    pub last_heartbeat_ok: Option<bool>,
+}
+
+/// Every state an endpoint can be in, as [`EndpointView::state`] names them.
+pub const STATES: [&str; 8] = [
+    "healthy",
+    "slow-start",
+    "suspect",
+    "cooldown",
+    "probing",
+    "ejected",
+    "unhealthy",
+    "draining",
+];
 
 /// Milliseconds from a process-wide epoch to `now`: the form instants take in the endpoints' atomics.
 /// One epoch for all endpoints lets a pick convert the time once, not once per endpoint it looks at.
@@ -137,6 +188,104 @@ impl Endpoint {
             cooldowns: AtomicU64::new(0),
             limiter: Mutex::new(None),
             queue: OnceLock::new(),
+            heartbeat_at: AtomicU64::new(0),
+            heartbeat_rtt_us: AtomicU64::new(0),
+            heartbeat_ok: AtomicBool::new(false),
+            source: "static",
+        }
+    }
+
+    /// Ramps the endpoint's share in from 10 % over the slow-start window, from `now`.
+    pub fn start_slow_start(&self, now: Instant) {
+        self.ramp_start
+            .store(self.millis(now).max(1), Ordering::Relaxed);
+    }
+
+    /// Records a heartbeat's outcome and duration.
+    pub fn record_heartbeat(&self, passed: bool, took: Duration, now: Instant) {
+        self.heartbeat_rtt_us.store(
+            u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+        self.heartbeat_ok.store(passed, Ordering::Relaxed);
+        self.heartbeat_at
+            .store(self.millis(now).max(1), Ordering::Relaxed);
+    }
+
+    /// The last heartbeat: its end (ms on the [`millis`] clock), duration and verdict.
+    pub fn last_heartbeat(&self) -> Option<(u64, Duration, bool)> {
+        match self.heartbeat_at.load(Ordering::Relaxed) {
+            0 => None,
+            at => Some((
+                at,
+                Duration::from_micros(self.heartbeat_rtt_us.load(Ordering::Relaxed)),
+                self.heartbeat_ok.load(Ordering::Relaxed),
+            )),
+        }
+    }
+
+    pub fn source(&self) -> &'static str {
+        self.source
+    }
+
+    /// A consistent-enough picture of the endpoint at `now` (each field read once, without locks but the
+    /// breaker's and the limiter's).
+    pub fn view(&self, now: Instant, slow_start: Duration) -> EndpointView {
+        let now_ms = self.millis(now);
+        let breaker = match self.breaker_state() {
+            State::Closed { .. } => "closed",
+            State::Open { .. } => "open",
+            State::HalfOpen { .. } => "half-open",
+        };
+        let healthy = self.is_healthy();
+        let suspect = self.is_suspect();
+        let draining = !self.is_available();
+        let cooling_down = self.cooling_down(now_ms);
+        let window = u64::try_from(slow_start.as_millis()).unwrap_or(u64::MAX);
+        let slow =
+            window > 0 && self.effective_weight(now_ms, window) < u64::from(self.weight) * 1000;
+        let state = if draining {
+            "draining"
+        } else if !healthy {
+            "unhealthy"
+        } else if breaker == "open" {
+            "ejected"
+        } else if breaker == "half-open" {
+            "probing"
+        } else if cooling_down {
+            "cooldown"
+        } else if suspect {
+            "suspect"
+        } else if slow {
+            "slow-start"
+        } else {
+            "healthy"
+        };
+        let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
+        let heartbeat = self.last_heartbeat();
+        EndpointView {
+            url: self.url.clone(),
+            source: self.source,
+            weight: self.weight,
+            state,
+            healthy,
+            suspect,
+            draining,
+            cooling_down,
+            slow_start: slow,
+            breaker,
+            outstanding: self.outstanding(),
+            limit: self.limit(),
+            requests: self.requests(),
+            failures: self.failures(),
+            ejections: self.ejections(),
+            cooldowns: self.cooldowns(),
+            latency_ms: ms(self.latency_us()),
+            unloaded_latency_ms: self.unloaded_latency_us().and_then(ms),
+            last_heartbeat_age_s: heartbeat
+                .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
+            last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
+            last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
         }
     }
 
@@ -174,7 +323,11 @@ impl Endpoint {
         if window_ms == 0 {
             return full;
         }
-        let elapsed = now_ms.saturating_sub(self.ramp_start.load(Ordering::Relaxed));
+        let start = self.ramp_start.load(Ordering::Relaxed);
+        if start == 0 {
+            return full;
+        }
+        let elapsed = now_ms.saturating_sub(start);
         if elapsed >= window_ms {
             return full;
         }
@@ -278,7 +431,7 @@ impl Endpoint {
             return false;
         }
         if healthy {
-            self.ramp_start.store(self.millis(now), Ordering::Relaxed);
+            self.start_slow_start(now);
             tracing::info!(endpoint = self.url(), "endpoint healthy");
             let mut breaker = self.lock_breaker();
             let transition = breaker.on_recovery(now);
@@ -401,7 +554,7 @@ impl Endpoint {
                 );
             }
             Some(Transition::Closed) => {
-                self.ramp_start.store(self.millis(now), Ordering::Relaxed);
+                self.start_slow_start(now);
                 tracing::info!(endpoint = self.url(), "circuit closed");
             }
             None => {}

@@ -129,8 +129,10 @@ async fn probe_loop(
     }
     let mut streak = Streak::default();
     loop {
+        let started = Instant::now();
         let passed = probe(&endpoint, &config, &client).await;
         let now = Instant::now();
+        endpoint.record_heartbeat(passed, now.saturating_duration_since(started), now);
         if passed {
             endpoint.heartbeat_passed(now);
         }

@@ -18,6 +18,7 @@ pub mod error;
 pub mod headers;
 pub mod health;
 pub mod limit;
+pub mod metrics;
 pub mod proxy;
 pub mod registry;
 pub mod retry;
@@ -202,7 +203,7 @@ impl App {
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
             Arc::clone(&self.readiness),
-            Arc::clone(&self.registry),
+            Arc::clone(&self.proxy),
             admin_stop.clone(),
         ));
         // Heartbeats run on this runtime with their own client, until the workers have drained.

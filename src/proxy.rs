@@ -34,6 +34,7 @@ use crate::config::{BalancePolicy, Config, RetryConfig};
 use crate::endpoint::{Eligibility, Endpoint, EndpointId, Outstanding};
 use crate::error::{ProxyError, describe};
 use crate::headers::{self, X_REQUEST_ID};
+use crate::metrics::{Metrics, Outcome};
 use crate::registry::Registry;
 use crate::retry::{
     BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy, RetryStats, classify_status,
@@ -123,6 +124,7 @@ pub struct Proxy {
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
+    metrics: Arc<Metrics>,
 }
 
 /// What one worker thread owns on the request path: its pooled connections and its retry budget.
@@ -181,6 +183,22 @@ struct Failure {
     endpoint: Arc<Endpoint>,
 }
 
+/// Counts a request in the metrics when dropped: with its answer's body, so a stream counts when it
+/// ends.
+pub struct Finish {
+    metrics: Arc<Metrics>,
+    outcome: Outcome,
+    status: u16,
+    started: Instant,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.metrics
+            .request_done(self.outcome, self.status, self.started.elapsed());
+    }
+}
+
 /// A slot taken on an endpoint for one attempt, and whether the attempt is its breaker's probe.
 struct Slot {
     outstanding: Outstanding,
@@ -236,7 +254,16 @@ impl Proxy {
             settings,
             stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
+            metrics: Arc::new(Metrics::new()),
         }
+    }
+
+    pub fn settings(&self) -> &ProxySettings {
+        &self.settings
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     pub fn stats(&self) -> &ProxyStats {
@@ -263,18 +290,39 @@ impl Proxy {
     pub async fn handle(
         &self,
         worker: &WorkerPath,
-        mut request: Request<Incoming>,
+        request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<ProxyBody> {
-        let upstream = &worker.upstream;
         let started = Instant::now();
+        let (mut response, outcome) = self.answer(worker, request, client, started).await;
+        let status = response.status().as_u16();
+        // A streamed answer is counted when it ends; anything else now.
+        if let Err(finish) = response.body_mut().on_end(Finish {
+            metrics: Arc::clone(&self.metrics),
+            outcome,
+            status,
+            started,
+        }) {
+            drop(finish);
+        }
+        response
+    }
+
+    async fn answer(
+        &self,
+        worker: &WorkerPath,
+        mut request: Request<Incoming>,
+        client: SocketAddr,
+        started: Instant,
+    ) -> (Response<ProxyBody>, Outcome) {
+        let upstream = &worker.upstream;
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         worker.budget.deposit();
         let request_id = headers::request_id(request.headers());
         let deadline = match self.client_deadline(request.headers()) {
             Ok(Some(wanted)) => started + wanted.min(self.settings.total_timeout),
             Ok(None) => started + self.settings.total_timeout,
-            Err(error) => return self.reject(error, &request_id),
+            Err(error) => return (self.reject(error, &request_id), Outcome::Invalid),
         };
         let priority = Priority::from_header(request.headers().get(&self.settings.priority_header));
 
@@ -321,15 +369,19 @@ impl Proxy {
             Ok(Ok(body)) => body,
             Ok(Err(BodyError::TooLarge)) => {
                 let limit = self.settings.max_body_bytes.unwrap_or_default();
-                return self.reject(ProxyError::BodyTooLarge { limit }, &request_id);
+                let error = ProxyError::BodyTooLarge { limit };
+                return (self.reject(error, &request_id), Outcome::Invalid);
             }
             Ok(Err(BodyError::Broken(err))) => {
                 let error = ProxyError::ClientBody {
                     detail: describe(err.as_ref()),
                 };
-                return self.reject(error, &request_id);
+                return (self.reject(error, &request_id), Outcome::Invalid);
             }
-            Err(_elapsed) => return self.reject(ProxyError::ClientTooSlow, &request_id),
+            Err(_elapsed) => {
+                let error = ProxyError::ClientTooSlow;
+                return (self.reject(error, &request_id), Outcome::Invalid);
+            }
         };
 
         let mut tried = Tried::default();
@@ -343,8 +395,10 @@ impl Proxy {
                 Err(Stop::Nowhere) => break,
                 Err(Stop::Refused(reason)) => match last_failure {
                     // A retry that found no room: the endpoint's failure is the better answer.
-                    Some(failure) => return self.fail(failure, &request_id, deadline),
-                    None => return self.refuse(reason, &request_id),
+                    Some(failure) => {
+                        return (self.fail(failure, &request_id, deadline), Outcome::Failed);
+                    }
+                    None => return (self.refuse(reason, &request_id), Outcome::Refused),
                 },
             };
             let Some(attempt_body) = body.for_attempt() else {
@@ -363,7 +417,8 @@ impl Proxy {
                     first,
                     outstanding,
                 } => {
-                    return self.commit(
+                    self.metrics.first_byte(started.elapsed());
+                    let response = self.commit(
                         response,
                         first,
                         outstanding,
@@ -371,6 +426,7 @@ impl Proxy {
                         &request_id,
                         deadline,
                     );
+                    return (response, Outcome::Proxied);
                 }
                 Attempt::Failed(failure) => failure,
             };
@@ -407,8 +463,11 @@ impl Proxy {
             }
         }
         match last_failure {
-            Some(failure) => self.fail(failure, &request_id, deadline),
-            None => self.refuse(Reason::NoEndpoints, &request_id),
+            Some(failure) => (self.fail(failure, &request_id, deadline), Outcome::Failed),
+            None => (
+                self.refuse(Reason::NoEndpoints, &request_id),
+                Outcome::Refused,
+            ),
         }
     }
 
@@ -465,6 +524,7 @@ impl Proxy {
             if look {
                 match self.pick(tried) {
                     Picked::Slot(slot) => {
+                        self.metrics.queue_wait(ticket.since().elapsed());
                         ticket.admitted();
                         return Ok(slot);
                     }
