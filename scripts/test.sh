@@ -4,9 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/cli.rs.
+# Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/cli.rs;
+# a real Prometheus scrapes tongs (tests/prometheus.rs); headless Chromium loads the status page
+# (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs).
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
 if ((${#need[@]})); then
   echo "test.sh: installing ${need[*]}" >&2
   if [ "$(id -u)" -ne 0 ]; then
@@ -14,7 +19,8 @@ if ((${#need[@]})); then
     exit 1
   fi
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+  # --no-install-recommends: prometheus would otherwise pull in its node exporter and start services.
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 command -v cargo >/dev/null 2>&1 || { echo "test.sh: cargo is missing (install Rust with rustup)" >&2; exit 1; }
 

@@ -53,6 +53,9 @@ fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
     response
 }
 
+/// The status page: one self-contained HTML file (no external assets) that polls /debug/endpoints.
+const STATUS_PAGE: &str = include_str!("status.html");
+
 fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
     let body = serde_json::to_string(value).unwrap_or_default();
     let mut response = Response::new(ProxyBody::full(body));
@@ -69,6 +72,15 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
     match request.uri().path() {
+        "/" => {
+            let mut response = answer(StatusCode::OK, "");
+            *response.body_mut() = ProxyBody::full(STATUS_PAGE);
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                header::HeaderValue::from_static("text/html; charset=utf-8"),
+            );
+            response
+        }
         "/healthz" => answer(StatusCode::OK, "ok\n"),
         "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
