@@ -12,6 +12,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -28,14 +30,14 @@ use crate::upstream::{UpstreamBody, UpstreamClient};
 /// Runs the heartbeat loops of every endpoint in the registry until `shutdown`.
 pub async fn run(
     registry: Arc<Registry>,
-    config: HealthConfig,
+    config: Arc<ArcSwap<HealthConfig>>,
     client: UpstreamClient,
     shutdown: CancellationToken,
 ) {
-    if !config.enabled {
+    // Switching heartbeats on or off takes a restart (a reload says so); the rest applies live.
+    if !config.load().enabled {
         return;
     }
-    let config = Arc::new(config);
     let mut changes = registry.subscribe();
     let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
     loop {
@@ -114,21 +116,26 @@ impl Streak {
 
 async fn probe_loop(
     endpoint: Arc<Endpoint>,
-    config: Arc<HealthConfig>,
+    settings: Arc<ArcSwap<HealthConfig>>,
     client: UpstreamClient,
     stop: CancellationToken,
 ) {
     // "At once", spread a little so a fleet discovered in one go is not probed in one burst.
-    let first = config
-        .interval
-        .get()
-        .mul_f64(config.jitter * fastrand::f64());
+    let first = {
+        let config = settings.load();
+        config
+            .interval
+            .get()
+            .mul_f64(config.jitter * fastrand::f64())
+    };
     tokio::select! {
         () = stop.cancelled() => return,
         () = tokio::time::sleep(first) => {}
     }
     let mut streak = Streak::default();
     loop {
+        // Each round reads the settings in force, so a reload applies from the next heartbeat.
+        let config = settings.load_full();
         let started = Instant::now();
         let passed = probe(&endpoint, &config, &client).await;
         let now = Instant::now();

@@ -21,19 +21,22 @@ pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod registry;
+pub mod reload;
 pub mod retry;
 pub mod server;
 pub mod sim;
 pub mod upstream;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::admin::Readiness;
-use crate::config::Config;
+use crate::config::{Config, HealthConfig};
 use crate::proxy::{Proxy, ProxySettings};
 use crate::registry::{EndpointSpec, Registry};
 use crate::server::ServerSettings;
@@ -128,6 +131,10 @@ pub struct App {
     readiness: Arc<Readiness>,
     server_settings: ServerSettings,
     config: Config,
+    /// Heartbeat settings, replaced by a reload.
+    health: Arc<ArcSwap<HealthConfig>>,
+    /// The file to watch for reloads (none: the configuration was built in code).
+    config_path: Option<PathBuf>,
 }
 
 impl App {
@@ -168,7 +175,16 @@ impl App {
             readiness,
             server_settings: ServerSettings::from_config(config),
             config: config.clone(),
+            health: Arc::new(ArcSwap::from_pointee(config.health.clone())),
+            config_path: None,
         })
+    }
+
+    /// Reloads the configuration from `path` when it changes (a ConfigMap update included) and on
+    /// SIGHUP, while serving.
+    pub fn watch_config(mut self, path: PathBuf) -> App {
+        self.config_path = Some(path);
+        self
     }
 
     /// Where clients connect.
@@ -211,7 +227,7 @@ impl App {
         let heartbeats = match upstream::build_client(&self.config) {
             Ok(client) => Some(tokio::spawn(health::run(
                 Arc::clone(&self.registry),
-                self.config.health.clone(),
+                Arc::clone(&self.health),
                 client,
                 heartbeats_stop.clone(),
             ))),
@@ -220,6 +236,16 @@ impl App {
                 None
             }
         };
+        let reload_stop = CancellationToken::new();
+        let reloads = self.config_path.clone().map(|path| {
+            let live = Arc::new(reload::Live::new(
+                Arc::clone(&self.proxy),
+                Arc::clone(&self.registry),
+                Arc::clone(&self.health),
+                self.config.clone(),
+            ));
+            tokio::spawn(reload::watch(path, live, reload_stop.clone()))
+        });
         let mut workers = Vec::new();
         let count = self.proxy_listeners.len();
         for (index, listener) in self.proxy_listeners.into_iter().enumerate() {
@@ -246,6 +272,10 @@ impl App {
         }
         for finished in workers {
             let _ = finished.await;
+        }
+        reload_stop.cancel();
+        if let Some(reloads) = reloads {
+            let _ = reloads.await;
         }
         heartbeats_stop.cancel();
         if let Some(heartbeats) = heartbeats {

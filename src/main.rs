@@ -167,8 +167,8 @@ fn main() -> ExitCode {
             }
             Err(err) => bad_config(&err),
         },
-        Command::Run { config } => match Config::load(&config) {
-            Ok(config) => exit_on_error(run(config)),
+        Command::Run { config: path } => match Config::load(&path) {
+            Ok(config) => exit_on_error(run(config, path)),
             Err(err) => bad_config(&err),
         },
     }
@@ -246,9 +246,9 @@ fn sim(fleet: FleetConfig) -> anyhow::Result<()> {
     })
 }
 
-fn run(config: Config) -> anyhow::Result<()> {
+fn run(config: Config, path: PathBuf) -> anyhow::Result<()> {
     runtime()?.block_on(async {
-        let app = App::bind(&config).await?;
+        let app = App::bind(&config).await?.watch_config(path);
         let shutdown = CancellationToken::new();
         tokio::spawn(stop_on_signal(shutdown.clone()));
         app.run(shutdown).await;

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::uri::PathAndQuery;
@@ -116,11 +117,12 @@ pub struct ProxyStats {
 /// stay on the thread that uses them.
 pub struct Proxy {
     registry: Arc<Registry>,
-    settings: ProxySettings,
+    /// Replaced whole by a configuration reload; each read takes the current one.
+    settings: ArcSwap<ProxySettings>,
     /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
     /// estimate of endpoints that have none of their own yet.
     fleet_latency: AtomicU64,
-    retry: RetryPolicy,
+    retry: ArcSwap<RetryPolicy>,
     stats: ProxyStats,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
@@ -250,16 +252,29 @@ impl Proxy {
         Proxy {
             registry,
             fleet_latency: AtomicU64::new(0),
-            retry: RetryPolicy::new(&settings.retry),
-            settings,
+            retry: ArcSwap::from_pointee(RetryPolicy::new(&settings.retry)),
+            settings: ArcSwap::from_pointee(settings),
             stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
             metrics: Arc::new(Metrics::new()),
         }
     }
 
-    pub fn settings(&self) -> &ProxySettings {
-        &self.settings
+    /// The settings in force (a reload may replace them for later requests).
+    pub fn settings(&self) -> arc_swap::Guard<Arc<ProxySettings>> {
+        self.settings.load()
+    }
+
+    /// Applies reloaded settings: requests from now on use them; requests under way keep what they
+    /// read.
+    pub fn apply(&self, settings: ProxySettings) {
+        self.retry
+            .store(Arc::new(RetryPolicy::new(&settings.retry)));
+        self.settings.store(Arc::new(settings));
+    }
+
+    fn retry(&self) -> arc_swap::Guard<Arc<RetryPolicy>> {
+        self.retry.load()
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
@@ -282,7 +297,7 @@ impl Proxy {
     pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
         WorkerPath {
             upstream,
-            budget: self.retry.budget(workers),
+            budget: self.retry().budget(workers),
         }
     }
 
@@ -320,18 +335,19 @@ impl Proxy {
         worker.budget.deposit();
         let request_id = headers::request_id(request.headers());
         let deadline = match self.client_deadline(request.headers()) {
-            Ok(Some(wanted)) => started + wanted.min(self.settings.total_timeout),
-            Ok(None) => started + self.settings.total_timeout,
+            Ok(Some(wanted)) => started + wanted.min(self.settings().total_timeout),
+            Ok(None) => started + self.settings().total_timeout,
             Err(error) => return (self.reject(error, &request_id), Outcome::Invalid),
         };
-        let priority = Priority::from_header(request.headers().get(&self.settings.priority_header));
+        let priority =
+            Priority::from_header(request.headers().get(&self.settings().priority_header));
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
         // request is taken apart.
         let upgrade =
             request.version() == Version::HTTP_11 && headers::is_upgrade_request(request.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
-        let retries_wanted = self.retry.enabled() && !opted_out(request.headers());
+        let retries_wanted = self.retry().enabled() && !opted_out(request.headers());
 
         let (parts, body) = request.into_parts();
         let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -356,19 +372,19 @@ impl Proxy {
         };
 
         let replay_limit = if retries_wanted {
-            self.retry.replay_limit()
+            self.retry().replay_limit()
         } else {
             0
         };
         let prepared = tokio::time::timeout_at(
             deadline,
-            ReplayBody::prepare(body, replay_limit, self.settings.max_body_bytes),
+            ReplayBody::prepare(body, replay_limit, self.settings().max_body_bytes),
         )
         .await;
         let body = match prepared {
             Ok(Ok(body)) => body,
             Ok(Err(BodyError::TooLarge)) => {
-                let limit = self.settings.max_body_bytes.unwrap_or_default();
+                let limit = self.settings().max_body_bytes.unwrap_or_default();
                 let error = ProxyError::BodyTooLarge { limit };
                 return (self.reject(error, &request_id), Outcome::Invalid);
             }
@@ -386,7 +402,7 @@ impl Proxy {
 
         let mut tried = Tried::default();
         let mut last_failure: Option<Failure> = None;
-        for attempt in 1..=self.retry.max_attempts().max(1) {
+        for attempt in 1..=self.retry().max_attempts().max(1) {
             let slot = match self
                 .acquire(&tried, priority, deadline, &mut last_failure)
                 .await
@@ -439,8 +455,8 @@ impl Proxy {
                 "attempt failed"
             );
             let retry = retries_wanted
-                && attempt < self.retry.max_attempts()
-                && self.retry.retries_on(failure.kind)
+                && attempt < self.retry().max_attempts()
+                && self.retry().retries_on(failure.kind)
                 && body.replayable()
                 && Instant::now() < deadline;
             last_failure = Some(failure);
@@ -457,7 +473,7 @@ impl Proxy {
             if let Some(failure) = &last_failure {
                 self.stats.retries.count(failure.kind);
             }
-            let backoff = self.retry.backoff(attempt);
+            let backoff = self.retry().backoff(attempt);
             if !backoff.is_zero() {
                 tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
             }
@@ -473,7 +489,7 @@ impl Proxy {
 
     /// The client's own deadline from the deadline header, if it sent one.
     fn client_deadline(&self, headers: &HeaderMap) -> Result<Option<Duration>, ProxyError> {
-        let Some(value) = headers.get(&self.settings.deadline_header) else {
+        let Some(value) = headers.get(&self.settings().deadline_header) else {
             return Ok(None);
         };
         match value
@@ -483,7 +499,7 @@ impl Proxy {
         {
             Some(ms) if ms > 0 => Ok(Some(Duration::from_millis(ms))),
             _ => Err(ProxyError::BadDeadline {
-                header: self.settings.deadline_header.to_string(),
+                header: self.settings().deadline_header.to_string(),
                 value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
             }),
         }
@@ -567,14 +583,14 @@ impl Proxy {
         let snapshot = self.registry.snapshot();
         let mut ctx = PickContext {
             now,
-            slow_start_ms: millis_of(self.settings.slow_start),
+            slow_start_ms: millis_of(self.settings().slow_start),
             ignore_health: false,
             ignore_cooldown: false,
-            neutral_latency_us: match self.settings.policy {
+            neutral_latency_us: match self.settings().policy {
                 BalancePolicy::ExpectedLatency => Some(self.fleet_latency_us()),
                 BalancePolicy::LeastOutstanding => None,
             },
-            latency_decay_ms: millis_of(self.settings.latency_decay),
+            latency_decay_ms: millis_of(self.settings().latency_decay),
         };
         let mut exclude = *tried;
         for _ in 0..6 {
@@ -651,8 +667,8 @@ impl Proxy {
         };
         let attempt_started = Instant::now();
         let mut gone = endpoint.gone_signal();
-        let grace = self.settings.suspect_grace;
-        let per_try = (Instant::now() + self.settings.response_headers_timeout).min(deadline);
+        let grace = self.settings().suspect_grace;
+        let per_try = (Instant::now() + self.settings().response_headers_timeout).min(deadline);
         let failed = |kind: FailureKind, error: ProxyError| Failure {
             kind,
             error,
@@ -764,7 +780,7 @@ impl Proxy {
         endpoint.observe_latency(
             sample,
             crate::endpoint::millis(now),
-            millis_of(self.settings.latency_decay),
+            millis_of(self.settings().latency_decay),
         );
         // The fleet's estimate only stands in for endpoints without one of their own, so one sample in
         // eight is plenty, and spares every worker writing one shared cache line on every request.
@@ -798,7 +814,7 @@ impl Proxy {
     fn record(&self, failure: Failure) -> Failure {
         let endpoint = &failure.endpoint;
         if failure.kind.is_endpoint_fault() {
-            endpoint.record_failure(&self.settings.breaker, Instant::now(), self.may_eject());
+            endpoint.record_failure(&self.settings().breaker, Instant::now(), self.may_eject());
         } else {
             // A probe turned away by back-pressure tells nothing about health: let another request probe.
             endpoint.release_probe(Instant::now());
@@ -810,7 +826,7 @@ impl Proxy {
     fn may_eject(&self) -> bool {
         let snapshot = self.registry.snapshot();
         let ejected = snapshot.iter().filter(|e| e.is_ejected()).count();
-        (ejected + 1) * 100 <= snapshot.len() * self.settings.max_ejected_percent as usize
+        (ejected + 1) * 100 <= snapshot.len() * self.settings().max_ejected_percent as usize
     }
 
     fn classify(
@@ -820,7 +836,7 @@ impl Proxy {
         body: &ReplayBody,
     ) -> (FailureKind, ProxyError) {
         if body.exceeded_limit() {
-            let limit = self.settings.max_body_bytes.unwrap_or_default();
+            let limit = self.settings().max_body_bytes.unwrap_or_default();
             return (FailureKind::Reset, ProxyError::BodyTooLarge { limit });
         }
         let detail = describe(err);
@@ -872,7 +888,7 @@ impl Proxy {
             body,
             outstanding,
             deadline_timer,
-            self.settings.total_timeout,
+            self.settings().total_timeout,
         );
         Response::from_parts(parts, body)
     }

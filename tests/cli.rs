@@ -252,3 +252,53 @@ async fn sigterm_drains_an_in_flight_stream_then_exits_zero() {
     .expect("tongs exits after the drain");
     assert_eq!(status.code(), Some(0));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_configuration() {
+    let a = text_backend("A").await;
+    let b = text_backend("B").await;
+    let text = |endpoint: &str| {
+        format!(
+            "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\nhealth: {{ enabled: false }}\n\
+             discovery:\n  static:\n    - url: {endpoint}\n"
+        )
+    };
+    let config = write_config("sighup", &text(&a.url()));
+    let running = Running::start(&config);
+    let serving = running.wait_for_log("tongs serving");
+    let listen = serving["listen"].as_str().unwrap().to_owned();
+    assert_eq!(get(&format!("http://{listen}/")).await.1, "A");
+
+    // Unchanged file: SIGHUP still reloads (an operator's explicit request), and says so.
+    running.signal("HUP");
+    let reloaded = running.wait_for_log("configuration reloaded");
+    assert_eq!(reloaded["trigger"], "SIGHUP", "{reloaded}");
+
+    // A changed file is picked up (by the directory watch, or by SIGHUP; either way once applied).
+    std::fs::write(&config, text(&b.url())).unwrap();
+    running.signal("HUP");
+    running.wait_for_log("configuration reloaded");
+    eventually_answer(&format!("http://{listen}/"), "B").await;
+
+    // A listen address cannot change without a restart: applied otherwise, and the log says so.
+    std::fs::write(
+        &config,
+        text(&b.url()).replace("listen: 127.0.0.1:0\n", "listen: 127.0.0.1:1\n"),
+    )
+    .unwrap();
+    running.signal("HUP");
+    let restart = running.wait_for_log("these changed keys take effect only after a restart");
+    assert_eq!(restart["keys"], "listen", "{restart}");
+    std::fs::remove_file(&config).unwrap();
+}
+
+/// Polls `url` until it answers `text` (10 s at most).
+async fn eventually_answer(url: &str, text: &str) {
+    for _ in 0..200 {
+        if get(url).await.1 == text {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{url} never answered {text:?}");
+}

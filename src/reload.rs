@@ -1,0 +1,259 @@
+//! Configuration reload: on a change to the config file, and on SIGHUP.
+//!
+//! Kubernetes updates a ConfigMap volume by writing a new timestamped directory and swapping the
+//! `..data` symlink to it; the file tongs was given (`tongs.yaml` → `..data/tongs.yaml`) never changes
+//! itself, so a watch on the file alone misses the update. tongs watches the file's *directory* instead
+//! and, on any event there (debounced), reads the file again through its symlinks and reloads if the
+//! text changed.
+//!
+//! A reload validates the whole file first: an invalid file keeps the configuration in force, logs
+//! every problem with its field, and counts as `invalid`. A valid one applies live what can change
+//! live — timeouts of the request path, retries, breakers, balancing, concurrency limits, the queue,
+//! heartbeat settings, static endpoints — without dropping a request (requests under way finish with
+//! what they started with, endpoints that stay keep their state), and names in the log what needs a
+//! restart (listen addresses, workers, connection-level timeouts and limits, upstream TLS and pooling,
+//! switching heartbeats on or off, the retry budget's rates).
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use notify::Watcher;
+use tokio_util::sync::CancellationToken;
+
+use crate::admission::QueueSettings;
+use crate::config::{Config, ConfigError, HealthConfig};
+use crate::limit::LimitSettings;
+use crate::proxy::{Proxy, ProxySettings};
+use crate::registry::{EndpointSpec, Registry};
+
+/// Events closer together than this are one change (an editor or a ConfigMap swap makes several).
+const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// What a reload can change in a running proxy.
+pub struct Live {
+    proxy: Arc<Proxy>,
+    registry: Arc<Registry>,
+    health: Arc<ArcSwap<HealthConfig>>,
+    current: Mutex<Config>,
+}
+
+/// How a reload went.
+#[derive(Debug)]
+pub enum Reloaded {
+    /// Applied; the keys listed changed but take effect only after a restart.
+    Applied { needs_restart: Vec<&'static str> },
+    /// The file's text is what was applied last: nothing to do.
+    Unchanged,
+    /// Not applied: the file is unreadable or invalid.
+    Rejected(ConfigError),
+}
+
+impl Live {
+    pub fn new(
+        proxy: Arc<Proxy>,
+        registry: Arc<Registry>,
+        health: Arc<ArcSwap<HealthConfig>>,
+        config: Config,
+    ) -> Live {
+        Live {
+            proxy,
+            registry,
+            health,
+            current: Mutex::new(config),
+        }
+    }
+
+    /// Applies `next` live and returns the keys that changed but need a restart.
+    pub fn apply(&self, next: Config) -> Vec<&'static str> {
+        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let needs_restart = needs_restart(&current, &next);
+        self.proxy.apply(ProxySettings::from_config(&next));
+        self.registry
+            .set_limits(LimitSettings::from_config(&next.concurrency));
+        self.registry
+            .queue()
+            .set_settings(QueueSettings::from_config(&next.queue));
+        self.health.store(Arc::new(next.health.clone()));
+        self.registry.replace(EndpointSpec::from_config(&next));
+        *current = next;
+        needs_restart
+    }
+}
+
+/// Keys whose change a running proxy cannot apply.
+fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
+    fn differs<T: serde::Serialize>(a: &T, b: &T) -> bool {
+        serde_json::to_value(a).ok() != serde_json::to_value(b).ok()
+    }
+    let mut keys = Vec::new();
+    let mut check = |key: &'static str, changed: bool| {
+        if changed {
+            keys.push(key);
+        }
+    };
+    check("listen", current.listen != next.listen);
+    check("admin.listen", current.admin.listen != next.admin.listen);
+    check("workers", current.workers != next.workers);
+    check(
+        "timeouts.connect",
+        differs(&current.timeouts.connect, &next.timeouts.connect),
+    );
+    check(
+        "timeouts.idle",
+        differs(&current.timeouts.idle, &next.timeouts.idle),
+    );
+    check(
+        "timeouts.header_read",
+        differs(&current.timeouts.header_read, &next.timeouts.header_read),
+    );
+    check(
+        "limits.max_header_bytes",
+        current.limits.max_header_bytes != next.limits.max_header_bytes,
+    );
+    check("upstream", differs(&current.upstream, &next.upstream));
+    check(
+        "health.enabled",
+        current.health.enabled != next.health.enabled,
+    );
+    check(
+        "retry.budget_percent",
+        current.retry.budget_percent != next.retry.budget_percent,
+    );
+    check(
+        "retry.budget_min_per_second",
+        current.retry.budget_min_per_second != next.retry.budget_min_per_second,
+    );
+    keys
+}
+
+/// Reads and validates `path`, and applies it if its text differs from `last` (or `forced`).
+pub fn reload(live: &Live, path: &Path, last: &mut Option<String>, forced: bool) -> Reloaded {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(source) => {
+            return Reloaded::Rejected(ConfigError::Read {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    if !forced && last.as_deref() == Some(text.as_str()) {
+        return Reloaded::Unchanged;
+    }
+    let config = match Config::parse(&text, &path.display().to_string()) {
+        Ok(config) => config,
+        Err(err) => {
+            // Remember the bad text too: the same invalid file is reported once, not on every event.
+            *last = Some(text);
+            return Reloaded::Rejected(err);
+        }
+    };
+    *last = Some(text);
+    Reloaded::Applied {
+        needs_restart: live.apply(config),
+    }
+}
+
+/// Logs and counts a reload's outcome.
+fn report(live: &Live, outcome: &Reloaded, trigger: &str) {
+    let metrics = live.proxy.metrics();
+    match outcome {
+        Reloaded::Applied { needs_restart } => {
+            metrics.reload(true);
+            tracing::info!(trigger, "configuration reloaded");
+            if !needs_restart.is_empty() {
+                tracing::warn!(
+                    trigger,
+                    keys = needs_restart.join(", "),
+                    "these changed keys take effect only after a restart"
+                );
+            }
+        }
+        Reloaded::Unchanged => {
+            tracing::debug!(trigger, "configuration file unchanged");
+        }
+        Reloaded::Rejected(err) => {
+            metrics.reload(false);
+            match err {
+                ConfigError::Invalid { problems, .. } => {
+                    for problem in problems {
+                        tracing::error!(
+                            trigger,
+                            field = %problem.field,
+                            problem = %problem.message,
+                            "configuration reload rejected; the configuration in force stays"
+                        );
+                    }
+                }
+                ConfigError::Read { .. } => {
+                    tracing::error!(trigger, error = %err, "configuration reload rejected; the configuration in force stays");
+                }
+            }
+        }
+    }
+}
+
+/// Watches `path`'s directory and SIGHUP, reloading until `stop`.
+pub async fn watch(path: PathBuf, live: Arc<Live>, stop: CancellationToken) {
+    let directory = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    let (events, mut changed) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if event.is_ok() {
+            let _ = events.send(());
+        }
+    });
+    let watcher = match watcher {
+        Ok(mut watcher) => match watcher.watch(&directory, notify::RecursiveMode::NonRecursive) {
+            Ok(()) => Some(watcher),
+            Err(err) => {
+                tracing::error!(directory = %directory.display(), error = %err, "cannot watch the configuration's directory; reload with SIGHUP");
+                None
+            }
+        },
+        Err(err) => {
+            tracing::error!(error = %err, "cannot watch files; reload with SIGHUP");
+            None
+        }
+    };
+    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(signal) => Some(signal),
+        Err(err) => {
+            tracing::error!(error = %err, "cannot listen for SIGHUP");
+            None
+        }
+    };
+    // Without a watcher its channel's sender is gone and would report "closed" at once, forever.
+    let mut watching = watcher.is_some();
+    // The text applied at start, so the first event only reloads a real change.
+    let mut last = std::fs::read_to_string(&path).ok();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            event = changed.recv(), if watching => {
+                if event.is_none() {
+                    // The watcher is gone; SIGHUP still works.
+                    watching = false;
+                    continue;
+                }
+                tokio::time::sleep(DEBOUNCE).await;
+                while changed.try_recv().is_ok() {}
+                let outcome = reload(&live, &path, &mut last, false);
+                report(&live, &outcome, "file");
+            }
+            Some(()) = async {
+                match hangups.as_mut() {
+                    Some(signal) => signal.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let outcome = reload(&live, &path, &mut last, true);
+                report(&live, &outcome, "SIGHUP");
+            }
+        }
+    }
+}
