@@ -133,7 +133,8 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     volume.publish(&config_text(
         &b.url(),
         "concurrency: { limit: static, max_outstanding_per_endpoint: 2 }\n\
-         timeouts: { total: 40s, response_headers: 20s }\n",
+         timeouts: { total: 40s, response_headers: 20s }\n\
+         balancer: { policy: least-outstanding }\n",
     ));
     eventually("B in the set", Duration::from_secs(10), || {
         proxy
@@ -156,6 +157,13 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
         Duration::from_secs(40),
         "timeouts applied live"
     );
+    assert_eq!(
+        handle.settings().policy,
+        tongs::config::BalancePolicy::LeastOutstanding,
+        "the balancer policy switched live"
+    );
+    let (_, debug) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
+    assert!(debug.contains(r#""policy":"least-outstanding""#), "{debug}");
     assert_eq!(
         metric(&proxy, r#"tongs_config_reloads_total{result="applied"}"#).await,
         Some(1.0)
