@@ -264,7 +264,7 @@ impl Metrics {
         }
         let recorder = builder.build_recorder();
         let handle = recorder.handle();
-        for spec in [&REQUESTS, &CONFIG_RELOADS, &BUILD_INFO] {
+        for spec in [&REQUESTS, &CONFIG_RELOADS] {
             recorder.describe_counter(spec.name.into(), None, spec.help.into());
         }
         for spec in [&REQUEST_DURATION, &FIRST_BYTE, &QUEUE_WAIT] {

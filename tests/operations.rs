@@ -199,3 +199,15 @@ async fn debug_endpoints_shows_state_limit_and_heartbeats() {
     assert_eq!(last["demand"]["endpoints"], 2);
     proxy.stop().await;
 }
+
+#[test]
+fn readme_lists_every_metric() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let missing: Vec<_> = CATALOG
+        .iter()
+        .map(|spec| spec.name)
+        .filter(|name| !readme.contains(&format!("| `{name}` |")))
+        .collect();
+    assert!(missing.is_empty(), "README's metrics table lacks {missing:?}");
+}
