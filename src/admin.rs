@@ -71,7 +71,7 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
-    match request.uri().path() {
+    let mut response = match request.uri().path() {
         "/" => {
             let mut response = answer(StatusCode::OK, "");
             *response.body_mut() = ProxyBody::full(STATUS_PAGE);
@@ -120,7 +120,13 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
             StatusCode::NOT_FOUND,
             "not found: try /healthz, /readyz, /metrics, /demand or /debug/endpoints\n",
         ),
-    }
+    };
+    // Everything here is live state: never cached, by browsers or by anything in between.
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    response
 }
 
 /// Serves the admin endpoints until `shutdown` is cancelled.
