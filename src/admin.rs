@@ -53,6 +53,37 @@ fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
     response
 }
 
+/// Whether `request` may see the admin port: the kubelet's probes and the (data-free) status page always
+/// may; everything else needs the bearer token.
+fn authorized(request: &Request<Incoming>, token: &str) -> bool {
+    if matches!(request.uri().path(), "/healthz" | "/readyz" | "/") {
+        return true;
+    }
+    let Some(given) = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    // Compared in time independent of where the first difference is.
+    let (a, b) = (given.trim().as_bytes(), token.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn unauthorized() -> Response<ProxyBody> {
+    let mut response = answer(
+        StatusCode::UNAUTHORIZED,
+        "this admin path needs Authorization: Bearer <token> (admin.bearer_token_file)\n",
+    );
+    response.headers_mut().insert(
+        header::WWW_AUTHENTICATE,
+        header::HeaderValue::from_static("Bearer"),
+    );
+    response
+}
+
 /// The status page: one self-contained HTML file (no external assets) that polls /debug/endpoints.
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -134,6 +165,7 @@ pub async fn serve(
     listener: TcpListener,
     readiness: Arc<Readiness>,
     proxy: Arc<Proxy>,
+    token: Option<Arc<str>>,
     shutdown: CancellationToken,
 ) {
     // Histograms keep atomic buckets until drained; drain them between scrapes too.
@@ -156,9 +188,12 @@ pub async fn serve(
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let (readiness, proxy) = (Arc::clone(&readiness), Arc::clone(&proxy));
+        let (readiness, proxy, token) = (Arc::clone(&readiness), Arc::clone(&proxy), token.clone());
         let service = service_fn(move |request| {
-            let response = route(&request, &readiness, &proxy);
+            let response = match &token {
+                Some(token) if !authorized(&request, token) => unauthorized(),
+                _ => route(&request, &readiness, &proxy),
+            };
             async move { Ok::<_, Infallible>(response) }
         });
         let connection = builder

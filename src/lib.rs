@@ -52,6 +52,11 @@ pub enum AppError {
     },
     #[error(transparent)]
     Upstream(#[from] upstream::UpstreamError),
+    #[error("cannot read admin.bearer_token_file {path}: {source}")]
+    Token {
+        path: PathBuf,
+        source: std::io::Error,
+    },
 }
 
 /// Worker threads for client traffic: `workers` from the config, or one per available CPU.
@@ -133,6 +138,8 @@ pub struct App {
     config: Config,
     /// Heartbeat settings, replaced by a reload.
     health: Arc<ArcSwap<HealthConfig>>,
+    /// Bearer token the admin port requires (none: open).
+    admin_token: Option<Arc<str>>,
     /// The file to watch for reloads (none: the configuration was built in code).
     config_path: Option<PathBuf>,
 }
@@ -164,6 +171,17 @@ impl App {
             .first()
             .and_then(|l| l.local_addr().ok())
             .unwrap_or(config.listen);
+        let admin_token = match &config.admin.bearer_token_file {
+            Some(path) => Some(
+                std::fs::read_to_string(path)
+                    .map(|token| Arc::<str>::from(token.trim()))
+                    .map_err(|source| AppError::Token {
+                        path: path.clone(),
+                        source,
+                    })?,
+            ),
+            None => None,
+        };
         let admin_listener = server::bind(config.admin.listen, "admin (admin.listen)").await?;
         Ok(App {
             proxy_addr,
@@ -176,6 +194,7 @@ impl App {
             server_settings: ServerSettings::from_config(config),
             config: config.clone(),
             health: Arc::new(ArcSwap::from_pointee(config.health.clone())),
+            admin_token,
             config_path: None,
         })
     }
@@ -220,6 +239,7 @@ impl App {
             self.admin_listener,
             Arc::clone(&self.readiness),
             Arc::clone(&self.proxy),
+            self.admin_token.clone(),
             admin_stop.clone(),
         ));
         // Heartbeats run on this runtime with their own client, until the workers have drained.

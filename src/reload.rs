@@ -95,6 +95,10 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
     };
     check("listen", current.listen != next.listen);
     check("admin.listen", current.admin.listen != next.admin.listen);
+    check(
+        "admin.bearer_token_file",
+        current.admin.bearer_token_file != next.admin.bearer_token_file,
+    );
     check("workers", current.workers != next.workers);
     check(
         "timeouts.connect",

@@ -209,5 +209,43 @@ fn readme_lists_every_metric() {
         .map(|spec| spec.name)
         .filter(|name| !readme.contains(&format!("| `{name}` |")))
         .collect();
-    assert!(missing.is_empty(), "README's metrics table lacks {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "README's metrics table lacks {missing:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_bearer_token_guards_the_admin_port_but_not_the_probes() {
+    let dir = std::env::temp_dir().join(format!("tongs-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token_file = dir.join("token");
+    std::fs::write(&token_file, "s3cret\n").unwrap();
+    let mut config = config_with("", &[]);
+    config.admin.bearer_token_file = Some(token_file.clone());
+    assert!(config.validate().is_empty());
+    let proxy = start_proxy(config).await;
+    let admin = |path: &str, token: Option<&str>| {
+        let mut request = http::Request::get(format!("http://{}{path}", proxy.admin));
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        send(request.body(full("")).unwrap())
+    };
+    assert_eq!(admin("/healthz", None).await.0, 200);
+    assert_eq!(admin("/readyz", None).await.0, 200);
+    assert_eq!(
+        admin("/", None).await.0,
+        200,
+        "the page itself holds no data"
+    );
+    for path in ["/metrics", "/debug/endpoints", "/demand"] {
+        let (status, body) = admin(path, None).await;
+        assert_eq!(status, 401, "{path}: {body}");
+        assert!(body.contains("Bearer"), "{body}");
+        assert_eq!(admin(path, Some("wrong")).await.0, 401, "{path}");
+        assert_eq!(admin(path, Some("s3cret")).await.0, 200, "{path}");
+    }
+    proxy.stop().await;
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -65,12 +65,16 @@ impl Default for Config {
 #[serde(deny_unknown_fields, default)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
+    /// A file holding a bearer token (a mounted Secret). When set, every admin path but `/healthz` and
+    /// `/readyz` (the kubelet's probes) requires `Authorization: Bearer <token>`.
+    pub bearer_token_file: Option<PathBuf>,
 }
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
+            bearer_token_file: None,
         }
     }
 }
@@ -751,6 +755,19 @@ impl Config {
                 "limits.max_body_bytes".into(),
                 "must be greater than zero (leave it out for no limit)".into(),
             );
+        }
+        if let Some(path) = &self.admin.bearer_token_file {
+            match std::fs::read_to_string(path) {
+                Ok(token) if token.trim().is_empty() => problem(
+                    "admin.bearer_token_file".into(),
+                    format!("{} is empty", path.display()),
+                ),
+                Ok(_) => {}
+                Err(err) => problem(
+                    "admin.bearer_token_file".into(),
+                    format!("cannot read {}: {err}", path.display()),
+                ),
+            }
         }
         if let Some(path) = &self.upstream.extra_ca_file
             && !path.is_file()
