@@ -347,6 +347,20 @@ impl Queue {
         }
     }
 
+    /// How long a request of `priority` joining now would wait, at the rate the queue has been draining:
+    /// those ahead of it (its priority and higher) plus itself, over handoffs per second. `None` while
+    /// nothing has drained lately (no basis for a guess).
+    pub fn expected_wait(&self, priority: Priority) -> Option<Duration> {
+        let now = Instant::now();
+        let mut state = self.lock();
+        let rate = state.drain.rate(now);
+        if rate <= 0.01 {
+            return None;
+        }
+        let ahead = state.entries.range(..(priority, u64::MAX)).count() as f64;
+        Some(Duration::from_secs_f64((ahead + 1.0) / rate))
+    }
+
     /// Seconds a refused client should wait before trying again: how long the queue, at the rate it has
     /// been draining, takes to serve everyone ahead plus this client; `max_wait` when it is not draining.
     pub fn retry_after(&self) -> u64 {

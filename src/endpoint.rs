@@ -707,13 +707,19 @@ impl Endpoint {
         }
     }
 
-    /// The endpoint pushed back: the adaptive limit drops at once.
-    pub fn limit_back_pressure(&self, now: Instant) {
+    /// The endpoint pushed back: the adaptive limit drops at once. False when it has no adaptive limit.
+    pub fn limit_back_pressure(&self, now: Instant) -> bool {
         let mut limiter = self.lock_limiter();
-        if let Some(state) = limiter.as_mut() {
-            let limit = state.on_back_pressure(self.millis(now));
-            drop(limiter);
-            self.store_limit(u64::from(limit));
+        match limiter.as_mut() {
+            Some(state) => {
+                // The refused request still counts as outstanding here; the node holds the others.
+                let holding = self.outstanding().saturating_sub(1);
+                let limit = state.on_back_pressure(self.millis(now), holding);
+                drop(limiter);
+                self.store_limit(u64::from(limit));
+                true
+            }
+            None => false,
         }
     }
 

@@ -5,11 +5,11 @@
 //! magnitude: a consumer card serves 2 requests at once, a datacenter card 30.
 //!
 //! - **Unloaded latency.** First of all the limit is `min_limit` for a few samples, then every
-//!   `probe_interval` it drops to half; the mean time to first byte of requests started at that
+//!   `probe_interval` it drops to half; the mean time to first byte of ten requests started at that
 //!   concurrency is the endpoint's latency when nothing queues inside it.
 //! - **Gradient.** Samples are averaged over windows of about two rounds of the limit. With
-//!   `gradient = unloaded ÷ window average` clamped to 0.5 ..= 1, the next limit is
-//!   `gradient × limit + max(1, √limit ÷ 2)`, enforced rounded down. A node that queues internally
+//!   `gradient = 1.15 × unloaded ÷ window average` clamped to 0.5 ..= 1, the limit moves by
+//!   `(gradient − 1) × enforced + max(0.5, √enforced ÷ 4)`, and is enforced rounded down. A node that queues internally
 //!   answers slower in proportion to the excess, so the limit settles a little above the node's real
 //!   capacity (capacity 4 → 5) instead of growing until requests time out.
 //! - **Back-pressure.** A 429, or 503 with Retry-After, multiplies the limit by `backoff_ratio` at once.
@@ -50,7 +50,12 @@ impl LimitSettings {
 }
 
 /// Samples a probe collects before it trusts its unloaded latency.
-const PROBE_SAMPLES: u32 = 5;
+const PROBE_SAMPLES: u32 = 10;
+
+/// The gradient tolerates window means this much above the unloaded latency before it reads them as
+/// queueing: the unloaded figure is itself a mean of ten noisy samples, and an underestimate would
+/// otherwise pin the limit far below the node's capacity.
+const TOLERANCE: f64 = 1.15;
 
 /// An adaptive limit's state. Pure: times come in as milliseconds, and every method returns the limit
 /// to enforce from now on.
@@ -158,10 +163,13 @@ impl Limiter {
         if window.count >= size {
             let average = window.sum_us / f64::from(window.count);
             let tested = window.peak_in_flight as f64 * 2.0 >= self.limit;
-            let gradient = (self.unloaded_us / average).clamp(0.5, 1.0);
+            let gradient = (TOLERANCE * self.unloaded_us / average).clamp(0.5, 1.0);
             // The gradient describes the limit that was enforced (rounded down), so it applies to that.
             let enforced = f64::from(self.limit());
-            let mut next = gradient * enforced + (enforced.sqrt() / 2.0).max(1.0);
+            // The gradient's correction applies to the enforced limit; the headroom accumulates in the
+            // fractional part until the enforced limit moves.
+            let mut next =
+                self.limit + (gradient - 1.0) * enforced + (enforced.sqrt() / 4.0).max(0.5);
             if !tested {
                 next = next.min(self.limit);
             }
@@ -174,7 +182,15 @@ impl Limiter {
     /// The endpoint pushed back (429, or 503 with Retry-After). The requests in flight when it first
     /// pushed back tend to be refused together; one cut per unloaded latency (100 ms before one is
     /// known) answers that one event once, not once per request.
-    pub fn on_back_pressure(&mut self, now_ms: u64) -> u32 {
+    ///
+    /// `holding` is how many other requests the endpoint held when it refused: whatever else happens, the
+    /// limit drops to that at once, since the node has just said it takes no more than it has.
+    pub fn on_back_pressure(&mut self, now_ms: u64, holding: u64) -> u32 {
+        let ceiling = (holding as f64).max(f64::from(self.settings.min));
+        match &mut self.probe {
+            Some(probe) => probe.saved = probe.saved.min(ceiling),
+            None => self.limit = self.limit.min(ceiling),
+        }
         let quiet_ms = if self.unloaded_us > 0.0 {
             (self.unloaded_us / 1000.0).ceil() as u64
         } else {
@@ -279,7 +295,8 @@ mod tests {
         );
         let mut now = 0;
         let limit = drive(&mut limiter, 40.0, 3000, &mut now);
-        assert!((40..=48).contains(&limit), "{limit}");
+        // The fixed point with the tolerance: 1.15 × 40 + √47 ÷ 4 ≈ 47.
+        assert!((40..=52).contains(&limit), "{limit}");
     }
 
     #[test]
@@ -287,21 +304,36 @@ mod tests {
         let mut limiter = Limiter::new(settings(), 0);
         let mut now = 0;
         let before = drive(&mut limiter, 16.0, 1000, &mut now);
-        let after = limiter.on_back_pressure(now);
+        let after = limiter.on_back_pressure(now, 100);
         assert!(
             f64::from(after) <= f64::from(before) * 0.75 + 1.0,
             "{before} → {after}"
         );
         assert_eq!(
-            limiter.on_back_pressure(now + 10),
+            limiter.on_back_pressure(now + 10, 100),
             after,
             "the same event (within one unloaded latency, 100 ms) cuts once"
         );
         let mut floor = limiter.clone();
         for step in 1..=50 {
-            floor.on_back_pressure(now + step * 200);
+            floor.on_back_pressure(now + step * 200, 100);
         }
         assert_eq!(floor.limit(), 1, "never below min_limit");
+    }
+
+    #[test]
+    fn a_refusal_caps_the_limit_at_what_the_node_holds() {
+        let mut limiter = Limiter::new(settings(), 0);
+        let mut now = 0;
+        let before = drive(&mut limiter, 16.0, 1000, &mut now);
+        assert!(before > 8, "{before}");
+        // Capped at the 5 held, then cut by the backoff ratio.
+        assert_eq!(limiter.on_back_pressure(now, 5), 3);
+        assert_eq!(
+            limiter.on_back_pressure(now + 1, 2),
+            2,
+            "within the quiet time the cap still applies (the cut does not)"
+        );
     }
 
     #[test]

@@ -402,9 +402,11 @@ impl Proxy {
 
         let mut tried = Tried::default();
         let mut last_failure: Option<Failure> = None;
+        // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
+        let mut queued = Duration::ZERO;
         for attempt in 1..=self.retry().max_attempts().max(1) {
             let slot = match self
-                .acquire(&tried, priority, deadline, &mut last_failure)
+                .acquire(&tried, priority, deadline, &mut queued, &mut last_failure)
                 .await
             {
                 Ok(slot) => slot,
@@ -516,6 +518,7 @@ impl Proxy {
         tried: &Tried,
         priority: Priority,
         deadline: Instant,
+        queued: &mut Duration,
         last_failure: &mut Option<Failure>,
     ) -> Result<Slot, Stop> {
         let queue = self.registry.queue();
@@ -530,21 +533,29 @@ impl Proxy {
         if let Some(failure) = last_failure.as_mut() {
             failure.response = None;
         }
+        // A request the queue will not reach in time is told so now, not when its wait runs out.
+        let joined = Instant::now();
+        let allowed = queue.settings().max_wait.saturating_sub(*queued);
+        let until = deadline.min(joined + allowed);
+        if let Some(wait) = queue.expected_wait(priority)
+            && Instant::now() + wait > until
+        {
+            return Err(Stop::Refused(self.refusal(Reason::QueueFull)));
+        }
         let mut ticket = match queue.join(priority) {
             Ok(ticket) => ticket,
             Err(reason) => return Err(Stop::Refused(self.refusal(reason))),
         };
-        let until = deadline.min(ticket.since() + queue.settings().max_wait);
         let mut look = ticket.is_head();
-        loop {
+        let result = loop {
             if look {
                 match self.pick(tried) {
                     Picked::Slot(slot) => {
                         self.metrics.queue_wait(ticket.since().elapsed());
                         ticket.admitted();
-                        return Ok(slot);
+                        break Ok(slot);
                     }
-                    Picked::Nowhere => return Err(Stop::Nowhere),
+                    Picked::Nowhere => break Err(Stop::Nowhere),
                     Picked::Wait => {
                         let woken = ticket.woken_by_release();
                         ticket.requeue();
@@ -558,10 +569,12 @@ impl Proxy {
             }
             match ticket.wait(until).await {
                 Waited::Go => look = true,
-                Waited::TimedOut => return Err(Stop::Refused(self.refusal(Reason::QueueTimeout))),
-                Waited::Shed => return Err(Stop::Refused(Reason::ShedLowPriority)),
+                Waited::TimedOut => break Err(Stop::Refused(self.refusal(Reason::QueueTimeout))),
+                Waited::Shed => break Err(Stop::Refused(Reason::ShedLowPriority)),
             }
-        }
+        };
+        *queued += joined.elapsed();
+        result
     }
 
     /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
@@ -701,11 +714,17 @@ impl Proxy {
 
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {
-                endpoint.cool_down(
-                    retry_after(response.headers(), MAX_COOLDOWN),
-                    Instant::now(),
-                );
-                endpoint.limit_back_pressure(Instant::now());
+                // With an adaptive limit, a node that refuses while still serving others of ours is
+                // saying "fewer at once", which the cut answers; pausing it for Retry-After as well would
+                // idle a node that is busy. A node refusing with nothing else of ours in flight, or
+                // without an adaptive limit, is paused as it asked.
+                let busy = endpoint.outstanding() > 1;
+                if !(busy && endpoint.limit_back_pressure(Instant::now())) {
+                    endpoint.cool_down(
+                        retry_after(response.headers(), MAX_COOLDOWN),
+                        Instant::now(),
+                    );
+                }
             }
             let error = ProxyError::Status {
                 endpoint: endpoint.url().to_owned(),
@@ -925,7 +944,8 @@ impl Proxy {
         let settings = queue.settings();
         let detail = match reason {
             Reason::QueueFull => format!(
-                "every endpoint is busy and the queue is full ({} waiting)",
+                "every endpoint is busy and the queue is full ({} waiting), or would not reach this \
+                 request within the wait allowed at the rate it drains",
                 queue.len()
             ),
             Reason::QueueTimeout => format!(
