@@ -1,0 +1,884 @@
+//! The overload scenario of the back-pressure work: open-loop load at twice the capacity of a
+//! heterogeneous simulated fleet, through tongs (adaptive limit; static limit; adaptive with a queue
+//! bounded below what `queue.max_wait` drains) and through HAProxy (`balance leastconn`, `maxconn` per
+//! server set to the node's capacity, `timeout queue`), each in front of a fresh fleet. Prints the
+//! machine, the scenario and a markdown table of what the clients saw, then how tongs' limits moved.
+//!
+//!     cargo bench --bench overload                              # 60 s per contender
+//!     DURATION=10s CONTENDERS="adaptive haproxy" SEED=2 cargo bench --bench overload
+//!
+//! `bash benches/overload.sh` installs HAProxy when it is missing; without it the HAProxy row is
+//! skipped with a note. Under `cargo test --all-targets` (no `--bench` argument) nothing runs.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, Result, anyhow, bail};
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use http::{Request, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tongs::config::Config;
+use tongs::registry::Registry;
+use tongs::sim::{Fleet, FleetConfig, NodeSpec, NodeStats, ResponseKind};
+
+/// The fleet: name, capacity (requests served at once), mean service time in milliseconds.
+const NODES: [(&str, usize, u64); 4] = [
+    ("a100", 8, 120),
+    ("l40s", 4, 250),
+    ("rtx4090", 4, 350),
+    ("rtx3060", 2, 600),
+];
+/// Lognormal spread of every node's service time.
+const SPREAD: f64 = 0.3;
+/// Requests a node lets wait inside it; beyond that it answers 503 + Retry-After.
+const NODE_QUEUE: usize = 2;
+/// Offered load as a multiple of the fleet's capacity.
+const LOAD_FACTOR: f64 = 2.0;
+/// `queue.max_wait` for tongs, `timeout queue` for HAProxy.
+const MAX_WAIT: Duration = Duration::from_secs(5);
+/// The one static limit every endpoint gets (a static limit cannot differ per endpoint).
+const STATIC_LIMIT: u32 = 4;
+/// The bounded queue holds this share of what the fleet drains in `MAX_WAIT`.
+const BOUNDED_QUEUE_SHARE: f64 = 0.8;
+/// A client gives up on a request after this long.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The scenario's goals.
+const GOODPUT_GOAL: f64 = 0.9;
+const REFUSAL_P99_GOAL_MS: f64 = 20.0;
+/// Goodput over time and tongs' limits are reported in steps of this.
+const TREND_STEP: Duration = Duration::from_secs(5);
+const DEFAULT_CONTENDERS: &str = "adaptive static bounded haproxy";
+
+fn main() -> Result<()> {
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it.
+    if !std::env::args().any(|arg| arg == "--bench") {
+        println!("overload: a load benchmark; run it with `cargo bench --bench overload`");
+        return Ok(());
+    }
+    let duration = duration_from_env()?;
+    let contenders = contenders_from_env()?;
+    let seed = match std::env::var("SEED") {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .with_context(|| format!("SEED={text:?} is not a whole number"))?,
+        Err(_) => 1,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    runtime.block_on(run(duration, contenders, seed))
+}
+
+fn duration_from_env() -> Result<Duration> {
+    let Ok(text) = std::env::var("DURATION") else {
+        return Ok(Duration::from_secs(60));
+    };
+    let text = text.trim();
+    let duration = match text.parse::<u64>() {
+        Ok(seconds) => Duration::from_secs(seconds),
+        Err(_) => humantime::parse_duration(text)
+            .with_context(|| format!("DURATION={text:?} is not a duration such as 60s"))?,
+    };
+    if duration < Duration::from_secs(1) {
+        bail!("DURATION={text:?} is too short: at least 1s");
+    }
+    Ok(duration)
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contender {
+    Adaptive,
+    Static,
+    Bounded,
+    Haproxy,
+}
+
+impl Contender {
+    fn parse(name: &str) -> Result<Contender> {
+        Ok(match name {
+            "adaptive" => Contender::Adaptive,
+            "static" => Contender::Static,
+            "bounded" => Contender::Bounded,
+            "haproxy" => Contender::Haproxy,
+            other => bail!("CONTENDERS: unknown contender {other:?} (known: {DEFAULT_CONTENDERS})"),
+        })
+    }
+
+    fn label(self, bounded_length: usize) -> String {
+        match self {
+            Contender::Adaptive => "tongs, adaptive limit".to_owned(),
+            Contender::Static => format!("tongs, static limit {STATIC_LIMIT}"),
+            Contender::Bounded => {
+                format!("tongs, adaptive limit, queue.max_length {bounded_length}")
+            }
+            Contender::Haproxy => "HAProxy, leastconn, maxconn = capacity".to_owned(),
+        }
+    }
+}
+
+fn contenders_from_env() -> Result<Vec<Contender>> {
+    let text = std::env::var("CONTENDERS").unwrap_or_else(|_| DEFAULT_CONTENDERS.to_owned());
+    let contenders = text
+        .split_whitespace()
+        .map(Contender::parse)
+        .collect::<Result<Vec<_>>>()?;
+    if contenders.is_empty() {
+        bail!("CONTENDERS is empty (known: {DEFAULT_CONTENDERS})");
+    }
+    Ok(contenders)
+}
+
+/// The fleet's capacity: Σ capacity ÷ mean service time, in requests per second.
+fn fleet_capacity() -> f64 {
+    NODES
+        .iter()
+        .map(|&(_, capacity, mean_ms)| capacity as f64 * 1000.0 / mean_ms as f64)
+        .sum()
+}
+
+/// What the static limit lets the fleet serve: a node above the limit is used only up to it.
+fn static_capacity() -> f64 {
+    NODES
+        .iter()
+        .map(|&(_, capacity, mean_ms)| {
+            capacity.min(STATIC_LIMIT as usize) as f64 * 1000.0 / mean_ms as f64
+        })
+        .sum()
+}
+
+/// Slowest node's mean service time.
+fn slowest_service() -> Duration {
+    Duration::from_millis(NODES.iter().map(|n| n.2).max().unwrap_or(0))
+}
+
+fn fleet_config(seed: u64) -> FleetConfig {
+    FleetConfig {
+        seed,
+        nodes: NODES
+            .iter()
+            .map(|&(name, capacity, mean_ms)| {
+                let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
+                spec.service_time.spread = SPREAD;
+                spec.capacity = capacity;
+                spec.queue = NODE_QUEUE;
+                spec.response = ResponseKind::Json;
+                spec
+            })
+            .collect(),
+    }
+}
+
+/// One contender's run.
+struct Run {
+    label: String,
+    tally: Tally,
+    nodes: Vec<NodeStats>,
+    /// tongs only: its limits and queue, sampled through the run.
+    samples: Option<Samples>,
+}
+
+async fn run(duration: Duration, contenders: Vec<Contender>, seed: u64) -> Result<()> {
+    let capacity = fleet_capacity();
+    let rate = capacity * LOAD_FACTOR;
+    let bounded_length = (capacity * MAX_WAIT.as_secs_f64() * BOUNDED_QUEUE_SHARE).round() as usize;
+    let p99_bound = MAX_WAIT + slowest_service();
+
+    println!(
+        "date: {}",
+        humantime::format_rfc3339_seconds(SystemTime::now())
+    );
+    println!("machine: {}", machine());
+    println!(
+        "scenario: {} s open loop at {rate:.1} req/s ({LOAD_FACTOR}× the fleet's capacity of {capacity:.1} req/s); \
+         fleet {} (capacity × mean service, spread {SPREAD}, node queue {NODE_QUEUE}, then 503 + Retry-After), \
+         seed {seed}, no interruptions; JSON answers; queue.max_wait = timeout queue = {} s",
+        duration.as_secs_f64(),
+        NODES
+            .iter()
+            .map(|(name, capacity, mean)| format!("{name} {capacity}×{mean} ms"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        MAX_WAIT.as_secs(),
+    );
+    println!(
+        "goals: goodput ≥ {:.0} % of capacity ({:.1} req/s); success p99 ≤ max_wait + slowest node's mean service time = {} ms; refusal p99 < {REFUSAL_P99_GOAL_MS} ms",
+        GOODPUT_GOAL * 100.0,
+        GOODPUT_GOAL * capacity,
+        p99_bound.as_millis(),
+    );
+    println!(
+        "notes: goodput counts successes completed within the {} s window; a static limit of {STATIC_LIMIT} caps the fleet at {:.1} req/s ({:.0} % of capacity); \
+         the bounded queue holds {:.0} % of what the fleet drains in max_wait",
+        duration.as_secs_f64(),
+        static_capacity(),
+        100.0 * static_capacity() / capacity,
+        BOUNDED_QUEUE_SHARE * 100.0,
+    );
+    println!();
+
+    let mut runs = Vec::new();
+    for contender in contenders {
+        let label = contender.label(bounded_length);
+        eprintln!("overload: running {label} for {duration:?}");
+        let fleet = Fleet::start(&fleet_config(seed), duration + Duration::from_secs(120))
+            .await
+            .context("starting the simulated fleet")?;
+        let result = match contender {
+            Contender::Haproxy => match haproxy_version().await {
+                Some(version) => run_haproxy(&fleet, rate, duration)
+                    .await
+                    .map(|tally| (tally, None))
+                    .with_context(|| format!("HAProxy ({version})")),
+                None => {
+                    println!(
+                        "note: HAProxy skipped: no `haproxy` on PATH (bash benches/overload.sh installs it)"
+                    );
+                    continue;
+                }
+            },
+            _ => {
+                let extra = match contender {
+                    Contender::Static => format!(
+                        "concurrency: {{ limit: static, max_outstanding_per_endpoint: {STATIC_LIMIT} }}\n\
+                         queue: {{ max_wait: {}s }}\n",
+                        MAX_WAIT.as_secs()
+                    ),
+                    Contender::Bounded => format!(
+                        "concurrency: {{ limit: adaptive }}\nqueue: {{ max_wait: {}s, max_length: {bounded_length} }}\n",
+                        MAX_WAIT.as_secs()
+                    ),
+                    _ => format!(
+                        "concurrency: {{ limit: adaptive }}\nqueue: {{ max_wait: {}s }}\n",
+                        MAX_WAIT.as_secs()
+                    ),
+                };
+                run_tongs(&extra, &fleet, rate, duration)
+                    .await
+                    .map(|(tally, samples)| (tally, Some(samples)))
+                    .with_context(|| label.clone())
+            }
+        };
+        let (tally, samples) = result?;
+        let nodes = fleet.nodes().iter().map(|node| node.stats()).collect();
+        runs.push(Run {
+            label,
+            tally,
+            nodes,
+            samples,
+        });
+        drop(fleet);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+
+    print_table(&runs, capacity, duration, p99_bound);
+    print_trends(&runs);
+    print_limits(&runs, duration);
+    Ok(())
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|line| line.starts_with("model name"))
+                .and_then(|line| line.split_once(':'))
+                .map(|(_, model)| model.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_owned());
+    format!("{cpus} CPUs, {model}")
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The open-loop load generator.
+
+/// How one request ended, from the client's side.
+enum Outcome {
+    Success,
+    /// The proxy itself refused it (tongs: the `x-tongs-reject-reason`; HAProxy: its own 503 page).
+    Refused(String),
+    /// Anything else: a node's 503 passed through, another status, a broken connection, a timeout.
+    Error(String),
+}
+
+/// Everything the generator saw.
+struct Tally {
+    sent: u64,
+    /// Latency of successes, microseconds.
+    success: Histogram<u64>,
+    /// Latency of the proxy's refusals, microseconds.
+    refusal: Histogram<u64>,
+    refusals: BTreeMap<String, u64>,
+    errors: BTreeMap<String, u64>,
+    /// Successes completed within the load window.
+    done_in_window: u64,
+    /// Successes by the five seconds of the run they completed in.
+    done_per_5s: Vec<u64>,
+    window: Duration,
+}
+
+impl Tally {
+    fn new(window: Duration) -> Result<Tally> {
+        let histogram = || {
+            Histogram::new_with_bounds(1, 3_600_000_000, 3)
+                .map_err(|err| anyhow!("histogram bounds: {err}"))
+        };
+        Ok(Tally {
+            sent: 0,
+            success: histogram()?,
+            refusal: histogram()?,
+            refusals: BTreeMap::new(),
+            errors: BTreeMap::new(),
+            done_in_window: 0,
+            done_per_5s: Vec::new(),
+            window,
+        })
+    }
+
+    fn record(&mut self, outcome: Outcome, latency: Duration, done_at: Duration) {
+        let micros = u64::try_from(latency.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        match outcome {
+            Outcome::Success => {
+                self.success.saturating_record(micros);
+                if done_at < self.window {
+                    self.done_in_window += 1;
+                    let bucket = (done_at.as_secs() / TREND_STEP.as_secs()) as usize;
+                    if self.done_per_5s.len() <= bucket {
+                        self.done_per_5s.resize(bucket + 1, 0);
+                    }
+                    self.done_per_5s[bucket] += 1;
+                }
+            }
+            Outcome::Refused(reason) => {
+                self.refusal.saturating_record(micros);
+                *self.refusals.entry(reason).or_default() += 1;
+            }
+            Outcome::Error(kind) => *self.errors.entry(kind).or_default() += 1,
+        }
+    }
+
+    fn recorded(&self) -> u64 {
+        self.success.len() + self.refusal.len() + self.errors.values().sum::<u64>()
+    }
+
+    fn goodput(&self) -> f64 {
+        self.done_in_window as f64 / self.window.as_secs_f64()
+    }
+}
+
+fn quantile_ms(histogram: &Histogram<u64>, quantile: f64) -> Option<f64> {
+    (!histogram.is_empty()).then(|| histogram.value_at_quantile(quantile) as f64 / 1000.0)
+}
+
+fn lock(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
+    tally
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Sends POSTs to `target` at `rate` for `duration`, each leaving at its fixed time whatever the
+/// earlier ones are doing, then waits for the last answers (each bounded by the client timeout).
+async fn offer(target: &str, rate: f64, duration: Duration) -> Result<Tally> {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(usize::MAX)
+        .build_http();
+    let tally = Arc::new(Mutex::new(Tally::new(duration)?));
+    let tasks = TaskTracker::new();
+    let interval = Duration::from_secs_f64(1.0 / rate);
+    let start = Instant::now();
+    let mut index: u64 = 0;
+    loop {
+        let due = start + interval.mul_f64(index as f64);
+        if due.duration_since(start) >= duration {
+            break;
+        }
+        tokio::time::sleep_until(due).await;
+        let body = format!(r#"{{"prompt":"request {index}","max_tokens":16}}"#);
+        let request = Request::post(format!("{target}/v1/completions"))
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .context("building a request")?;
+        let (client, tally_for_task) = (client.clone(), Arc::clone(&tally));
+        tasks.spawn(async move {
+            let began = Instant::now();
+            let outcome = tokio::time::timeout(CLIENT_TIMEOUT, exchange(&client, request))
+                .await
+                .unwrap_or_else(|_| Outcome::Error("client timeout".to_owned()));
+            let now = Instant::now();
+            lock(&tally_for_task).record(
+                outcome,
+                now.duration_since(began),
+                now.duration_since(start),
+            );
+        });
+        index += 1;
+    }
+    lock(&tally).sent = index;
+    tasks.close();
+    // Every task ends within the client timeout; the margin covers a loaded machine.
+    let _ = tokio::time::timeout(CLIENT_TIMEOUT + Duration::from_secs(10), tasks.wait()).await;
+    let mut tally = lock(&tally);
+    let unfinished = tally.sent.saturating_sub(tally.recorded());
+    if unfinished > 0 {
+        *tally.errors.entry("unfinished".to_owned()).or_default() += unfinished;
+    }
+    let done = std::mem::replace(&mut *tally, Tally::new(duration)?);
+    Ok(done)
+}
+
+async fn exchange(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    request: Request<Full<Bytes>>,
+) -> Outcome {
+    let response = match client.request(request).await {
+        Ok(response) => response,
+        Err(_) => return Outcome::Error("connection error".to_owned()),
+    };
+    let status = response.status();
+    let reason = response
+        .headers()
+        .get("x-tongs-reject-reason")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned);
+    let body = match response.into_body().collect().await {
+        Ok(body) => body.to_bytes(),
+        Err(_) => return Outcome::Error("body cut".to_owned()),
+    };
+    if status.is_success() {
+        return Outcome::Success;
+    }
+    if status == StatusCode::SERVICE_UNAVAILABLE {
+        if let Some(reason) = reason {
+            return Outcome::Refused(reason);
+        }
+        // A node's own 503 (it sheds beyond its capacity and waiting line), as the node sent it or
+        // as tongs reports an endpoint's status it could not retry away.
+        if contains(&body, b"node at capacity") || contains(&body, b"answered 503") {
+            return Outcome::Error("503 from a node".to_owned());
+        }
+        // HAProxy's own page: no server took the request within `timeout queue`.
+        if contains(&body, b"No server is available") {
+            return Outcome::Refused("haproxy-503".to_owned());
+        }
+    }
+    Outcome::Error(status.as_u16().to_string())
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|window| window == needle)
+}
+
+// ---------------------------------------------------------------------------------------------------
+// tongs in this process.
+
+/// One endpoint as tongs saw it at one moment.
+#[derive(Clone, Copy, Debug, Default)]
+struct EndpointPoint {
+    /// Its concurrency limit (`None`: unlimited).
+    limit: Option<u64>,
+    /// Whether it was cooling down after a 503 + Retry-After (taking no new requests).
+    cooling: bool,
+    outstanding: u64,
+}
+
+/// One sample: time since the run started, each endpoint (in fleet order), requests in the queue.
+type Point = (Duration, Vec<EndpointPoint>, usize);
+
+/// tongs' endpoints and queue over a run.
+struct Samples {
+    points: Vec<Point>,
+    /// Each endpoint's learnt unloaded latency at the end, microseconds.
+    unloaded_us: Vec<Option<u64>>,
+    /// Each endpoint's back-off requests (429, 503 + Retry-After) over the run.
+    cooldowns: Vec<Option<u64>>,
+}
+
+async fn run_tongs(
+    extra_yaml: &str,
+    fleet: &Fleet,
+    rate: f64,
+    duration: Duration,
+) -> Result<(Tally, Samples)> {
+    let mut yaml = format!("listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n{extra_yaml}");
+    yaml.push_str("discovery:\n  static:\n");
+    for url in fleet.urls() {
+        yaml.push_str(&format!("    - url: {url}\n"));
+    }
+    let config = Config::parse(&yaml, "benches/overload.rs")
+        .map_err(|err| anyhow!("the bench's tongs configuration is invalid: {err}\n{yaml}"))?;
+    let app = tongs::App::bind(&config).await.context("starting tongs")?;
+    let target = format!("http://{}", app.proxy_addr());
+    let registry = Arc::clone(app.registry());
+    let token = CancellationToken::new();
+    let server = tokio::spawn(app.run(token.clone()));
+
+    let authorities: Vec<String> = fleet
+        .nodes()
+        .iter()
+        .map(|node| node.addr().to_string())
+        .collect();
+    let sampling = CancellationToken::new();
+    let sampler = tokio::spawn(sample(
+        Arc::clone(&registry),
+        authorities.clone(),
+        sampling.clone(),
+    ));
+    let tally = offer(&target, rate, duration).await;
+    sampling.cancel();
+    let points = sampler.await.context("the limit sampler")?;
+    let unloaded_us = by_node(&registry, &authorities, |endpoint| {
+        endpoint.unloaded_latency_us()
+    });
+    let cooldowns = by_node(&registry, &authorities, |endpoint| {
+        Some(endpoint.cooldowns())
+    });
+    token.cancel();
+    if tokio::time::timeout(Duration::from_secs(30), server)
+        .await
+        .is_err()
+    {
+        eprintln!("overload: tongs did not finish draining within 30 s");
+    }
+    Ok((
+        tally?,
+        Samples {
+            points,
+            unloaded_us,
+            cooldowns,
+        },
+    ))
+}
+
+/// `read` of each node's endpoint, in fleet order.
+fn by_node<T>(
+    registry: &Registry,
+    authorities: &[String],
+    read: impl Fn(&tongs::endpoint::Endpoint) -> Option<T>,
+) -> Vec<Option<T>> {
+    let snapshot = registry.snapshot();
+    authorities
+        .iter()
+        .map(|authority| {
+            snapshot
+                .iter()
+                .find(|endpoint| endpoint.authority().as_str() == authority)
+                .and_then(|endpoint| read(endpoint))
+        })
+        .collect()
+}
+
+async fn sample(
+    registry: Arc<Registry>,
+    authorities: Vec<String>,
+    stop: CancellationToken,
+) -> Vec<Point> {
+    let start = Instant::now();
+    let mut points = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return points,
+            _ = tick.tick() => {}
+        }
+        let endpoints = by_node(&registry, &authorities, |endpoint| {
+            let now = endpoint.millis(Instant::now());
+            Some(EndpointPoint {
+                limit: endpoint.limit(),
+                cooling: endpoint.cooling_down(now),
+                outstanding: endpoint.outstanding(),
+            })
+        })
+        .into_iter()
+        .map(Option::unwrap_or_default)
+        .collect();
+        points.push((start.elapsed(), endpoints, registry.queue().len()));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// HAProxy as a real process.
+
+async fn haproxy_version() -> Option<String> {
+    let output = tokio::process::Command::new("haproxy")
+        .arg("-v")
+        .output()
+        .await
+        .ok()?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let first = text.lines().next().unwrap_or("haproxy").trim().to_owned();
+    Some(first)
+}
+
+fn haproxy_config(port: u16, fleet: &Fleet) -> String {
+    let mut text = format!(
+        "global\n    maxconn 4000\n\n\
+         defaults\n    mode http\n    timeout connect 2s\n    timeout client 100s\n    timeout server 100s\n    timeout queue {}s\n\n\
+         frontend overload\n    bind 127.0.0.1:{port}\n    default_backend fleet\n\n\
+         backend fleet\n    balance leastconn\n",
+        MAX_WAIT.as_secs()
+    );
+    for node in fleet.nodes() {
+        text.push_str(&format!(
+            "    server {} {} maxconn {}\n",
+            node.name(),
+            node.addr(),
+            node.spec().capacity
+        ));
+    }
+    text
+}
+
+async fn run_haproxy(fleet: &Fleet, rate: f64, duration: Duration) -> Result<Tally> {
+    let dir = std::env::temp_dir().join(format!("tongs-overload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = haproxy_in(&dir, fleet, rate, duration).await;
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+async fn haproxy_in(dir: &Path, fleet: &Fleet, rate: f64, duration: Duration) -> Result<Tally> {
+    // A free port: bind one, note it, let it go for HAProxy.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .context("finding a free port for HAProxy")?
+        .port();
+    let config_path = dir.join("haproxy.cfg");
+    let log_path = dir.join("haproxy.log");
+    std::fs::write(&config_path, haproxy_config(port, fleet))
+        .with_context(|| format!("writing {}", config_path.display()))?;
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut child = tokio::process::Command::new("haproxy")
+        .arg("-db")
+        .arg("-f")
+        .arg(&config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log.try_clone().context("HAProxy's log file")?))
+        .stderr(Stdio::from(log))
+        .kill_on_drop(true)
+        .spawn()
+        .context("starting haproxy")?;
+
+    let listening = async {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = child.try_wait().context("watching haproxy")? {
+                bail!(
+                    "haproxy exited ({status}) before listening:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                );
+            }
+            if tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_ok()
+            {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "haproxy did not listen on 127.0.0.1:{port} within 10 s:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let tally = match listening.await {
+        Ok(()) => offer(&format!("http://127.0.0.1:{port}"), rate, duration).await,
+        Err(err) => Err(err),
+    };
+    let _ = child.kill().await;
+    tally
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reports.
+
+fn print_table(runs: &[Run], capacity: f64, duration: Duration, p99_bound: Duration) {
+    println!(
+        "| contender | offered req/s | capacity req/s | goodput req/s | goodput % of capacity | success p50 / p99 ms \
+         | refusals | refusal p50 / p99 ms | other errors | peak sent to a node / its capacity | goals: goodput · p99 · refusals |"
+    );
+    println!("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- | --- | --- |");
+    for run in runs {
+        let tally = &run.tally;
+        let offered = tally.sent as f64 / duration.as_secs_f64();
+        let goodput = tally.goodput();
+        let p50 = quantile_ms(&tally.success, 0.5);
+        let p99 = quantile_ms(&tally.success, 0.99);
+        let refusal_p50 = quantile_ms(&tally.refusal, 0.5);
+        let refusal_p99 = quantile_ms(&tally.refusal, 0.99);
+        let refusals = if tally.refusals.is_empty() {
+            "0".to_owned()
+        } else {
+            format!(
+                "{} ({})",
+                tally.refusal.len(),
+                tally
+                    .refusals
+                    .iter()
+                    .map(|(reason, n)| format!("{reason}: {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        let errors = if tally.errors.is_empty() {
+            "0".to_owned()
+        } else {
+            tally
+                .errors
+                .iter()
+                .map(|(kind, n)| format!("{kind}: {n}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let peaks = run
+            .nodes
+            .iter()
+            .zip(NODES)
+            .map(|(stats, (name, capacity, _))| {
+                format!("{name} {}/{capacity}", stats.peak_in_flight)
+            })
+            .collect::<Vec<_>>()
+            .join(", ");
+        let yes = |ok: bool| if ok { "yes" } else { "no" };
+        let goals = format!(
+            "{} · {} · {}",
+            yes(goodput >= GOODPUT_GOAL * capacity),
+            yes(p99.is_some_and(|ms| ms <= p99_bound.as_secs_f64() * 1000.0)),
+            yes(refusal_p99.is_none_or(|ms| ms < REFUSAL_P99_GOAL_MS)),
+        );
+        let ms = |value: Option<f64>| value.map_or("–".to_owned(), |v| format!("{v:.0}"));
+        println!(
+            "| {} | {offered:.1} | {capacity:.1} | {goodput:.1} | {:.1} % | {} / {} | {refusals} | {} / {} | {errors} | {peaks} | {goals} |",
+            run.label,
+            100.0 * goodput / capacity,
+            ms(p50),
+            ms(p99),
+            ms(refusal_p50),
+            ms(refusal_p99),
+        );
+    }
+    println!();
+}
+
+fn print_trends(runs: &[Run]) {
+    println!("goodput per {} s of the run (req/s):", TREND_STEP.as_secs());
+    println!();
+    for run in runs {
+        let trend = run
+            .tally
+            .done_per_5s
+            .iter()
+            .map(|n| format!("{:.1}", *n as f64 / TREND_STEP.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(" ");
+        println!("- {}: {trend}", run.label);
+    }
+    println!();
+}
+
+fn print_limits(runs: &[Run], duration: Duration) {
+    let with_samples: Vec<_> = runs
+        .iter()
+        .filter_map(|run| run.samples.as_ref().map(|samples| (run, samples)))
+        .collect();
+    if with_samples.is_empty() {
+        return;
+    }
+    println!(
+        "tongs' endpoints during the load window (sampled every 100 ms; the node's own counters beside):"
+    );
+    println!();
+    println!(
+        "| contender | node | capacity | limit mean | limit min..max | limit every {} s | learnt unloaded latency ms \
+         | mean outstanding | back-offs asked | time cooling down | node 503s | node served | peak served / peak sent |",
+        TREND_STEP.as_secs()
+    );
+    println!(
+        "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
+    for (run, samples) in &with_samples {
+        let window: Vec<&Point> = samples
+            .points
+            .iter()
+            .filter(|(at, _, _)| *at < duration)
+            .collect();
+        let count = window.len().max(1) as f64;
+        for (i, (name, capacity, _)) in NODES.iter().enumerate() {
+            let at = |point: &Point| point.1.get(i).copied().unwrap_or_default();
+            let limits: Vec<u64> = window.iter().filter_map(|p| at(p).limit).collect();
+            let (mean, range, steps) = if limits.is_empty() {
+                ("none".to_owned(), "–".to_owned(), "–".to_owned())
+            } else {
+                let mean = limits.iter().sum::<u64>() as f64 / limits.len() as f64;
+                let min = limits.iter().min().copied().unwrap_or(0);
+                let max = limits.iter().max().copied().unwrap_or(0);
+                let steps = window
+                    .iter()
+                    .filter(|p| p.0.as_millis() % TREND_STEP.as_millis() < 100)
+                    .filter_map(|p| at(p).limit)
+                    .map(|limit| limit.to_string())
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                (format!("{mean:.1}"), format!("{min}..{max}"), steps)
+            };
+            let outstanding = window.iter().map(|p| at(p).outstanding).sum::<u64>() as f64 / count;
+            let cooling = window.iter().filter(|p| at(p).cooling).count() as f64 / count;
+            let unloaded = samples
+                .unloaded_us
+                .get(i)
+                .copied()
+                .flatten()
+                .map_or("–".to_owned(), |us| format!("{:.0}", us as f64 / 1000.0));
+            let cooldowns = samples.cooldowns.get(i).copied().flatten().unwrap_or(0);
+            let stats = run.nodes.get(i).copied().unwrap_or_default();
+            println!(
+                "| {} | {name} | {capacity} | {mean} | {range} | {steps} | {unloaded} | {outstanding:.1} | {cooldowns} | {:.0} % | {} | {} | {} / {} |",
+                run.label,
+                100.0 * cooling,
+                stats.shed,
+                stats.served,
+                stats.peak_concurrency,
+                stats.peak_in_flight
+            );
+        }
+    }
+    println!();
+    for (run, samples) in &with_samples {
+        let queue: Vec<usize> = samples
+            .points
+            .iter()
+            .filter(|(at, _, _)| *at < duration)
+            .map(|(_, _, queued)| *queued)
+            .collect();
+        let max = queue.iter().max().copied().unwrap_or(0);
+        let mean = if queue.is_empty() {
+            0.0
+        } else {
+            queue.iter().sum::<usize>() as f64 / queue.len() as f64
+        };
+        println!(
+            "- {}: requests waiting in tongs' queue: mean {mean:.0}, max {max}",
+            run.label
+        );
+    }
+    println!();
+}
