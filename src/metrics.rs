@@ -14,10 +14,10 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use metrics::{Counter, Histogram, Key, Label, Level, Metadata, Recorder, Unit};
-use metrics_exporter_prometheus::{
-    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
-};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use metrics::{Counter, Key, Label, Level, Metadata, Recorder};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use tokio::time::Instant;
 
 use crate::admission::Reason;
@@ -197,6 +197,58 @@ pub const BUCKETS: [f64; 18] = [
     60.0, 120.0,
 ];
 
+/// A histogram with fixed buckets: recording is two atomic additions, with no allocation and no
+/// lock, because it happens on every request (the exporter's own histograms keep every sample until
+/// they are drained, which under loopback load cost tongs about half its CPU per request again).
+struct Buckets {
+    /// Per bucket of [`BUCKETS`], then the overflow: not cumulative until rendered.
+    counts: [AtomicU64; BUCKETS.len() + 1],
+    sum_ns: AtomicU64,
+}
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets {
+            counts: std::array::from_fn(|_| AtomicU64::new(0)),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Buckets {
+    fn record(&self, took: Duration) {
+        let seconds = took.as_secs_f64();
+        let index = BUCKETS.partition_point(|&bound| bound < seconds);
+        self.counts[index].fetch_add(1, Ordering::Relaxed);
+        self.sum_ns.fetch_add(
+            u64::try_from(took.as_nanos()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Appends the `_bucket`, `_sum` and `_count` samples, with `label` first when it has a name.
+    fn render(&self, out: &mut String, name: &str, label: (&str, &str)) {
+        let bucket = format!("{name}_bucket");
+        let mut cumulative = 0;
+        for (i, count) in self.counts.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let le = BUCKETS
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
+            let labels: Vec<(&str, &str)> = [label, ("le", le.as_str())]
+                .into_iter()
+                .filter(|(k, _)| !k.is_empty())
+                .collect();
+            sample(out, &bucket, &labels, cumulative as f64);
+        }
+        let labels: Vec<(&str, &str)> =
+            [label].into_iter().filter(|(k, _)| !k.is_empty()).collect();
+        let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        sample(out, &format!("{name}_sum"), &labels, sum);
+        sample(out, &format!("{name}_count"), &labels, cumulative as f64);
+    }
+}
+
 /// How a request ended, for [`REQUESTS`] and [`REQUEST_DURATION`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -235,9 +287,9 @@ pub struct Metrics {
     recorder: PrometheusRecorder,
     handle: PrometheusHandle,
     requests: [[Counter; 5]; 4],
-    durations: [Histogram; 4],
-    first_byte: Histogram,
-    queue_wait: Histogram,
+    durations: [Buckets; 4],
+    first_byte: Buckets,
+    queue_wait: Buckets,
     reloads_applied: Counter,
     reloads_invalid: Counter,
     started: Instant,
@@ -253,29 +305,14 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut builder = PrometheusBuilder::new();
-        for spec in [&REQUEST_DURATION, &FIRST_BYTE, &QUEUE_WAIT] {
-            // Only an empty bucket list is refused, and BUCKETS is not empty.
-            builder =
-                match builder.set_buckets_for_metric(Matcher::Full(spec.name.into()), &BUCKETS) {
-                    Ok(builder) => builder,
-                    Err(_) => PrometheusBuilder::new(),
-                };
-        }
-        let recorder = builder.build_recorder();
+        let recorder = PrometheusBuilder::new().build_recorder();
         let handle = recorder.handle();
         for spec in [&REQUESTS, &CONFIG_RELOADS] {
             recorder.describe_counter(spec.name.into(), None, spec.help.into());
         }
-        for spec in [&REQUEST_DURATION, &FIRST_BYTE, &QUEUE_WAIT] {
-            recorder.describe_histogram(spec.name.into(), Some(Unit::Seconds), spec.help.into());
-        }
         recorder.describe_gauge(BUILD_INFO.name.into(), None, BUILD_INFO.help.into());
         let counter = |name: &'static str, labels: Vec<Label>| {
             recorder.register_counter(&Key::from_parts(name, labels), &METADATA)
-        };
-        let histogram = |name: &'static str, labels: Vec<Label>| {
-            recorder.register_histogram(&Key::from_parts(name, labels), &METADATA)
         };
         let requests = Outcome::ALL.map(|outcome| {
             CLASSES.map(|class| {
@@ -288,12 +325,6 @@ impl Metrics {
                 )
             })
         });
-        let durations = Outcome::ALL.map(|outcome| {
-            histogram(
-                REQUEST_DURATION.name,
-                vec![Label::new("outcome", outcome.as_str())],
-            )
-        });
         recorder
             .register_gauge(
                 &Key::from_parts(
@@ -304,12 +335,12 @@ impl Metrics {
             )
             .set(1.0);
         Metrics {
-            first_byte: histogram(FIRST_BYTE.name, Vec::new()),
-            queue_wait: histogram(QUEUE_WAIT.name, Vec::new()),
+            first_byte: Buckets::default(),
+            queue_wait: Buckets::default(),
             reloads_applied: counter(CONFIG_RELOADS.name, vec![Label::new("result", "applied")]),
             reloads_invalid: counter(CONFIG_RELOADS.name, vec![Label::new("result", "invalid")]),
             requests,
-            durations,
+            durations: Default::default(),
             handle,
             recorder,
             started: Instant::now(),
@@ -320,15 +351,15 @@ impl Metrics {
     pub fn request_done(&self, outcome: Outcome, status: u16, took: Duration) {
         let class = usize::from((status / 100).clamp(1, 5)) - 1;
         self.requests[outcome as usize][class].increment(1);
-        self.durations[outcome as usize].record(took.as_secs_f64());
+        self.durations[outcome as usize].record(took);
     }
 
     pub fn first_byte(&self, took: Duration) {
-        self.first_byte.record(took.as_secs_f64());
+        self.first_byte.record(took);
     }
 
     pub fn queue_wait(&self, took: Duration) {
-        self.queue_wait.record(took.as_secs_f64());
+        self.queue_wait.record(took);
     }
 
     pub fn reload(&self, applied: bool) {
@@ -349,6 +380,18 @@ impl Metrics {
     pub fn render(&self, proxy: &Proxy) -> String {
         let _ = &self.recorder;
         let mut out = self.handle.render();
+        header(&mut out, &REQUEST_DURATION);
+        for outcome in Outcome::ALL {
+            self.durations[outcome as usize].render(
+                &mut out,
+                REQUEST_DURATION.name,
+                ("outcome", outcome.as_str()),
+            );
+        }
+        header(&mut out, &FIRST_BYTE);
+        self.first_byte.render(&mut out, FIRST_BYTE.name, ("", ""));
+        header(&mut out, &QUEUE_WAIT);
+        self.queue_wait.render(&mut out, QUEUE_WAIT.name, ("", ""));
         render_state(&mut out, proxy, self.started);
         out
     }
@@ -384,13 +427,10 @@ fn render_state(out: &mut String, proxy: &Proxy, started: Instant) {
         sample(out, RETRIES.name, &[("reason", reason)], count as f64);
     }
     header(out, &RETRY_BUDGET_EXHAUSTED);
-    let exhausted = stats
-        .retries
-        .budget_exhausted
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let exhausted = stats.retries.budget_exhausted.load(Ordering::Relaxed);
     sample(out, RETRY_BUDGET_EXHAUSTED.name, &[], exhausted as f64);
     header(out, &ATTEMPTS);
-    let attempts = stats.attempts.load(std::sync::atomic::Ordering::Relaxed);
+    let attempts = stats.attempts.load(Ordering::Relaxed);
     sample(out, ATTEMPTS.name, &[], attempts as f64);
 
     let slow_start = proxy.settings().slow_start;
@@ -539,7 +579,8 @@ mod tests {
         let metrics = Metrics::new();
         metrics.request_done(Outcome::Proxied, 200, Duration::from_millis(30));
         metrics.request_done(Outcome::Refused, 503, Duration::from_millis(2));
-        let text = metrics.handle.render();
+        let mut text = metrics.handle.render();
+        metrics.durations[0].render(&mut text, REQUEST_DURATION.name, ("outcome", "proxied"));
         assert!(
             text.contains(r#"tongs_requests_total{outcome="proxied",code="2xx"} 1"#),
             "{text}"
