@@ -43,14 +43,23 @@ impl Readiness {
     }
 }
 
-fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
-    let mut response = Response::new(ProxyBody::full(text));
+/// A response with `body` of `content_type`.
+fn typed(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<bytes::Bytes>,
+) -> Response<ProxyBody> {
+    let mut response = Response::new(ProxyBody::full(body));
     *response.status_mut() = status;
     response.headers_mut().insert(
         header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/plain"),
+        header::HeaderValue::from_static(content_type),
     );
     response
+}
+
+fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
+    typed(status, "text/plain", text)
 }
 
 /// Whether `request` may see the admin port: the kubelet's probes and the (data-free) status page always
@@ -89,12 +98,7 @@ const STATUS_PAGE: &str = include_str!("status.html");
 
 fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
     let body = serde_json::to_string(value).unwrap_or_default();
-    let mut response = Response::new(ProxyBody::full(body));
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("application/json"),
-    );
-    response
+    typed(StatusCode::OK, "application/json", body)
 }
 
 fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> Response<ProxyBody> {
@@ -103,15 +107,7 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
     let mut response = match request.uri().path() {
-        "/" => {
-            let mut response = answer(StatusCode::OK, "");
-            *response.body_mut() = ProxyBody::full(STATUS_PAGE);
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                header::HeaderValue::from_static("text/html; charset=utf-8"),
-            );
-            response
-        }
+        "/" => typed(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
         "/healthz" => answer(StatusCode::OK, "ok\n"),
         "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
@@ -138,15 +134,11 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
                 },
             }))
         }
-        "/metrics" => {
-            let mut response = answer(StatusCode::OK, "");
-            *response.body_mut() = ProxyBody::full(proxy.metrics().render(proxy));
-            response.headers_mut().insert(
-                header::CONTENT_TYPE,
-                header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-            );
-            response
-        }
+        "/metrics" => typed(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            proxy.metrics().render(proxy),
+        ),
         _ => answer(
             StatusCode::NOT_FOUND,
             "not found: try /healthz, /readyz, /metrics, /demand or /debug/endpoints\n",

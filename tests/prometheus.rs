@@ -7,7 +7,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -16,39 +15,6 @@ use support::*;
 
 /// How long Prometheus gets to start, scrape and answer with the expected values.
 const PATIENCE: Duration = Duration::from_secs(60);
-
-/// The named program on `PATH`, or a failure saying how to get it.
-fn require(program: &str) -> PathBuf {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(program))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| {
-            panic!("{program} is missing: install Debian's {program} (scripts/test.sh does)")
-        })
-}
-
-/// A directory of its own under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default();
-        let path = std::env::temp_dir().join(format!("{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("temp dir");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A Prometheus process, killed (and its directory removed) when this is dropped, so a failing
 /// assertion does not leave it running.

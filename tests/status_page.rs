@@ -8,7 +8,7 @@
 mod support;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -18,39 +18,6 @@ use support::*;
 
 /// Longest one Chromium run may take before it is killed and the test fails.
 const CHROMIUM_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The named program on `PATH`, or a failure saying how to get it.
-fn require(program: &str) -> PathBuf {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|dir| dir.join(program))
-        .find(|path| path.is_file())
-        .unwrap_or_else(|| {
-            panic!("{program} is missing: install Debian's {program} (scripts/test.sh does)")
-        })
-}
-
-/// A directory of its own under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.subsec_nanos())
-            .unwrap_or_default();
-        let path = std::env::temp_dir().join(format!("{name}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&path).expect("temp dir");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Runs headless Chromium on `url` with `action` (e.g. `--dump-dom`) and returns its stdout. A failed run
 /// fails the test with Chromium's stderr; one longer than [`CHROMIUM_TIMEOUT`] is killed and fails it.

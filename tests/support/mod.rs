@@ -203,3 +203,36 @@ pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// The named program on `PATH`, or a failure saying how to get it.
+pub fn require(program: &str) -> std::path::PathBuf {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join(program))
+        .find(|path| path.is_file())
+        .unwrap_or_else(|| {
+            panic!("{program} is missing: install Debian's {program} (scripts/test.sh does)")
+        })
+}
+
+/// A directory of its own under the system temp dir, removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or_default();
+        let path = std::env::temp_dir().join(format!("{name}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&path).expect("temp dir");
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
