@@ -152,6 +152,57 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
     response
 }
 
+/// Where nodes register their address.
+pub const REGISTER_PATH: &str = "/v1/nodes/register";
+
+/// `POST /v1/nodes/register`: see [`crate::discovery::register`].
+async fn register(request: Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
+    use http_body_util::BodyExt;
+    if request.method() != Method::POST {
+        return answer(StatusCode::METHOD_NOT_ALLOWED, "POST a registration here\n");
+    }
+    let status = proxy.registry().discovery();
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    let limit = crate::discovery::register::MAX_BODY_BYTES;
+    let body = match tokio::time::timeout(
+        Duration::from_secs(10),
+        http_body_util::Limited::new(request.into_body(), limit).collect(),
+    )
+    .await
+    {
+        Ok(Ok(body)) => body.to_bytes(),
+        Ok(Err(_)) => {
+            return answer(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "registration body too large or broken\n",
+            );
+        }
+        Err(_) => return answer(StatusCode::REQUEST_TIMEOUT, "registration body too slow\n"),
+    };
+    let token = status.registration_token();
+    let outcome = crate::discovery::register::register(
+        status,
+        token.as_deref().map(String::as_str),
+        authorization.as_deref(),
+        &body,
+    )
+    .await;
+    let mut response = typed(
+        outcome.status,
+        "application/json",
+        outcome.body.to_string(),
+    );
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    response
+}
+
 /// Serves the admin endpoints until `shutdown` is cancelled.
 pub async fn serve(
     listener: TcpListener,
@@ -181,12 +232,21 @@ pub async fn serve(
             continue;
         };
         let (readiness, proxy, token) = (Arc::clone(&readiness), Arc::clone(&proxy), token.clone());
-        let service = service_fn(move |request| {
-            let response = match &token {
-                Some(token) if !authorized(&request, token) => unauthorized(),
-                _ => route(&request, &readiness, &proxy),
-            };
-            async move { Ok::<_, Infallible>(response) }
+        let service = service_fn(move |request: Request<Incoming>| {
+            let (readiness, proxy, token) =
+                (Arc::clone(&readiness), Arc::clone(&proxy), token.clone());
+            async move {
+                let response = if request.uri().path() == REGISTER_PATH {
+                    // Nodes present their own token, not the admin one.
+                    register(request, &proxy).await
+                } else {
+                    match &token {
+                        Some(token) if !authorized(&request, token) => unauthorized(),
+                        _ => route(&request, &readiness, &proxy),
+                    }
+                };
+                Ok::<_, Infallible>(response)
+            }
         });
         let connection = builder
             .serve_connection(TokioIo::new(stream), service)

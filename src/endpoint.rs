@@ -88,8 +88,31 @@ pub struct Endpoint {
     heartbeat_at: AtomicU64,
     heartbeat_rtt_us: AtomicU64,
     heartbeat_ok: AtomicBool,
-    /// Where the endpoint came from (`static`, later the discovery sources).
-    source: &'static str,
+    /// Where the endpoint came from (`static` or `kubernetes`, and the pod).
+    origin: Origin,
+    /// A cap on the concurrency limit, whatever the mode says (a pod's own annotation).
+    limit_cap: u64,
+}
+
+/// Where an endpoint came from, and what its source says about it beyond the address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Origin {
+    /// `static` or `kubernetes`.
+    pub source: &'static str,
+    /// `namespace/name` of the pod.
+    pub pod: Option<Arc<str>>,
+    /// The pod's own cap on concurrent requests (its max-outstanding annotation).
+    pub max_outstanding: Option<u64>,
+}
+
+impl Default for Origin {
+    fn default() -> Self {
+        Origin {
+            source: "static",
+            pod: None,
+            max_outstanding: None,
+        }
+    }
 }
 
 /// What an endpoint is doing, for /debug/endpoints, metrics and the status page.
@@ -97,6 +120,9 @@ pub struct Endpoint {
 pub struct EndpointView {
     pub url: String,
     pub source: &'static str,
+    /// `namespace/name` of the pod behind the endpoint (discovered endpoints only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
     pub weight: u32,
     /// The one word an operator needs first: draining, unhealthy, ejected, probing, cooldown, suspect,
     /// slow-start or healthy.
@@ -191,8 +217,26 @@ impl Endpoint {
             heartbeat_at: AtomicU64::new(0),
             heartbeat_rtt_us: AtomicU64::new(0),
             heartbeat_ok: AtomicBool::new(false),
-            source: "static",
+            origin: Origin::default(),
+            limit_cap: u64::MAX,
         }
+    }
+
+    /// Sets where the endpoint came from and its own concurrency cap (before it serves).
+    pub fn with_origin(mut self, origin: &Origin) -> Endpoint {
+        self.origin = origin.clone();
+        self.limit_cap = origin.max_outstanding.unwrap_or(u64::MAX).max(1);
+        self
+    }
+
+    /// `namespace/name` of the pod behind the endpoint, if it came from one.
+    pub fn pod(&self) -> Option<&str> {
+        self.origin.pod.as_deref()
+    }
+
+    /// Where the endpoint came from.
+    pub fn origin(&self) -> &Origin {
+        &self.origin
     }
 
     /// Ramps the endpoint's share in from 10 % over the slow-start window, from `now`.
@@ -225,7 +269,7 @@ impl Endpoint {
     }
 
     pub fn source(&self) -> &'static str {
-        self.source
+        self.origin.source
     }
 
     /// A consistent-enough picture of the endpoint at `now` (each field read once, without locks but the
@@ -265,7 +309,8 @@ impl Endpoint {
         let heartbeat = self.last_heartbeat();
         EndpointView {
             url: self.url.clone(),
-            source: self.source,
+            source: self.origin.source,
+            pod: self.origin.pod.as_deref().map(str::to_owned),
             weight: self.weight,
             state,
             healthy,
@@ -724,6 +769,7 @@ impl Endpoint {
     }
 
     fn store_limit(&self, limit: u64) {
+        let limit = limit.min(self.limit_cap);
         let old = self.limit.swap(limit, Ordering::Relaxed);
         if limit > old
             && let Some(queue) = self.queue.get()

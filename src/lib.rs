@@ -13,6 +13,7 @@ pub mod body;
 pub mod breaker;
 pub mod config;
 pub mod demo;
+pub mod discovery;
 pub mod endpoint;
 pub mod error;
 pub mod headers;
@@ -52,6 +53,8 @@ pub enum AppError {
     },
     #[error(transparent)]
     Upstream(#[from] upstream::UpstreamError),
+    #[error("cannot read discovery.kubernetes.registration.token_file: {0}")]
+    RegistrationToken(std::io::Error),
     #[error("cannot read admin.bearer_token_file {path}: {source}")]
     Token {
         path: PathBuf,
@@ -155,9 +158,15 @@ impl App {
             .queue()
             .set_settings(admission::QueueSettings::from_config(&config.queue));
         registry.replace(EndpointSpec::from_config(config));
+        registry
+            .discovery()
+            .configure(&config.discovery.kubernetes)
+            .map_err(AppError::RegistrationToken)?;
         let readiness = Arc::new(Readiness::default());
-        // Static discovery is synced the moment it is applied.
-        readiness.set_synced();
+        // Static discovery is synced the moment it is applied; pod discovery once its first list is in.
+        if !config.discovery.kubernetes.enabled {
+            readiness.set_synced();
+        }
         let proxy = Arc::new(Proxy::new(
             Arc::clone(&registry),
             ProxySettings::from_config(config),
@@ -256,6 +265,15 @@ impl App {
                 None
             }
         };
+        let discovery_stop = CancellationToken::new();
+        let discovery = tokio::spawn(
+            discovery::kube::Discovery {
+                registry: Arc::clone(&self.registry),
+                readiness: Arc::clone(&self.readiness),
+                salad: None,
+            }
+            .run(discovery_stop.clone()),
+        );
         let reload_stop = CancellationToken::new();
         let reloads = self.config_path.clone().map(|path| {
             let live = Arc::new(reload::Live::new(
@@ -301,6 +319,8 @@ impl App {
         if let Some(heartbeats) = heartbeats {
             let _ = heartbeats.await;
         }
+        discovery_stop.cancel();
+        let _ = discovery.await;
         admin_stop.cancel();
         let _ = admin.await;
         tracing::info!("tongs stopped");

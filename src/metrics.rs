@@ -156,8 +156,44 @@ pub const BUILD_INFO: Spec = spec(
     "Always 1; the version in a label.",
 );
 
+pub const DISCOVERY_SYNCED: Spec = spec(
+    "tongs_discovery_synced",
+    "gauge",
+    "1 once Kubernetes discovery applied its first complete list of pods (always 1 when it is off).",
+);
+pub const DISCOVERY_PODS: Spec = spec(
+    "tongs_discovery_pods",
+    "gauge",
+    "Pods watched, by state (serving, ineligible, no-address).",
+);
+pub const DISCOVERY_REJECTIONS: Spec = spec(
+    "tongs_discovery_rejections_total",
+    "counter",
+    "Pod annotations (or podIPs) refused, by reason; each pod's problem counted once.",
+);
+pub const DISCOVERY_WATCH_ERRORS: Spec = spec(
+    "tongs_discovery_watch_errors_total",
+    "counter",
+    "Errors of the pod watch (each followed by a retry with backoff).",
+);
+pub const DISCOVERY_LISTS: Spec = spec(
+    "tongs_discovery_lists_total",
+    "counter",
+    "Complete pod lists applied: the first sync, then one per re-list after a lost watch.",
+);
+pub const SALAD_LOOKUPS: Spec = spec(
+    "tongs_salad_api_lookups_total",
+    "counter",
+    "SaladCloud API container group lookups, by result (found, not-yet, error).",
+);
+pub const REGISTRATIONS: Spec = spec(
+    "tongs_node_registrations_total",
+    "counter",
+    "Node self-registrations, by result.",
+);
+
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 25] = [
+pub const CATALOG: [&Spec; 32] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -183,6 +219,13 @@ pub const CATALOG: [&Spec; 25] = [
     &CONFIG_RELOADS,
     &BUILD_INFO,
     &UPTIME,
+    &DISCOVERY_SYNCED,
+    &DISCOVERY_PODS,
+    &DISCOVERY_REJECTIONS,
+    &DISCOVERY_WATCH_ERRORS,
+    &DISCOVERY_LISTS,
+    &SALAD_LOOKUPS,
+    &REGISTRATIONS,
 ];
 
 pub const UPTIME: Spec = spec(
@@ -397,6 +440,33 @@ impl Metrics {
     }
 }
 
+/// Appends discovery's state.
+fn render_discovery(out: &mut String, status: &crate::discovery::Status) {
+    header(out, &DISCOVERY_SYNCED);
+    let synced = status.synced() || !status.enabled();
+    sample(out, DISCOVERY_SYNCED.name, &[], f64::from(u8::from(synced)));
+    header(out, &DISCOVERY_PODS);
+    for (state, count) in status.pods() {
+        sample(out, DISCOVERY_PODS.name, &[("state", state.as_str())], count as f64);
+    }
+    header(out, &DISCOVERY_REJECTIONS);
+    for (reason, count) in status.rejections() {
+        sample(out, DISCOVERY_REJECTIONS.name, &[("reason", reason.as_str())], count as f64);
+    }
+    header(out, &DISCOVERY_WATCH_ERRORS);
+    sample(out, DISCOVERY_WATCH_ERRORS.name, &[], status.watch_errors() as f64);
+    header(out, &DISCOVERY_LISTS);
+    sample(out, DISCOVERY_LISTS.name, &[], status.lists() as f64);
+    header(out, &SALAD_LOOKUPS);
+    for (result, count) in status.lookups() {
+        sample(out, SALAD_LOOKUPS.name, &[("result", result)], count as f64);
+    }
+    header(out, &REGISTRATIONS);
+    for (result, count) in status.registrations() {
+        sample(out, REGISTRATIONS.name, &[("result", result)], count as f64);
+    }
+}
+
 /// Appends what is read at scrape time.
 fn render_state(out: &mut String, proxy: &Proxy, started: Instant) {
     let now = Instant::now();
@@ -439,6 +509,8 @@ fn render_state(out: &mut String, proxy: &Proxy, started: Instant) {
         .iter()
         .map(|endpoint| endpoint.view(now, slow_start))
         .collect();
+
+    render_discovery(out, registry.discovery());
 
     header(out, &ENDPOINTS);
     let mut sources: Vec<&str> = views.iter().map(|v| v.source).collect();

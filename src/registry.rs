@@ -6,7 +6,7 @@
 //! whose URL and weight did not change. An endpoint that leaves is marked draining; requests already on it
 //! hold their own reference and finish normally.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +15,7 @@ use arc_swap::ArcSwap;
 
 use crate::admission::Queue;
 use crate::config::{Config, EndpointUrl};
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, Origin};
 use crate::limit::LimitSettings;
 
 /// What discovery says an endpoint should be.
@@ -24,9 +24,26 @@ pub struct EndpointSpec {
     pub url: String,
     pub parsed: EndpointUrl,
     pub weight: u32,
+    /// Where it came from; a change here (another pod, another cap) makes a new endpoint.
+    pub origin: Origin,
 }
 
 impl EndpointSpec {
+    /// A static endpoint (`url` already parsed into `parsed`).
+    pub fn new(url: impl Into<String>, parsed: EndpointUrl, weight: u32) -> EndpointSpec {
+        EndpointSpec {
+            url: url.into(),
+            parsed,
+            weight,
+            origin: Origin::default(),
+        }
+    }
+
+    /// What identifies an endpoint across updates: same key, same `Endpoint` (and live state).
+    fn key(&self) -> (&str, u32, &Origin) {
+        (&self.url, self.weight, &self.origin)
+    }
+
     /// The static endpoints of a (validated) configuration.
     pub fn from_config(config: &Config) -> Vec<EndpointSpec> {
         config
@@ -36,11 +53,7 @@ impl EndpointSpec {
             .filter_map(|endpoint| {
                 // Validation already refused bad URLs; skipping keeps this total for unvalidated input.
                 let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
-                Some(EndpointSpec {
-                    url: endpoint.url.clone(),
-                    parsed,
-                    weight: endpoint.weight,
-                })
+                Some(EndpointSpec::new(endpoint.url.clone(), parsed, endpoint.weight))
             })
             .collect()
     }
@@ -67,12 +80,15 @@ pub struct Registry {
     /// Bumped on every update, for the heartbeat loops that follow the set.
     changes: tokio::sync::watch::Sender<u64>,
     next_id: AtomicU64,
-    /// Serialises writers so two updates cannot interleave their read-modify-publish.
-    writer: Mutex<()>,
+    /// What each discovery source wants, merged into the snapshot on every update. The lock also
+    /// serialises writers so two updates cannot interleave their read-modify-publish.
+    writer: Mutex<BTreeMap<&'static str, Vec<EndpointSpec>>>,
     /// Concurrency limits every endpoint gets.
     limits: Mutex<LimitSettings>,
     /// Where requests wait for an endpoint's slot; endpoints wake it when one comes free.
     queue: Arc<Queue>,
+    /// What discovery is doing (for readiness, metrics and registration).
+    discovery: Arc<crate::discovery::Status>,
 }
 
 impl Default for Registry {
@@ -87,9 +103,10 @@ impl Registry {
             snapshot: ArcSwap::from_pointee(Vec::new()),
             changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
-            writer: Mutex::new(()),
+            writer: Mutex::new(BTreeMap::new()),
             limits: Mutex::new(LimitSettings::none()),
             queue: Arc::new(Queue::default()),
+            discovery: Arc::default(),
         }
     }
 
@@ -116,6 +133,11 @@ impl Registry {
             capacity,
             endpoints,
         }
+    }
+
+    /// What discovery is doing.
+    pub fn discovery(&self) -> &Arc<crate::discovery::Status> {
+        &self.discovery
     }
 
     /// The queue of requests waiting for a slot.
@@ -157,24 +179,44 @@ impl Registry {
         self.changes.subscribe()
     }
 
-    /// Replaces the whole set, keeping the state of endpoints that did not change.
+    /// Replaces the static endpoints (those of the configuration file).
     pub fn replace(&self, desired: Vec<EndpointSpec>) {
-        let _writer = self
+        self.set_source("static", desired);
+    }
+
+    /// Replaces what one discovery source wants, keeping the state of endpoints that did not change.
+    /// The snapshot is the union of every source's endpoints; one URL wanted twice (say, by the static
+    /// list and by a pod) is one endpoint, the first source's in name order.
+    pub fn set_source(&self, source: &'static str, desired: Vec<EndpointSpec>) {
+        let mut sources = self
             .writer
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
+        sources.insert(source, desired);
         let current = self.snapshot.load_full();
-        let mut unchanged: HashMap<(String, u32), &Arc<Endpoint>> = current
+        let mut unchanged: HashMap<(&str, u32, &Origin), &Arc<Endpoint>> = current
             .iter()
-            .map(|endpoint| ((endpoint.url().to_owned(), endpoint.weight()), endpoint))
+            .map(|endpoint| {
+                (
+                    (endpoint.url(), endpoint.weight(), endpoint.origin()),
+                    endpoint,
+                )
+            })
             .collect();
-        let mut next = Vec::with_capacity(desired.len());
-        for spec in desired {
-            match unchanged.remove(&(spec.url.clone(), spec.weight)) {
+        let wanted: usize = sources.values().map(Vec::len).sum();
+        let mut next = Vec::with_capacity(wanted);
+        let mut urls: HashSet<&str> = HashSet::with_capacity(wanted);
+        for spec in sources.values().flatten() {
+            if !urls.insert(&spec.url) {
+                continue;
+            }
+            match unchanged.remove(&spec.key()) {
                 Some(existing) => next.push(Arc::clone(existing)),
                 None => {
                     let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    let endpoint = Endpoint::new(id, &spec.url, spec.parsed, spec.weight);
+                    let endpoint =
+                        Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
+                            .with_origin(&spec.origin);
                     let now = tokio::time::Instant::now();
                     endpoint.apply_limit(&self.limits(), now);
                     // The first set starts together; an endpoint joining a serving set ramps in.
@@ -216,11 +258,7 @@ mod tests {
     use super::*;
 
     fn spec(url: &str, weight: u32) -> EndpointSpec {
-        EndpointSpec {
-            url: url.into(),
-            parsed: EndpointUrl::parse(url).unwrap(),
-            weight,
-        }
+        EndpointSpec::new(url, EndpointUrl::parse(url).unwrap(), weight)
     }
 
     #[test]

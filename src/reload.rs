@@ -77,6 +77,13 @@ impl Live {
             .set_settings(QueueSettings::from_config(&next.queue));
         self.health.store(Arc::new(next.health.clone()));
         self.registry.replace(EndpointSpec::from_config(&next));
+        if let Err(err) = self
+            .registry
+            .discovery()
+            .configure(&next.discovery.kubernetes)
+        {
+            tracing::error!(error = %err, "cannot read discovery.kubernetes.registration.token_file; keeping the old token");
+        }
         *current = next;
         needs_restart
     }

@@ -141,6 +141,7 @@ async fn a_new_endpoint_gets_traffic_at_once() {
             url: u.clone(),
             parsed: tongs::config::EndpointUrl::parse(u).unwrap(),
             weight: 1,
+            origin: Default::default(),
         })
         .collect();
     proxy.app_registry.replace(specs);

@@ -16,6 +16,7 @@ fn specs(urls: &[String]) -> Vec<EndpointSpec> {
             url: url.clone(),
             parsed: EndpointUrl::parse(url).unwrap(),
             weight: 1,
+            origin: Default::default(),
         })
         .collect()
 }

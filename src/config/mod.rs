@@ -5,6 +5,7 @@
 //! Every key is documented in `config/tongs.yaml` and in the README's table.
 
 mod duration;
+mod kubernetes;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -13,6 +14,7 @@ use http::Uri;
 use serde::{Deserialize, Serialize};
 
 pub use duration::HumanDuration;
+pub use kubernetes::{AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key};
 
 /// Longest duration any key accepts (one day).
 pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);
@@ -86,6 +88,8 @@ pub struct DiscoveryConfig {
     /// A fixed list of endpoints.
     #[serde(rename = "static")]
     pub static_endpoints: Vec<StaticEndpoint>,
+    /// Pods watched through the Kubernetes API.
+    pub kubernetes: KubernetesConfig,
 }
 
 /// One endpoint given by URL.
@@ -777,6 +781,7 @@ impl Config {
                 format!("{} is not a readable file", path.display()),
             );
         }
+        self.discovery.kubernetes.validate(&mut problems);
         problems
     }
 

@@ -1,0 +1,403 @@
+//! `discovery.kubernetes`: endpoints from the pods a Virtual Kubelet runs remotely.
+//!
+//! Which pods (namespace, selectors, readiness), how a pod becomes an endpoint (the rules, in order, and
+//! the annotation keys they read), which addresses taken from annotations tongs may send traffic to (the
+//! allowlist), and node self-registration.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use ipnet::IpNet;
+use serde::{Deserialize, Serialize};
+
+use super::Problem;
+
+/// Pod discovery through the Kubernetes API.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesConfig {
+    /// Watch pods and serve the ones that qualify.
+    pub enabled: bool,
+    /// A kubeconfig file; unset means the pod's service account (in cluster) or `$KUBECONFIG`.
+    pub kubeconfig: Option<PathBuf>,
+    /// Namespace to watch: empty means tongs' own (the service account's), `*` means all namespaces.
+    pub namespace: String,
+    /// Which pods are endpoints, e.g. `app.kubernetes.io/part-of=tongs-fleet`. Required when enabled.
+    pub label_selector: String,
+    /// An optional field selector, e.g. `spec.nodeName=saladcloud-node`.
+    pub field_selector: String,
+    /// Serve a pod only while its Ready condition is true (besides Running and not terminating).
+    pub require_ready: bool,
+    /// How a pod becomes an endpoint: the first rule that yields an address wins.
+    pub rules: Vec<Rule>,
+    pub annotations: AnnotationKeys,
+    /// The containerPort name the `pod-ip` rule uses when the port annotation is absent.
+    pub port_name: String,
+    /// Where an address taken from an annotation may point: `https://*.salad.cloud` style URL patterns
+    /// (scheme, host with an optional leading `*.`, optional port) and CIDR ranges for IP addresses.
+    pub allow: Vec<String>,
+    /// Write the URL found through the SaladCloud API into the pod's URL annotation, so every replica
+    /// and `kubectl get pod` see it (needs `patch` on pods).
+    pub write_back: bool,
+    pub registration: RegistrationConfig,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            kubeconfig: None,
+            namespace: String::new(),
+            label_selector: String::new(),
+            field_selector: String::new(),
+            require_ready: true,
+            rules: vec![Rule::Url, Rule::Tailscale, Rule::SaladApi, Rule::PodIp],
+            annotations: AnnotationKeys::default(),
+            port_name: "http".into(),
+            allow: vec![
+                "https://*.salad.cloud".into(),
+                "100.64.0.0/10".into(),
+                "fd7a:115c:a1e0::/48".into(),
+            ],
+            write_back: false,
+            registration: RegistrationConfig::default(),
+        }
+    }
+}
+
+/// One way a pod becomes an endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Rule {
+    /// The URL annotation holds a full URL.
+    Url,
+    /// The Tailscale annotation holds `IP:port` (written by node self-registration).
+    Tailscale,
+    /// A SaladCloud pod: its container group's gateway host from the SaladCloud API.
+    SaladApi,
+    /// `status.podIP` and the port annotation or the named containerPort (interLink, ordinary pods).
+    PodIp,
+}
+
+impl Rule {
+    pub fn name(self) -> &'static str {
+        match self {
+            Rule::Url => "url",
+            Rule::Tailscale => "tailscale",
+            Rule::SaladApi => "salad-api",
+            Rule::PodIp => "pod-ip",
+        }
+    }
+}
+
+/// The pod annotations tongs reads (and writes: `url` by write-back, `tailscale_address` by
+/// registration).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AnnotationKeys {
+    pub url: String,
+    pub tailscale_address: String,
+    pub port: String,
+    pub weight: String,
+    pub max_outstanding: String,
+}
+
+impl Default for AnnotationKeys {
+    fn default() -> Self {
+        Self {
+            url: "tongs.dev/url".into(),
+            tailscale_address: "tongs.dev/tailscale-address".into(),
+            port: "tongs.dev/port".into(),
+            weight: "tongs.dev/weight".into(),
+            max_outstanding: "tongs.dev/max-outstanding".into(),
+        }
+    }
+}
+
+/// `POST /v1/nodes/register` on the admin port: a node reports its Tailscale address.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RegistrationConfig {
+    /// A file holding the token nodes present (`Authorization: Bearer`); unset turns registration off.
+    pub token_file: Option<PathBuf>,
+}
+
+/// One entry of the allowlist, parsed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AllowRule {
+    /// An IP range: addresses in it are allowed, by any scheme and port.
+    Range(IpNet),
+    /// A URL pattern: this scheme, this host (or, with `*.`, any name under it), any or this port.
+    Url {
+        scheme: String,
+        host: HostPattern,
+        port: Option<u16>,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostPattern {
+    Exact(String),
+    /// `*.salad.cloud` is stored as `.salad.cloud`: one or more labels in front of it.
+    Suffix(String),
+}
+
+impl AllowRule {
+    pub fn parse(text: &str) -> Result<AllowRule, String> {
+        let text = text.trim();
+        if let Ok(range) = text.parse::<IpNet>() {
+            return Ok(AllowRule::Range(range.trunc()));
+        }
+        if let Ok(ip) = text.parse::<IpAddr>() {
+            return Ok(AllowRule::Range(IpNet::from(ip)));
+        }
+        let (scheme, rest) = text.split_once("://").ok_or_else(|| {
+            format!("{text:?} is neither a CIDR range (100.64.0.0/10) nor a URL pattern (https://*.salad.cloud)")
+        })?;
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme != "http" && scheme != "https" {
+            return Err(format!("{text:?}: only http and https patterns are allowed"));
+        }
+        let rest = rest.trim_end_matches('/');
+        if rest.contains('/') || rest.contains('@') || rest.contains('?') {
+            return Err(format!("{text:?}: a pattern names a scheme, host and optional port only"));
+        }
+        let (host, port) = match rest.strip_prefix('[') {
+            // [v6]:port
+            Some(bracketed) => match bracketed.split_once(']') {
+                Some((host, "")) => (host, None),
+                Some((host, port)) => (host, Some(parse_port(text, port.trim_start_matches(':'))?)),
+                None => return Err(format!("{text:?}: unclosed [")),
+            },
+            None => match rest.rsplit_once(':') {
+                Some((host, port)) => (host, Some(parse_port(text, port)?)),
+                None => (rest, None),
+            },
+        };
+        let host = host.to_ascii_lowercase();
+        let host = match host.strip_prefix("*.") {
+            Some(suffix) if !suffix.is_empty() && !suffix.contains('*') => {
+                HostPattern::Suffix(format!(".{suffix}"))
+            }
+            _ if host.is_empty() || host.contains('*') => {
+                return Err(format!(
+                    "{text:?}: the host must be a name, optionally with one leading `*.`"
+                ));
+            }
+            _ => HostPattern::Exact(host),
+        };
+        Ok(AllowRule::Url { scheme, host, port })
+    }
+
+    /// Whether a URL with this scheme, host and port (the scheme's default when absent) is allowed.
+    pub fn allows_url(&self, scheme: &str, host: &str, port: u16) -> bool {
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        match self {
+            AllowRule::Range(range) => host.parse::<IpAddr>().is_ok_and(|ip| range.contains(&ip)),
+            AllowRule::Url {
+                scheme: allowed_scheme,
+                host: pattern,
+                port: allowed_port,
+            } => {
+                let host = host.to_ascii_lowercase();
+                allowed_scheme.eq_ignore_ascii_case(scheme)
+                    && allowed_port.is_none_or(|p| p == port)
+                    && match pattern {
+                        HostPattern::Exact(name) => host == *name,
+                        HostPattern::Suffix(suffix) => {
+                            host.len() > suffix.len() && host.ends_with(suffix.as_str())
+                        }
+                    }
+            }
+        }
+    }
+
+    /// Whether a bare address (a Tailscale `IP:port`) is allowed: only ranges speak of bare addresses.
+    pub fn allows_ip(&self, ip: IpAddr) -> bool {
+        matches!(self, AllowRule::Range(range) if range.contains(&ip))
+    }
+}
+
+fn parse_port(pattern: &str, port: &str) -> Result<u16, String> {
+    port.parse::<u16>()
+        .map_err(|_| format!("{pattern:?}: {port:?} is not a port"))
+}
+
+impl KubernetesConfig {
+    /// The allowlist, parsed; entries that do not parse are left out (validation reports them).
+    pub fn allow_rules(&self) -> Vec<AllowRule> {
+        self.allow
+            .iter()
+            .filter_map(|entry| AllowRule::parse(entry).ok())
+            .collect()
+    }
+
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem = |field: &str, message: String| {
+            problems.push(Problem {
+                field: format!("discovery.kubernetes.{field}"),
+                message,
+            })
+        };
+        for (index, entry) in self.allow.iter().enumerate() {
+            if let Err(message) = AllowRule::parse(entry) {
+                problem(&format!("allow[{index}]"), message);
+            }
+        }
+        let keys = [
+            ("annotations.url", &self.annotations.url),
+            ("annotations.tailscale_address", &self.annotations.tailscale_address),
+            ("annotations.port", &self.annotations.port),
+            ("annotations.weight", &self.annotations.weight),
+            ("annotations.max_outstanding", &self.annotations.max_outstanding),
+        ];
+        for (field, key) in keys {
+            if let Err(message) = annotation_key(key) {
+                problem(field, message);
+            }
+        }
+        if let Some(path) = &self.registration.token_file {
+            match std::fs::read_to_string(path) {
+                Ok(token) if token.trim().is_empty() => {
+                    problem("registration.token_file", format!("{} is empty", path.display()))
+                }
+                Ok(_) => {}
+                Err(err) => problem(
+                    "registration.token_file",
+                    format!("cannot read {}: {err}", path.display()),
+                ),
+            }
+        }
+        if !self.enabled {
+            return;
+        }
+        if self.label_selector.trim().is_empty() {
+            problem(
+                "label_selector",
+                "required when discovery is enabled, so tongs serves only the inference pods \
+                 (e.g. app.kubernetes.io/part-of=tongs-fleet)"
+                    .into(),
+            );
+        }
+        if self.rules.is_empty() {
+            problem("rules", "needs at least one of url, tailscale, salad-api, pod-ip".into());
+        }
+        for (index, rule) in self.rules.iter().enumerate() {
+            if self.rules[..index].contains(rule) {
+                problem(&format!("rules[{index}]"), format!("{} is listed twice", rule.name()));
+            }
+        }
+        if let Some(path) = &self.kubeconfig
+            && !path.is_file()
+        {
+            problem("kubeconfig", format!("{} is not a readable file", path.display()));
+        }
+        if self.port_name.is_empty() {
+            problem("port_name", "must name a containerPort (default http)".into());
+        }
+    }
+}
+
+/// A Kubernetes annotation key: an optional DNS-subdomain prefix and `/`, then a name of at most 63
+/// characters of alphanumerics, `-`, `_` and `.`, starting and ending alphanumeric.
+pub fn annotation_key(key: &str) -> Result<(), String> {
+    let (prefix, name) = match key.split_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, key),
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b))
+    });
+    if name_ok && prefix_ok {
+        Ok(())
+    } else {
+        Err(format!("{key:?} is not a valid annotation key (like tongs.dev/url)"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowed(rules: &[&str], scheme: &str, host: &str, port: u16) -> bool {
+        rules
+            .iter()
+            .map(|r| AllowRule::parse(r).unwrap())
+            .any(|rule| rule.allows_url(scheme, host, port))
+    }
+
+    #[test]
+    fn url_patterns_match_scheme_host_and_port() {
+        let salad = ["https://*.salad.cloud"];
+        assert!(allowed(&salad, "https", "tamarind-x.salad.cloud", 443));
+        assert!(allowed(&salad, "https", "A.B.SALAD.CLOUD", 8443));
+        assert!(!allowed(&salad, "http", "a.salad.cloud", 80));
+        assert!(!allowed(&salad, "https", "salad.cloud", 443));
+        assert!(!allowed(&salad, "https", "evilsalad.cloud", 443));
+        assert!(!allowed(&salad, "https", "a.salad.cloud.evil.com", 443));
+        let exact = ["http://gpu.internal:8000"];
+        assert!(allowed(&exact, "http", "gpu.internal", 8000));
+        assert!(!allowed(&exact, "http", "gpu.internal", 8001));
+        assert!(!allowed(&exact, "http", "x.gpu.internal", 8000));
+    }
+
+    #[test]
+    fn ranges_match_ip_hosts_and_bare_addresses() {
+        let rules = ["100.64.0.0/10", "fd7a:115c:a1e0::/48"];
+        assert!(allowed(&rules, "http", "100.101.2.3", 8000));
+        assert!(allowed(&rules, "http", "[fd7a:115c:a1e0::1]", 8000));
+        assert!(!allowed(&rules, "http", "100.128.0.1", 8000));
+        assert!(!allowed(&rules, "http", "169.254.169.254", 80));
+        assert!(!allowed(&rules, "https", "x.salad.cloud", 443));
+        let range = AllowRule::parse("100.64.0.0/10").unwrap();
+        assert!(range.allows_ip("100.64.0.1".parse().unwrap()));
+        assert!(!range.allows_ip("10.0.0.1".parse().unwrap()));
+        let url = AllowRule::parse("https://*.salad.cloud").unwrap();
+        assert!(!url.allows_ip("100.64.0.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn bad_patterns_are_refused_with_a_reason() {
+        for bad in ["*.salad.cloud", "ftp://x", "https://*", "https://a.*.b", "https://x/path", "10.0.0.0/33"] {
+            assert!(AllowRule::parse(bad).is_err(), "{bad} parsed");
+        }
+    }
+
+    #[test]
+    fn annotation_keys_are_checked() {
+        assert!(annotation_key("tongs.dev/url").is_ok());
+        assert!(annotation_key("weight").is_ok());
+        assert!(annotation_key("Tongs.dev/url").is_err());
+        assert!(annotation_key("tongs.dev/").is_err());
+        assert!(annotation_key("tongs.dev/-x").is_err());
+    }
+
+    #[test]
+    fn enabled_discovery_needs_a_selector_and_sane_rules() {
+        let config = KubernetesConfig {
+            enabled: true,
+            rules: vec![Rule::Url, Rule::Url],
+            allow: vec!["nonsense".into()],
+            ..KubernetesConfig::default()
+        };
+        let mut problems = Vec::new();
+        config.validate(&mut problems);
+        let fields: Vec<_> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "discovery.kubernetes.allow[0]",
+                "discovery.kubernetes.label_selector",
+                "discovery.kubernetes.rules[1]"
+            ]
+        );
+    }
+}

@@ -1,0 +1,574 @@
+//! The pod watcher: keeps the registry's `kubernetes` source equal to the pods that qualify.
+//!
+//! kube-runtime's watcher lists, then watches from the list's resourceVersion; on a dropped connection
+//! it resumes, and on `410 Gone` (or any error) it lists again, with backoff. A list arrives as
+//! `Init`, `InitApply`…, `InitDone` and is applied as one atomic reset at `InitDone`: until then the
+//! endpoints in service stay (stale beats empty — a GPU node that was serving a second ago most likely
+//! still is, and heartbeats catch the ones that are not). Events that arrive together are applied as
+//! one batch and published once.
+//!
+//! SaladCloud pods need their gateway host from the SaladCloud API: lookups run beside the watch (at
+//! most [`LOOKUP_CONCURRENCY`] at once, retried with backoff while the group has no gateway yet), are
+//! cached by pod UID, and are optionally written back into the pod's URL annotation.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::Status;
+use super::pods::{Derived, PodFacts, PodState, Rules};
+use super::salad::{Group, LookupError, SaladApi};
+use crate::admin::Readiness;
+use crate::config::KubernetesConfig;
+use crate::registry::{EndpointSpec, Registry};
+
+/// The registry source this module writes.
+pub const SOURCE: &str = "kubernetes";
+/// SaladCloud API lookups at once.
+pub const LOOKUP_CONCURRENCY: usize = 8;
+/// Retry delays of a lookup that found no gateway yet: doubling from the first to the last.
+const LOOKUP_RETRY_FIRST: Duration = Duration::from_secs(2);
+const LOOKUP_RETRY_MAX: Duration = Duration::from_secs(60);
+/// Events already waiting are applied together, up to this many.
+const BATCH: usize = 1024;
+
+/// The watch in force, shared with registration.
+pub struct Watched {
+    pub client: kube::Client,
+    pub rules: Arc<Rules>,
+    pub tracker: Mutex<Tracker>,
+}
+
+impl Watched {
+    pub(crate) fn tracker(&self) -> std::sync::MutexGuard<'_, Tracker> {
+        self.tracker.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+struct Tracked {
+    facts: PodFacts,
+    derived: Derived,
+}
+
+/// The pods watched and what the rules made of them.
+pub struct Tracker {
+    rules: Arc<Rules>,
+    pods: HashMap<Arc<str>, Tracked>,
+    /// A list in progress (between `Init` and `InitDone`).
+    relist: Option<HashMap<Arc<str>, PodFacts>>,
+    /// Gateway hosts found through the SaladCloud API, by pod UID.
+    gateways: HashMap<String, String>,
+}
+
+impl Tracker {
+    pub fn new(rules: Arc<Rules>) -> Tracker {
+        Tracker {
+            rules,
+            pods: HashMap::new(),
+            relist: None,
+            gateways: HashMap::new(),
+        }
+    }
+
+    /// Applies one watcher event; true when the endpoints may have changed.
+    pub fn on_event(&mut self, event: Event<Pod>, status: &Status) -> bool {
+        match event {
+            Event::Init => {
+                self.relist = Some(HashMap::new());
+                false
+            }
+            Event::InitApply(pod) => {
+                let facts = PodFacts::from_pod(&pod, self.rules.config());
+                self.relist
+                    .get_or_insert_with(HashMap::new)
+                    .insert(Arc::clone(&facts.key), facts);
+                false
+            }
+            Event::InitDone => {
+                let listed = self.relist.take().unwrap_or_default();
+                let mut previous = std::mem::take(&mut self.pods);
+                for previous_pod in previous.keys() {
+                    if !listed.contains_key(previous_pod) {
+                        tracing::info!(pod = %previous_pod, "pod gone while the watch was down");
+                    }
+                }
+                self.pods.reserve(listed.len());
+                for (key, facts) in listed {
+                    let before = previous.remove(&key);
+                    self.track(facts, before.as_ref(), status);
+                }
+                let uids: HashSet<&str> =
+                    self.pods.values().map(|t| t.facts.uid.as_str()).collect();
+                self.gateways.retain(|uid, _| uids.contains(uid.as_str()));
+                status.listed();
+                true
+            }
+            Event::Apply(pod) => {
+                let facts = PodFacts::from_pod(&pod, self.rules.config());
+                let before = self.pods.remove(&facts.key);
+                if before.as_ref().is_some_and(|b| b.facts == facts) {
+                    // Nothing tongs reads changed (a status heartbeat, a label tongs ignores).
+                    if let Some(before) = before {
+                        self.pods.insert(Arc::clone(&before.facts.key), before);
+                    }
+                    return false;
+                }
+                self.track(facts, before.as_ref(), status);
+                true
+            }
+            Event::Delete(pod) => {
+                let facts = PodFacts::from_pod(&pod, self.rules.config());
+                match self.pods.remove(&facts.key) {
+                    Some(gone) => {
+                        self.gateways.remove(&gone.facts.uid);
+                        tracing::info!(pod = %gone.facts.key, "pod deleted");
+                        true
+                    }
+                    None => false,
+                }
+            }
+        }
+    }
+
+    fn track(&mut self, facts: PodFacts, before: Option<&Tracked>, status: &Status) {
+        let gateway = self.gateways.get(&facts.uid).map(String::as_str);
+        let derived = self.rules.derive(&facts, gateway);
+        let same_pod = before.filter(|b| b.facts.uid == facts.uid);
+        for rejection in &derived.rejections {
+            // Logged and counted once per pod, not on every event that repeats it.
+            if !same_pod.is_some_and(|b| b.derived.rejections.contains(rejection)) {
+                tracing::warn!(
+                    pod = %facts.key,
+                    reason = rejection.reason.as_str(),
+                    "{}",
+                    rejection.detail
+                );
+                status.rejected(rejection.reason);
+            }
+        }
+        let was = same_pod.map(|b| (b.derived.state, b.derived.spec.as_ref().map(|s| &s.url)));
+        let now = (derived.state, derived.spec.as_ref().map(|s| &s.url));
+        if was != Some(now) {
+            match &derived.spec {
+                Some(spec) => tracing::info!(
+                    pod = %facts.key,
+                    endpoint = %spec.url,
+                    rule = derived.rule.map_or("", |r| r.name()),
+                    "pod serving"
+                ),
+                None => tracing::info!(
+                    pod = %facts.key,
+                    phase = %facts.phase,
+                    ready = facts.ready,
+                    terminating = facts.terminating,
+                    state = derived.state.as_str(),
+                    "pod not serving"
+                ),
+            }
+        }
+        self.pods
+            .insert(Arc::clone(&facts.key), Tracked { facts, derived });
+    }
+
+    /// The endpoints the pods make, in a stable order.
+    pub fn specs(&self) -> Vec<EndpointSpec> {
+        let mut specs: Vec<EndpointSpec> = self
+            .pods
+            .values()
+            .filter_map(|t| t.derived.spec.clone())
+            .collect();
+        specs.sort_unstable_by(|a, b| a.url.cmp(&b.url));
+        specs
+    }
+
+    /// Pods by [`PodState`].
+    pub fn counts(&self) -> [u64; 3] {
+        let mut counts = [0u64; 3];
+        for tracked in self.pods.values() {
+            let index = PodState::ALL
+                .iter()
+                .position(|s| *s == tracked.derived.state)
+                .unwrap_or(0);
+            counts[index] += 1;
+        }
+        counts
+    }
+
+    /// The facts of a watched pod.
+    pub fn pod(&self, key: &str) -> Option<&PodFacts> {
+        self.pods.get(key).map(|t| &t.facts)
+    }
+
+    /// Pods whose salad-api rule waits for a gateway host: key, UID and container group.
+    fn wanting_lookup(&self) -> impl Iterator<Item = (Arc<str>, String, String)> + '_ {
+        self.pods.values().filter(|t| t.derived.wants_lookup).map(|t| {
+            (
+                Arc::clone(&t.facts.key),
+                t.facts.uid.clone(),
+                t.facts.container_group(),
+            )
+        })
+    }
+
+    /// Records a gateway host found for pod `key` (if it is still the same pod); true when it changed
+    /// the endpoints.
+    fn found_gateway(&mut self, key: &str, uid: &str, host: String, status: &Status) -> bool {
+        let Some(tracked) = self.pods.remove(key) else {
+            return false;
+        };
+        if tracked.facts.uid != uid {
+            self.pods.insert(Arc::clone(&tracked.facts.key), tracked);
+            return false;
+        }
+        self.gateways.insert(uid.to_owned(), host);
+        let facts = tracked.facts.clone();
+        self.track(facts, Some(&tracked), status);
+        true
+    }
+}
+
+/// Runs pod discovery: follows `config` (restarting the watch when it changes), until `stop`.
+pub struct Discovery {
+    pub registry: Arc<Registry>,
+    pub readiness: Arc<Readiness>,
+    pub salad: Option<SaladApi>,
+}
+
+impl Discovery {
+    pub async fn run(self, stop: CancellationToken) {
+        let status = Arc::clone(self.registry.discovery());
+        let mut config = status.subscribe();
+        loop {
+            let current = config.borrow_and_update().clone();
+            status.set_enabled(current.enabled);
+            if !current.enabled {
+                status.set_watched(None);
+                self.registry.set_source(SOURCE, Vec::new());
+                self.readiness.set_synced();
+            }
+            tokio::select! {
+                () = stop.cancelled() => return,
+                changed = config.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    tracing::info!("discovery.kubernetes changed; restarting the pod watch");
+                }
+                () = self.watch(&current), if current.enabled => {}
+            }
+        }
+    }
+
+    /// Watches pods with `config` until dropped.
+    async fn watch(&self, config: &KubernetesConfig) {
+        let status = Arc::clone(self.registry.discovery());
+        let client = connect(config).await;
+        let api: Api<Pod> = match config.namespace.as_str() {
+            "*" => Api::all(client.clone()),
+            "" => Api::default_namespaced(client.clone()),
+            namespace => Api::namespaced(client.clone(), namespace),
+        };
+        let mut watch_config = watcher::Config::default().labels(&config.label_selector);
+        if !config.field_selector.is_empty() {
+            watch_config = watch_config.fields(&config.field_selector);
+        }
+        let rules = Arc::new(Rules::new(config, self.salad.is_some()));
+        let watched = Arc::new(Watched {
+            client: client.clone(),
+            rules: Arc::clone(&rules),
+            tracker: Mutex::new(Tracker::new(rules)),
+        });
+        status.set_watched(Some(Arc::clone(&watched)));
+        tracing::info!(
+            namespace = if config.namespace.is_empty() { "(own)" } else { &config.namespace },
+            label_selector = %config.label_selector,
+            field_selector = %config.field_selector,
+            "watching pods"
+        );
+        let events = watcher::watcher(api, watch_config)
+            .default_backoff()
+            .ready_chunks(BATCH);
+        let mut events = std::pin::pin!(events);
+        let mut lookups = Lookups::new(self.salad.clone());
+        loop {
+            tokio::select! {
+                batch = events.next() => {
+                    let Some(batch) = batch else { return };
+                    let mut tracker = watched.tracker();
+                    let mut changed = false;
+                    let mut listed = false;
+                    for item in batch {
+                        match item {
+                            Ok(event) => {
+                                listed |= matches!(event, Event::InitDone);
+                                changed |= tracker.on_event(event, &status);
+                            }
+                            Err(err) => {
+                                status.watch_error();
+                                tracing::warn!(
+                                    error = %err,
+                                    "pod watch failed; retrying with backoff, endpoints stay in service"
+                                );
+                            }
+                        }
+                    }
+                    if changed {
+                        self.publish(&tracker, &status);
+                    }
+                    if listed && !status.synced() {
+                        status.set_synced();
+                        self.readiness.set_synced();
+                        tracing::info!(
+                            endpoints = tracker.specs().len(),
+                            "first pod list applied"
+                        );
+                    }
+                    lookups.start(&tracker);
+                }
+                Some(done) = lookups.finished() => {
+                    let mut tracker = watched.tracker();
+                    if let Some(host) = lookups.settle(&done, &status) {
+                        if tracker.found_gateway(&done.key, &done.uid, host.clone(), &status) {
+                            self.publish(&tracker, &status);
+                        }
+                        if config.write_back {
+                            write_back(&client, config, &done, &host);
+                        }
+                    }
+                    lookups.start(&tracker);
+                }
+            }
+        }
+    }
+
+    fn publish(&self, tracker: &Tracker, status: &Status) {
+        status.set_pods(tracker.counts());
+        self.registry.set_source(SOURCE, tracker.specs());
+    }
+}
+
+/// A kube client, retried with backoff until one can be made (a missing service account is an
+/// operator's error: say so, stay unready, keep trying).
+async fn connect(config: &KubernetesConfig) -> kube::Client {
+    let mut delay = Duration::from_secs(1);
+    loop {
+        match try_connect(config).await {
+            Ok(client) => return client,
+            Err(err) => {
+                tracing::error!(error = %err, "cannot make a Kubernetes client; retrying");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> {
+    let kube_config = match &config.kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?
+        }
+        None => kube::Config::infer()
+            .await
+            .map_err(|err| format!("no in-cluster service account and no kubeconfig: {err}"))?,
+    };
+    kube::Client::try_from(kube_config).map_err(|err| err.to_string())
+}
+
+/// Writes the gateway URL into the pod's URL annotation (best effort; the next lookup is not needed
+/// either way, the host is cached).
+fn write_back(client: &kube::Client, config: &KubernetesConfig, done: &LookupDone, host: &str) {
+    let Some((namespace, name)) = done.key.split_once('/') else {
+        return;
+    };
+    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let name = name.to_owned();
+    let patch = serde_json::json!({
+        "metadata": { "annotations": { config.annotations.url.clone(): format!("https://{host}") } }
+    });
+    let key = Arc::clone(&done.key);
+    tokio::spawn(async move {
+        match api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => tracing::info!(pod = %key, "gateway URL written to the pod's annotation"),
+            Err(err) => tracing::warn!(pod = %key, error = %err, "cannot write the gateway URL back"),
+        }
+    });
+}
+
+/// A finished lookup.
+struct LookupDone {
+    key: Arc<str>,
+    uid: String,
+    group: String,
+    result: Result<Group, LookupError>,
+}
+
+/// SaladCloud API lookups under way, and the delay before each pod's next try.
+struct Lookups {
+    api: Option<SaladApi>,
+    inflight: HashSet<Arc<str>>,
+    retry_after: HashMap<Arc<str>, Duration>,
+    tasks: JoinSet<()>,
+    permits: Arc<Semaphore>,
+    sender: mpsc::UnboundedSender<LookupDone>,
+    receiver: mpsc::UnboundedReceiver<LookupDone>,
+}
+
+impl Lookups {
+    fn new(api: Option<SaladApi>) -> Lookups {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        Lookups {
+            api,
+            inflight: HashSet::new(),
+            retry_after: HashMap::new(),
+            tasks: JoinSet::new(),
+            permits: Arc::new(Semaphore::new(LOOKUP_CONCURRENCY)),
+            sender,
+            receiver,
+        }
+    }
+
+    /// Starts a lookup for every pod that waits for one and has none under way.
+    fn start(&mut self, tracker: &Tracker) {
+        let Some(api) = &self.api else { return };
+        // Finished tasks are reaped here so the set does not grow.
+        while self.tasks.try_join_next().is_some() {}
+        for (key, uid, group) in tracker.wanting_lookup() {
+            if !self.inflight.insert(Arc::clone(&key)) {
+                continue;
+            }
+            let delay = self.retry_after.get(&key).copied().unwrap_or_default();
+            let (api, permits, sender) = (api.clone(), Arc::clone(&self.permits), self.sender.clone());
+            self.tasks.spawn(async move {
+                tokio::time::sleep(delay).await;
+                let Ok(_permit) = permits.acquire().await else { return };
+                let result = api.lookup(&group).await;
+                let _ = sender.send(LookupDone { key, uid, group, result });
+            });
+        }
+    }
+
+    async fn finished(&mut self) -> Option<LookupDone> {
+        self.receiver.recv().await
+    }
+
+    /// Books a finished lookup: the gateway host if it found one, else the next retry's delay.
+    fn settle(&mut self, done: &LookupDone, status: &Status) -> Option<String> {
+        self.inflight.remove(&done.key);
+        let next = |current: Option<Duration>| {
+            current.map_or(LOOKUP_RETRY_FIRST, |d| (d * 2).min(LOOKUP_RETRY_MAX))
+        };
+        match &done.result {
+            Ok(Group::Gateway(host)) => {
+                status.lookup("found");
+                self.retry_after.remove(&done.key);
+                tracing::info!(pod = %done.key, group = %done.group, gateway = %host, "SaladCloud gateway found");
+                Some(host.clone())
+            }
+            Ok(missing) => {
+                status.lookup("not-yet");
+                let delay = next(self.retry_after.get(&done.key).copied());
+                tracing::debug!(pod = %done.key, group = %done.group, answer = ?missing, retry_in = ?delay, "no SaladCloud gateway yet");
+                self.retry_after.insert(Arc::clone(&done.key), delay);
+                None
+            }
+            Err(err) => {
+                status.lookup("error");
+                let delay = next(self.retry_after.get(&done.key).copied());
+                tracing::warn!(pod = %done.key, error = %err, retry_in = ?delay, "SaladCloud API lookup failed");
+                self.retry_after.insert(Arc::clone(&done.key), delay);
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, ip: &str, phase: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "gpu", "name": name, "uid": format!("uid-{name}")},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"phase": phase, "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap()
+    }
+
+    fn tracker() -> Tracker {
+        Tracker::new(Arc::new(Rules::new(&KubernetesConfig::default(), false)))
+    }
+
+    fn urls(tracker: &Tracker) -> Vec<String> {
+        tracker.specs().into_iter().map(|s| s.url).collect()
+    }
+
+    #[test]
+    fn a_list_is_applied_whole_at_init_done_and_the_old_set_stays_until_then() {
+        let status = Status::default();
+        let mut tracker = tracker();
+        assert!(tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
+        assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+        assert!(!tracker.on_event(Event::Init, &status));
+        assert!(!tracker.on_event(Event::InitApply(pod("b", "10.0.0.2", "Running")), &status));
+        // Mid-list: still the old set.
+        assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+        assert!(tracker.on_event(Event::InitDone, &status));
+        assert_eq!(urls(&tracker), ["http://10.0.0.2:8000"]);
+        assert_eq!(status.lists(), 1);
+    }
+
+    #[test]
+    fn lifecycle_events_move_pods_in_and_out() {
+        let status = Status::default();
+        let mut tracker = tracker();
+        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
+        assert!(urls(&tracker).is_empty());
+        assert_eq!(tracker.counts(), [0, 1, 0]);
+        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+        // The same facts again change nothing.
+        assert!(!tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
+        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
+        assert!(urls(&tracker).is_empty());
+        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        assert!(tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
+        assert!(urls(&tracker).is_empty());
+        assert!(!tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
+    }
+
+    #[test]
+    fn rejections_are_counted_once_per_pod() {
+        let status = Status::default();
+        let mut tracker = tracker();
+        let mut bad: Pod = pod("a", "10.0.0.1", "Running");
+        bad.metadata.annotations = Some([("tongs.dev/url".to_owned(), "https://evil.example".to_owned())].into());
+        tracker.on_event(Event::Apply(bad.clone()), &status);
+        bad.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
+        tracker.on_event(Event::Apply(bad.clone()), &status);
+        tracker.on_event(Event::Init, &status);
+        tracker.on_event(Event::InitApply(bad), &status);
+        tracker.on_event(Event::InitDone, &status);
+        let counted: u64 = status.rejections().map(|(_, n)| n).sum();
+        assert_eq!(counted, 1);
+        // It still serves through its podIP.
+        assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+    }
+}

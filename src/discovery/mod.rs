@@ -1,0 +1,186 @@
+//! Where endpoints come from besides the static list: the pods a Virtual Kubelet runs remotely.
+//!
+//! - [`pods`]: a pod's facts and the rules that turn it into an endpoint (pure, unit-tested);
+//! - [`kube`]: the pod watcher, which keeps the registry's `kubernetes` source equal to the qualifying
+//!   pods, looks up SaladCloud gateway hosts, and survives a dropped watch without emptying the set;
+//! - [`salad`]: the SaladCloud API client for those lookups;
+//! - [`register`]: node self-registration (`POST /v1/nodes/register`), which writes a pod annotation
+//!   so every replica learns the address through its own watch; tongs keeps no state of its own.
+//!
+//! Discovery only writes the registry; it never touches the request path.
+
+pub mod kube;
+pub mod pods;
+pub mod register;
+pub mod salad;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use arc_swap::ArcSwapOption;
+
+use self::kube::Watched;
+use crate::config::KubernetesConfig;
+use self::pods::{PodState, Reason};
+
+/// Outcomes of a registration, as counted.
+pub const REGISTRATION_RESULTS: [&str; 7] = [
+    "registered",
+    "unchanged",
+    "unauthorized",
+    "bad-request",
+    "unknown-pod",
+    "not-allowed",
+    "failed",
+];
+
+/// Outcomes of a SaladCloud API lookup, as counted.
+pub const LOOKUP_RESULTS: [&str; 3] = ["found", "not-yet", "error"];
+
+/// What discovery is doing, read by `/metrics`, `/readyz` and registration.
+#[derive(Default)]
+pub struct Status {
+    /// Kubernetes discovery is on.
+    enabled: AtomicBool,
+    /// The first complete list has been applied.
+    synced: AtomicBool,
+    pods: [AtomicU64; 3],
+    rejections: [AtomicU64; 8],
+    watch_errors: AtomicU64,
+    lists: AtomicU64,
+    registrations: [AtomicU64; 7],
+    lookups: [AtomicU64; 3],
+    /// The watch in force: its client and pods (for registration).
+    watched: ArcSwapOption<Watched>,
+    /// The configuration discovery follows (a reload sends a new one).
+    config: tokio::sync::watch::Sender<KubernetesConfig>,
+    /// The token nodes present to register.
+    registration_token: ArcSwapOption<String>,
+}
+
+impl Status {
+    /// Hands discovery a (new) configuration, and the registration token read from its file.
+    pub fn configure(&self, config: &KubernetesConfig) -> Result<(), std::io::Error> {
+        let token = match &config.registration.token_file {
+            Some(path) => Some(Arc::new(std::fs::read_to_string(path)?.trim().to_owned())),
+            None => None,
+        };
+        self.registration_token.store(token);
+        self.config.send_if_modified(|current| {
+            let changed = current != config;
+            *current = config.clone();
+            changed
+        });
+        Ok(())
+    }
+
+    /// The configuration in force, following reloads.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<KubernetesConfig> {
+        self.config.subscribe()
+    }
+
+    pub fn registration_token(&self) -> Option<Arc<String>> {
+        self.registration_token.load_full()
+    }
+
+    pub fn set_enabled(&self, enabled: bool) {
+        self.enabled.store(enabled, Ordering::Relaxed);
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    pub fn set_synced(&self) {
+        self.synced.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the first complete list of pods is in the registry.
+    pub fn synced(&self) -> bool {
+        self.synced.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn set_pods(&self, counts: [u64; 3]) {
+        for (slot, count) in self.pods.iter().zip(counts) {
+            slot.store(count, Ordering::Relaxed);
+        }
+    }
+
+    /// Pods watched, by [`PodState`].
+    pub fn pods(&self) -> impl Iterator<Item = (PodState, u64)> + '_ {
+        PodState::ALL
+            .into_iter()
+            .zip(&self.pods)
+            .map(|(state, count)| (state, count.load(Ordering::Relaxed)))
+    }
+
+    pub(crate) fn rejected(&self, reason: Reason) {
+        let index = Reason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        self.rejections[index].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Annotations and pods refused, by reason.
+    pub fn rejections(&self) -> impl Iterator<Item = (Reason, u64)> + '_ {
+        Reason::ALL
+            .into_iter()
+            .zip(&self.rejections)
+            .map(|(reason, count)| (reason, count.load(Ordering::Relaxed)))
+    }
+
+    pub(crate) fn watch_error(&self) {
+        self.watch_errors.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn watch_errors(&self) -> u64 {
+        self.watch_errors.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn listed(&self) {
+        self.lists.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Complete lists applied (the first sync, then one per re-list after a lost watch).
+    pub fn lists(&self) -> u64 {
+        self.lists.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn registration(&self, result: &str) {
+        count(&self.registrations, &REGISTRATION_RESULTS, result);
+    }
+
+    pub fn registrations(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        pairs(&self.registrations, &REGISTRATION_RESULTS)
+    }
+
+    pub(crate) fn lookup(&self, result: &str) {
+        count(&self.lookups, &LOOKUP_RESULTS, result);
+    }
+
+    pub fn lookups(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        pairs(&self.lookups, &LOOKUP_RESULTS)
+    }
+
+    pub(crate) fn set_watched(&self, watched: Option<Arc<Watched>>) {
+        self.watched.store(watched);
+    }
+
+    pub(crate) fn watched(&self) -> Option<Arc<Watched>> {
+        self.watched.load_full()
+    }
+}
+
+fn count(slots: &[AtomicU64], names: &[&str], name: &str) {
+    if let Some(index) = names.iter().position(|n| *n == name) {
+        slots[index].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn pairs<'a>(
+    slots: &'a [AtomicU64],
+    names: &'static [&'static str],
+) -> impl Iterator<Item = (&'static str, u64)> + 'a {
+    names
+        .iter()
+        .zip(slots)
+        .map(|(name, count)| (*name, count.load(Ordering::Relaxed)))
+}
