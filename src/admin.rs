@@ -191,11 +191,7 @@ async fn register(request: Request<Incoming>, proxy: &Proxy) -> Response<ProxyBo
         &body,
     )
     .await;
-    let mut response = typed(
-        outcome.status,
-        "application/json",
-        outcome.body.to_string(),
-    );
+    let mut response = typed(outcome.status, "application/json", outcome.body.to_string());
     response.headers_mut().insert(
         header::CACHE_CONTROL,
         header::HeaderValue::from_static("no-store"),

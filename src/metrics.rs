@@ -447,14 +447,29 @@ fn render_discovery(out: &mut String, status: &crate::discovery::Status) {
     sample(out, DISCOVERY_SYNCED.name, &[], f64::from(u8::from(synced)));
     header(out, &DISCOVERY_PODS);
     for (state, count) in status.pods() {
-        sample(out, DISCOVERY_PODS.name, &[("state", state.as_str())], count as f64);
+        sample(
+            out,
+            DISCOVERY_PODS.name,
+            &[("state", state.as_str())],
+            count as f64,
+        );
     }
     header(out, &DISCOVERY_REJECTIONS);
     for (reason, count) in status.rejections() {
-        sample(out, DISCOVERY_REJECTIONS.name, &[("reason", reason.as_str())], count as f64);
+        sample(
+            out,
+            DISCOVERY_REJECTIONS.name,
+            &[("reason", reason.as_str())],
+            count as f64,
+        );
     }
     header(out, &DISCOVERY_WATCH_ERRORS);
-    sample(out, DISCOVERY_WATCH_ERRORS.name, &[], status.watch_errors() as f64);
+    sample(
+        out,
+        DISCOVERY_WATCH_ERRORS.name,
+        &[],
+        status.watch_errors() as f64,
+    );
     header(out, &DISCOVERY_LISTS);
     sample(out, DISCOVERY_LISTS.name, &[], status.lists() as f64);
     header(out, &SALAD_LOOKUPS);

@@ -53,7 +53,11 @@ impl EndpointSpec {
             .filter_map(|endpoint| {
                 // Validation already refused bad URLs; skipping keeps this total for unvalidated input.
                 let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
-                Some(EndpointSpec::new(endpoint.url.clone(), parsed, endpoint.weight))
+                Some(EndpointSpec::new(
+                    endpoint.url.clone(),
+                    parsed,
+                    endpoint.weight,
+                ))
             })
             .collect()
     }
@@ -214,9 +218,8 @@ impl Registry {
                 Some(existing) => next.push(Arc::clone(existing)),
                 None => {
                     let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    let endpoint =
-                        Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
-                            .with_origin(&spec.origin);
+                    let endpoint = Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
+                        .with_origin(&spec.origin);
                     let now = tokio::time::Instant::now();
                     endpoint.apply_limit(&self.limits(), now);
                     // The first set starts together; an endpoint joining a serving set ramps in.

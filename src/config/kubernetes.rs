@@ -156,11 +156,15 @@ impl AllowRule {
         })?;
         let scheme = scheme.to_ascii_lowercase();
         if scheme != "http" && scheme != "https" {
-            return Err(format!("{text:?}: only http and https patterns are allowed"));
+            return Err(format!(
+                "{text:?}: only http and https patterns are allowed"
+            ));
         }
         let rest = rest.trim_end_matches('/');
         if rest.contains('/') || rest.contains('@') || rest.contains('?') {
-            return Err(format!("{text:?}: a pattern names a scheme, host and optional port only"));
+            return Err(format!(
+                "{text:?}: a pattern names a scheme, host and optional port only"
+            ));
         }
         let (host, port) = match rest.strip_prefix('[') {
             // [v6]:port
@@ -246,10 +250,16 @@ impl KubernetesConfig {
         }
         let keys = [
             ("annotations.url", &self.annotations.url),
-            ("annotations.tailscale_address", &self.annotations.tailscale_address),
+            (
+                "annotations.tailscale_address",
+                &self.annotations.tailscale_address,
+            ),
             ("annotations.port", &self.annotations.port),
             ("annotations.weight", &self.annotations.weight),
-            ("annotations.max_outstanding", &self.annotations.max_outstanding),
+            (
+                "annotations.max_outstanding",
+                &self.annotations.max_outstanding,
+            ),
         ];
         for (field, key) in keys {
             if let Err(message) = annotation_key(key) {
@@ -258,9 +268,10 @@ impl KubernetesConfig {
         }
         if let Some(path) = &self.registration.token_file {
             match std::fs::read_to_string(path) {
-                Ok(token) if token.trim().is_empty() => {
-                    problem("registration.token_file", format!("{} is empty", path.display()))
-                }
+                Ok(token) if token.trim().is_empty() => problem(
+                    "registration.token_file",
+                    format!("{} is empty", path.display()),
+                ),
                 Ok(_) => {}
                 Err(err) => problem(
                     "registration.token_file",
@@ -280,20 +291,32 @@ impl KubernetesConfig {
             );
         }
         if self.rules.is_empty() {
-            problem("rules", "needs at least one of url, tailscale, salad-api, pod-ip".into());
+            problem(
+                "rules",
+                "needs at least one of url, tailscale, salad-api, pod-ip".into(),
+            );
         }
         for (index, rule) in self.rules.iter().enumerate() {
             if self.rules[..index].contains(rule) {
-                problem(&format!("rules[{index}]"), format!("{} is listed twice", rule.name()));
+                problem(
+                    &format!("rules[{index}]"),
+                    format!("{} is listed twice", rule.name()),
+                );
             }
         }
         if let Some(path) = &self.kubeconfig
             && !path.is_file()
         {
-            problem("kubeconfig", format!("{} is not a readable file", path.display()));
+            problem(
+                "kubeconfig",
+                format!("{} is not a readable file", path.display()),
+            );
         }
         if self.port_name.is_empty() {
-            problem("port_name", "must name a containerPort (default http)".into());
+            problem(
+                "port_name",
+                "must name a containerPort (default http)".into(),
+            );
         }
     }
 }
@@ -307,7 +330,9 @@ pub fn annotation_key(key: &str) -> Result<(), String> {
     };
     let name_ok = !name.is_empty()
         && name.len() <= 63
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
         && name.as_bytes()[0].is_ascii_alphanumeric()
         && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
     let prefix_ok = prefix.is_none_or(|p| {
@@ -319,7 +344,9 @@ pub fn annotation_key(key: &str) -> Result<(), String> {
     if name_ok && prefix_ok {
         Ok(())
     } else {
-        Err(format!("{key:?} is not a valid annotation key (like tongs.dev/url)"))
+        Err(format!(
+            "{key:?} is not a valid annotation key (like tongs.dev/url)"
+        ))
     }
 }
 
@@ -366,7 +393,14 @@ mod tests {
 
     #[test]
     fn bad_patterns_are_refused_with_a_reason() {
-        for bad in ["*.salad.cloud", "ftp://x", "https://*", "https://a.*.b", "https://x/path", "10.0.0.0/33"] {
+        for bad in [
+            "*.salad.cloud",
+            "ftp://x",
+            "https://*",
+            "https://a.*.b",
+            "https://x/path",
+            "10.0.0.0/33",
+        ] {
             assert!(AllowRule::parse(bad).is_err(), "{bad} parsed");
         }
     }

@@ -14,7 +14,9 @@ use http::Uri;
 use serde::{Deserialize, Serialize};
 
 pub use duration::HumanDuration;
-pub use kubernetes::{AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key};
+pub use kubernetes::{
+    AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
+};
 
 /// Longest duration any key accepts (one day).
 pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);

@@ -18,8 +18,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -210,13 +210,16 @@ impl Tracker {
 
     /// Pods whose salad-api rule waits for a gateway host: key, UID and container group.
     fn wanting_lookup(&self) -> impl Iterator<Item = (Arc<str>, String, String)> + '_ {
-        self.pods.values().filter(|t| t.derived.wants_lookup).map(|t| {
-            (
-                Arc::clone(&t.facts.key),
-                t.facts.uid.clone(),
-                t.facts.container_group(),
-            )
-        })
+        self.pods
+            .values()
+            .filter(|t| t.derived.wants_lookup)
+            .map(|t| {
+                (
+                    Arc::clone(&t.facts.key),
+                    t.facts.uid.clone(),
+                    t.facts.container_group(),
+                )
+            })
     }
 
     /// Records a gateway host found for pod `key` (if it is still the same pod); true when it changed
@@ -375,11 +378,14 @@ async fn connect(config: &KubernetesConfig) -> kube::Client {
 async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> {
     let kube_config = match &config.kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path)
-                .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?;
+            let file = kube::config::Kubeconfig::read_from(path).map_err(|err| {
+                format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
+            })?;
             kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?
+                .map_err(|err| {
+                    format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
+                })?
         }
         None => kube::Config::infer()
             .await
@@ -406,7 +412,9 @@ fn write_back(client: &kube::Client, config: &KubernetesConfig, done: &LookupDon
             .await
         {
             Ok(_) => tracing::info!(pod = %key, "gateway URL written to the pod's annotation"),
-            Err(err) => tracing::warn!(pod = %key, error = %err, "cannot write the gateway URL back"),
+            Err(err) => {
+                tracing::warn!(pod = %key, error = %err, "cannot write the gateway URL back")
+            }
         }
     });
 }
@@ -454,12 +462,20 @@ impl Lookups {
                 continue;
             }
             let delay = self.retry_after.get(&key).copied().unwrap_or_default();
-            let (api, permits, sender) = (api.clone(), Arc::clone(&self.permits), self.sender.clone());
+            let (api, permits, sender) =
+                (api.clone(), Arc::clone(&self.permits), self.sender.clone());
             self.tasks.spawn(async move {
                 tokio::time::sleep(delay).await;
-                let Ok(_permit) = permits.acquire().await else { return };
+                let Ok(_permit) = permits.acquire().await else {
+                    return;
+                };
                 let result = api.lookup(&group).await;
-                let _ = sender.send(LookupDone { key, uid, group, result });
+                let _ = sender.send(LookupDone {
+                    key,
+                    uid,
+                    group,
+                    result,
+                });
             });
         }
     }
@@ -559,7 +575,13 @@ mod tests {
         let status = Status::default();
         let mut tracker = tracker();
         let mut bad: Pod = pod("a", "10.0.0.1", "Running");
-        bad.metadata.annotations = Some([("tongs.dev/url".to_owned(), "https://evil.example".to_owned())].into());
+        bad.metadata.annotations = Some(
+            [(
+                "tongs.dev/url".to_owned(),
+                "https://evil.example".to_owned(),
+            )]
+            .into(),
+        );
         tracker.on_event(Event::Apply(bad.clone()), &status);
         bad.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
         tracker.on_event(Event::Apply(bad.clone()), &status);

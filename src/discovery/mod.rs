@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use arc_swap::ArcSwapOption;
 
 use self::kube::Watched;
-use crate::config::KubernetesConfig;
 use self::pods::{PodState, Reason};
+use crate::config::KubernetesConfig;
 
 /// Outcomes of a registration, as counted.
 pub const REGISTRATION_RESULTS: [&str; 7] = [

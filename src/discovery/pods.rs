@@ -226,13 +226,14 @@ impl Rules {
 
     /// Whether the allowlist lets traffic go to `url` (taken from an annotation).
     pub fn allows_url(&self, url: &EndpointUrl) -> bool {
-        let port = url.authority.port_u16().unwrap_or(
-            if url.scheme == http::uri::Scheme::HTTPS {
+        let port = url
+            .authority
+            .port_u16()
+            .unwrap_or(if url.scheme == http::uri::Scheme::HTTPS {
                 443
             } else {
                 80
-            },
-        );
+            });
         let host = url.authority.host();
         self.allow
             .iter()
@@ -247,9 +248,8 @@ impl Rules {
     /// Applies the rules to `pod`; `gateway_host` is its container group's DNS name when known.
     pub fn derive(&self, pod: &PodFacts, gateway_host: Option<&str>) -> Derived {
         let mut rejections = Vec::new();
-        let eligible = pod.phase == "Running"
-            && !pod.terminating
-            && (pod.ready || !self.config.require_ready);
+        let eligible =
+            pod.phase == "Running" && !pod.terminating && (pod.ready || !self.config.require_ready);
         if !eligible {
             return Derived {
                 state: PodState::Ineligible,
@@ -264,8 +264,8 @@ impl Rules {
         let mut found = None;
         for &rule in &self.config.rules {
             let url = match rule {
-                Rule::Url => self.from_url(pod, &mut rejections),
-                Rule::Tailscale => self.from_tailscale(pod, &mut rejections),
+                Rule::Url => self.url_rule(pod, &mut rejections),
+                Rule::Tailscale => self.tailscale_rule(pod, &mut rejections),
                 Rule::SaladApi if pod.salad && self.salad_api => match gateway_host {
                     Some(host) => EndpointUrl::parse(&format!("https://{host}"))
                         .ok()
@@ -276,7 +276,7 @@ impl Rules {
                     }
                 },
                 Rule::SaladApi => None,
-                Rule::PodIp => self.from_pod_ip(pod, &mut rejections),
+                Rule::PodIp => self.pod_ip_rule(pod, &mut rejections),
             };
             if let Some(url) = url {
                 found = Some((rule, url));
@@ -342,7 +342,7 @@ impl Rules {
         }
     }
 
-    fn from_url(
+    fn url_rule(
         &self,
         pod: &PodFacts,
         rejections: &mut Vec<Rejection>,
@@ -362,16 +362,14 @@ impl Rules {
         if !self.allows_url(&parsed) {
             rejections.push(Rejection {
                 reason: Reason::UrlNotAllowed,
-                detail: format!(
-                    "{key}: {text:?} is not in discovery.kubernetes.allow; not used"
-                ),
+                detail: format!("{key}: {text:?} is not in discovery.kubernetes.allow; not used"),
             });
             return None;
         }
         Some((text.to_owned(), parsed))
     }
 
-    fn from_tailscale(
+    fn tailscale_rule(
         &self,
         pod: &PodFacts,
         rejections: &mut Vec<Rejection>,
@@ -391,9 +389,7 @@ impl Rules {
         if !self.allows_address(address) {
             rejections.push(Rejection {
                 reason: Reason::TailscaleNotAllowed,
-                detail: format!(
-                    "{key}: {address} is not in discovery.kubernetes.allow; not used"
-                ),
+                detail: format!("{key}: {address} is not in discovery.kubernetes.allow; not used"),
             });
             return None;
         }
@@ -401,7 +397,7 @@ impl Rules {
         EndpointUrl::parse(&url).ok().map(|parsed| (url, parsed))
     }
 
-    fn from_pod_ip(
+    fn pod_ip_rule(
         &self,
         pod: &PodFacts,
         rejections: &mut Vec<Rejection>,
@@ -421,7 +417,7 @@ impl Rules {
             },
             None => pod.named_port?,
         };
-        if ip.is_loopback() || ip.is_unspecified() {
+        if is_placeholder(ip) {
             // interLink reports 127.0.0.1 when it has no tunnel to the pod: unreachable from here.
             rejections.push(Rejection {
                 reason: Reason::LoopbackPodIp,
@@ -434,6 +430,14 @@ impl Rules {
         let url = format!("http://{}", SocketAddr::new(ip, port));
         EndpointUrl::parse(&url).ok().map(|parsed| (url, parsed))
     }
+}
+
+/// A podIP that stands for "no address": interLink's 127.0.0.1 default (no tunnel to the pod), `::1`,
+/// or unspecified. Other loopback addresses are not placeholders anyone writes.
+fn is_placeholder(ip: IpAddr) -> bool {
+    ip.is_unspecified()
+        || ip == IpAddr::from([127, 0, 0, 1])
+        || ip == IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
 }
 
 /// Parses `IP:port` or `[IPv6]:port`.
@@ -539,7 +543,10 @@ mod tests {
         let derived = rules().derive(&pod, None);
         assert_eq!(url_of(&derived), Some("http://10.1.2.3:9000"));
         let reasons: Vec<_> = derived.rejections.iter().map(|r| r.reason).collect();
-        assert_eq!(reasons, [Reason::UrlNotAllowed, Reason::TailscaleNotAllowed]);
+        assert_eq!(
+            reasons,
+            [Reason::UrlNotAllowed, Reason::TailscaleNotAllowed]
+        );
         pod.pod_ip = None;
         assert_eq!(rules().derive(&pod, None).state, PodState::NoAddress);
     }
@@ -549,7 +556,11 @@ mod tests {
         for (key, value, reason) in [
             ("tongs.dev/url", "not a url", Reason::BadUrl),
             ("tongs.dev/url", "ftp://a.salad.cloud", Reason::BadUrl),
-            ("tongs.dev/tailscale-address", "100.64.0.1", Reason::BadTailscaleAddress),
+            (
+                "tongs.dev/tailscale-address",
+                "100.64.0.1",
+                Reason::BadTailscaleAddress,
+            ),
             ("tongs.dev/weight", "0", Reason::BadWeight),
             ("tongs.dev/weight", "heavy", Reason::BadWeight),
             ("tongs.dev/max-outstanding", "-1", Reason::BadMaxOutstanding),
@@ -564,7 +575,10 @@ mod tests {
         }
         let mut pod = with(facts(), "tongs.dev/port", "http");
         pod.pod_ip = Some("10.0.0.1".parse().unwrap());
-        assert_eq!(rules().derive(&pod, None).rejections[0].reason, Reason::BadPort);
+        assert_eq!(
+            rules().derive(&pod, None).rejections[0].reason,
+            Reason::BadPort
+        );
     }
 
     #[test]
@@ -617,7 +631,11 @@ mod tests {
 
     #[test]
     fn ipv6_tailscale_addresses_work() {
-        let pod = with(facts(), "tongs.dev/tailscale-address", "[fd7a:115c:a1e0::5]:8000");
+        let pod = with(
+            facts(),
+            "tongs.dev/tailscale-address",
+            "[fd7a:115c:a1e0::5]:8000",
+        );
         assert_eq!(
             url_of(&rules().derive(&pod, None)),
             Some("http://[fd7a:115c:a1e0::5]:8000")

@@ -43,7 +43,11 @@ fn answer(status: StatusCode, result: &'static str, detail: String, counted: &St
     if status.is_success() {
         tracing::info!(result, "{detail}");
     } else {
-        tracing::warn!(result, status = status.as_u16(), "node registration refused: {detail}");
+        tracing::warn!(
+            result,
+            status = status.as_u16(),
+            "node registration refused: {detail}"
+        );
     }
     Answer {
         status,
@@ -155,7 +159,11 @@ pub async fn register(
     let api: Api<Pod> = Api::namespaced(watched.client.clone(), &registration.namespace);
     let patch = serde_json::json!({ "metadata": { "annotations": { annotation: value } } });
     match api
-        .patch(&registration.pod, &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(
+            &registration.pod,
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
         .await
     {
         Ok(_) => answer(
@@ -211,7 +219,12 @@ mod tests {
         )
         .await;
         assert_eq!(bad_address.status, StatusCode::BAD_REQUEST);
-        assert!(bad_address.body["detail"].as_str().unwrap().contains("IP:port"));
+        assert!(
+            bad_address.body["detail"]
+                .as_str()
+                .unwrap()
+                .contains("IP:port")
+        );
         let not_running = register(
             &status,
             Some("t"),
