@@ -6,12 +6,15 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/cli.rs;
 # a real Prometheus scrapes tongs (tests/prometheus.rs); headless Chromium loads the status page
-# (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs).
+# (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs); microsocks and tinyproxy
+# play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/transports.rs).
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
+command -v microsocks >/dev/null 2>&1 || need+=(microsocks)
+command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
 if ((${#need[@]})); then
   echo "test.sh: installing ${need[*]}" >&2
   if [ "$(id -u)" -ne 0 ]; then

@@ -41,6 +41,7 @@ use crate::config::{Config, HealthConfig};
 use crate::proxy::{Proxy, ProxySettings};
 use crate::registry::{EndpointSpec, Registry};
 use crate::server::ServerSettings;
+use crate::upstream::GatewayKey;
 
 /// Why tongs could not start.
 #[derive(Debug, thiserror::Error)]
@@ -53,6 +54,8 @@ pub enum AppError {
     },
     #[error(transparent)]
     Upstream(#[from] upstream::UpstreamError),
+    #[error(transparent)]
+    SaladKey(#[from] config::KeyError),
     #[error("cannot read discovery.kubernetes.registration.token_file: {0}")]
     RegistrationToken(std::io::Error),
     #[error("cannot read admin.bearer_token_file {path}: {source}")]
@@ -82,6 +85,7 @@ struct Worker {
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
     config: Config,
+    gateway_key: Arc<GatewayKey>,
     /// How many workers there are (each takes a share of the retry budget's floor).
     workers: usize,
 }
@@ -106,7 +110,7 @@ impl Worker {
                     return;
                 }
             };
-            let upstream = match upstream::build_client(&self.config) {
+            let upstream = match upstream::build_client(&self.config, self.gateway_key) {
                 Ok(client) => client,
                 Err(err) => {
                     tracing::error!(error = %err, "cannot build the upstream client");
@@ -145,13 +149,16 @@ pub struct App {
     admin_token: Option<Arc<str>>,
     /// The file to watch for reloads (none: the configuration was built in code).
     config_path: Option<PathBuf>,
+    /// `Salad-Api-Key` for gateways, shared by every client and replaced by reloads.
+    gateway_key: Arc<GatewayKey>,
 }
 
 impl App {
     /// Builds the proxy for `config` and binds its listeners (port 0 picks a free port).
     pub async fn bind(config: &Config) -> Result<App, AppError> {
-        // Fail on a bad CA file now, before listening, rather than in each worker.
-        upstream::build_client(config)?;
+        // Fail on a bad key, CA file or proxy now, before listening, rather than in each worker.
+        let gateway_key = GatewayKey::from_config(&config.salad)?;
+        upstream::build_client(config, Arc::clone(&gateway_key))?;
         let registry = Arc::new(Registry::new());
         registry.set_limits(limit::LimitSettings::from_config(&config.concurrency));
         registry
@@ -205,6 +212,7 @@ impl App {
             health: Arc::new(ArcSwap::from_pointee(config.health.clone())),
             admin_token,
             config_path: None,
+            gateway_key,
         })
     }
 
@@ -235,6 +243,34 @@ impl App {
         &self.registry
     }
 
+    /// The SaladCloud API client for gateway lookups, when `salad.api` and a key are configured.
+    fn salad_api(&self) -> Option<discovery::salad::SaladApi> {
+        let salad = &self.config.salad;
+        if !salad.api_enabled() {
+            return None;
+        }
+        let key = match salad.api_key() {
+            Ok(Some(key)) => key,
+            Ok(None) => return None,
+            Err(err) => {
+                tracing::error!(error = %err, "SaladCloud API lookups are off");
+                return None;
+            }
+        };
+        let key = http::HeaderValue::from_str(&key).ok()?;
+        // The API client sends the key to the API itself; the gateway key handling is not involved.
+        let client = upstream::build_client(&self.config, Arc::new(GatewayKey::default()))
+            .map_err(|err| tracing::error!(error = %err, "SaladCloud API lookups are off"))
+            .ok()?;
+        Some(discovery::salad::SaladApi::new(
+            &salad.api.url,
+            &salad.api.organization,
+            &salad.api.project,
+            key,
+            client,
+        ))
+    }
+
     /// Serves until `shutdown` is cancelled, then drains and returns.
     pub async fn run(self, shutdown: CancellationToken) {
         tracing::info!(
@@ -243,6 +279,7 @@ impl App {
             endpoints = self.registry.snapshot().len(),
             "tongs serving"
         );
+        let salad = self.salad_api();
         let admin_stop = CancellationToken::new();
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
@@ -253,7 +290,7 @@ impl App {
         ));
         // Heartbeats run on this runtime with their own client, until the workers have drained.
         let heartbeats_stop = CancellationToken::new();
-        let heartbeats = match upstream::build_client(&self.config) {
+        let heartbeats = match upstream::build_client(&self.config, Arc::clone(&self.gateway_key)) {
             Ok(client) => Some(tokio::spawn(health::run(
                 Arc::clone(&self.registry),
                 Arc::clone(&self.health),
@@ -270,7 +307,7 @@ impl App {
             discovery::kube::Discovery {
                 registry: Arc::clone(&self.registry),
                 readiness: Arc::clone(&self.readiness),
-                salad: None,
+                salad,
             }
             .run(discovery_stop.clone()),
         );
@@ -280,6 +317,7 @@ impl App {
                 Arc::clone(&self.proxy),
                 Arc::clone(&self.registry),
                 Arc::clone(&self.health),
+                Arc::clone(&self.gateway_key),
                 self.config.clone(),
             ));
             tokio::spawn(reload::watch(path, live, reload_stop.clone()))
@@ -295,6 +333,7 @@ impl App {
                 readiness: Arc::clone(&self.readiness),
                 shutdown: shutdown.clone(),
                 config: self.config.clone(),
+                gateway_key: Arc::clone(&self.gateway_key),
                 workers: count,
             };
             let spawned = std::thread::Builder::new()

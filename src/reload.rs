@@ -27,6 +27,7 @@ use crate::config::{Config, ConfigError, HealthConfig};
 use crate::limit::LimitSettings;
 use crate::proxy::{Proxy, ProxySettings};
 use crate::registry::{EndpointSpec, Registry};
+use crate::upstream::GatewayKey;
 
 /// Events closer together than this are one change (an editor or a ConfigMap swap makes several).
 const DEBOUNCE: Duration = Duration::from_millis(200);
@@ -36,6 +37,7 @@ pub struct Live {
     proxy: Arc<Proxy>,
     registry: Arc<Registry>,
     health: Arc<ArcSwap<HealthConfig>>,
+    gateway_key: Arc<GatewayKey>,
     current: Mutex<Config>,
 }
 
@@ -55,12 +57,14 @@ impl Live {
         proxy: Arc<Proxy>,
         registry: Arc<Registry>,
         health: Arc<ArcSwap<HealthConfig>>,
+        gateway_key: Arc<GatewayKey>,
         config: Config,
     ) -> Live {
         Live {
             proxy,
             registry,
             health,
+            gateway_key,
             current: Mutex::new(config),
         }
     }
@@ -76,6 +80,13 @@ impl Live {
             .queue()
             .set_settings(QueueSettings::from_config(&next.queue));
         self.health.store(Arc::new(next.health.clone()));
+        // The key file is read again, so a rotated Secret takes effect with the next reload.
+        match next.salad.api_key() {
+            Ok(key) => self.gateway_key.set(&next.salad, key.as_deref()),
+            Err(err) => {
+                tracing::error!(error = %err, "cannot read the SaladCloud API key; keeping the old one")
+            }
+        }
         self.registry.replace(EndpointSpec::from_config(&next));
         if let Err(err) = self
             .registry
@@ -124,6 +135,7 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
         current.limits.max_header_bytes != next.limits.max_header_bytes,
     );
     check("upstream", differs(&current.upstream, &next.upstream));
+    check("salad.api", differs(&current.salad.api, &next.salad.api));
     check(
         "health.enabled",
         current.health.enabled != next.health.enabled,

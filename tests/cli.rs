@@ -6,7 +6,8 @@ mod support;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -105,30 +106,40 @@ fn unknown_key_and_unreadable_file_are_refused() {
 struct Running {
     child: Child,
     logs: mpsc::Receiver<serde_json::Value>,
+    /// Everything it wrote to stderr, line by line.
+    raw: Arc<Mutex<Vec<String>>>,
 }
 
 impl Running {
     fn start(config: &PathBuf) -> Running {
+        Running::start_with(config, "info", &[])
+    }
+
+    /// Starts with log filter `filter` (`RUST_LOG`) and extra environment variables.
+    fn start_with(config: &PathBuf, filter: &str, env: &[(&str, &str)]) -> Running {
         let mut child = Command::new(TONGS)
             .args(["--log-format", "json", "run", "--config"])
             .arg(config)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", filter)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
         let stderr = child.stderr.take().unwrap();
         let (send, logs) = mpsc::channel();
+        let raw = Arc::new(Mutex::new(Vec::new()));
+        let kept = Arc::clone(&raw);
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line)
-                    && send.send(value).is_err()
-                {
-                    return;
+                kept.lock().unwrap().push(line.clone());
+                if let Ok(value) = serde_json::from_str::<serde_json::Value>(&line) {
+                    // The receiver may be gone while the raw lines are still wanted.
+                    let _ = send.send(value);
                 }
             }
         });
-        Running { child, logs }
+        Running { child, logs, raw }
     }
 
     /// Waits for the log line with this message and returns it.
@@ -301,4 +312,67 @@ async fn eventually_answer(url: &str, text: &str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("{url} never answered {text:?}");
+}
+
+/// The SaladCloud key reaches the gateway, yet no log line carries it, not even with every crate
+/// logging at trace level; nor does the key a client tried to send.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_salad_api_key_is_sent_but_never_logged() {
+    const KEY: &str = "sk-tongs-never-log-me-5e1f";
+    const CLIENT_KEY: &str = "sk-client-never-log-me-77a0";
+    // Plays a gateway: answers with the key it was sent, and counts heartbeats that carried it.
+    let heartbeats = Arc::new(AtomicU64::new(0));
+    let counted = Arc::clone(&heartbeats);
+    let gateway = backend(move |request: http::Request<hyper::body::Incoming>| {
+        let counted = Arc::clone(&counted);
+        async move {
+            let key = request
+                .headers()
+                .get("salad-api-key")
+                .map_or("none".to_owned(), |v| {
+                    String::from_utf8_lossy(v.as_bytes()).into_owned()
+                });
+            if request.uri().path() == "/health" && key == KEY {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+            http::Response::new(full(key))
+        }
+    })
+    .await;
+    let config = write_config(
+        "salad-key",
+        &format!(
+            "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n\
+             health: {{ interval: 200ms, timeout: 1s }}\n\
+             salad: {{ api_key_env: TONGS_SALAD_KEY, gateways: [\"http://127.0.0.1\"] }}\n\
+             discovery:\n  static:\n    - url: {}\n",
+            gateway.url()
+        ),
+    );
+    let running = Running::start_with(&config, "trace", &[("TONGS_SALAD_KEY", KEY)]);
+    let serving = running.wait_for_log("tongs serving");
+    let listen = serving["listen"].as_str().unwrap().to_owned();
+    for _ in 0..3 {
+        let request = http::Request::get(format!("http://{listen}/v1/chat"))
+            .header("salad-api-key", CLIENT_KEY)
+            .body(full(""))
+            .unwrap();
+        assert_eq!(send(request).await, (200, KEY.to_owned()));
+    }
+    eventually("three heartbeats with the key", HANG, || {
+        heartbeats.load(Ordering::Relaxed) >= 3
+    })
+    .await;
+    let lines = running.raw.lock().unwrap().clone();
+    assert!(
+        lines.len() > 20,
+        "trace logging wrote {} lines",
+        lines.len()
+    );
+    let leaks: Vec<_> = lines
+        .iter()
+        .filter(|line| line.contains(KEY) || line.contains(CLIENT_KEY))
+        .collect();
+    assert!(leaks.is_empty(), "a key reached the log: {leaks:?}");
+    std::fs::remove_file(&config).unwrap();
 }

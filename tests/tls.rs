@@ -109,6 +109,7 @@ struct Seen {
     path_and_query: String,
     forwarded_host: Option<String>,
     forwarded_for: Option<String>,
+    salad_api_key: Option<String>,
 }
 
 /// An HTTPS backend on loopback that records every request it answers.
@@ -213,6 +214,7 @@ async fn accept_tls(
                         .map_or_else(String::new, |p| p.to_string()),
                     forwarded_host: header("x-forwarded-host"),
                     forwarded_for: header("x-forwarded-for"),
+                    salad_api_key: header("salad-api-key"),
                 });
                 async { Ok::<_, std::convert::Infallible>(Response::new(full("over tls"))) }
             });
@@ -361,6 +363,75 @@ async fn https_endpoint_whose_certificate_names_another_host_gets_502() {
     assert!(
         backend.seen().is_empty(),
         "no request may pass a failed handshake"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn gateway_endpoints_get_tongs_salad_api_key_and_never_the_clients() {
+    let pki = pki(&["localhost"]);
+    let ca = TempPem::new(&pki.ca_pem);
+    let gateway = tls_backend(&pki, &[b"h2", b"http/1.1"]).await;
+    // A node that is no gateway echoes the key it was sent, if any.
+    let pod_ip_node = backend(|request: Request<Incoming>| async move {
+        let key = request
+            .headers()
+            .get("salad-api-key")
+            .map_or("none".to_owned(), |v| {
+                String::from_utf8_lossy(v.as_bytes()).into_owned()
+            });
+        Response::new(full(key))
+    })
+    .await;
+    let secrets = TempDir::new("tongs-salad-key");
+    let key_file = secrets.0.join("api-key");
+    std::fs::write(&key_file, "sk-tongs-gateway\n").unwrap();
+    let yaml = format!(
+        "{}salad: {{ api_key_file: {:?}, gateways: [\"https://localhost\"] }}\n\
+         health: {{ interval: 100ms, timeout: 1s }}\n\
+         balancer: {{ policy: least-outstanding }}\n",
+        ca.upstream_yaml(),
+        key_file.display().to_string()
+    );
+    let endpoints = [
+        format!("https://localhost:{}", gateway.port),
+        pod_ip_node.url(),
+    ];
+    let proxy = start_proxy(config_with(&yaml, &endpoints)).await;
+
+    let mut answers = Vec::new();
+    for _ in 0..20 {
+        let request = Request::builder()
+            .uri(proxy.url("/v1/chat"))
+            .header("salad-api-key", "sk-client-own")
+            .body(full(""))
+            .unwrap();
+        answers.push(send(request).await);
+    }
+    assert!(
+        answers.iter().all(|(status, _)| *status == 200),
+        "{answers:?}"
+    );
+    // The non-gateway node got neither key.
+    let from_node: Vec<_> = answers
+        .iter()
+        .filter(|(_, body)| body != "over tls")
+        .collect();
+    assert!(!from_node.is_empty(), "both endpoints served");
+    assert!(
+        from_node.iter().all(|(_, body)| body == "none"),
+        "{from_node:?}"
+    );
+    eventually("a heartbeat reaches the gateway", HANG, || {
+        gateway.seen().iter().any(|s| s.path_and_query == "/health")
+    })
+    .await;
+    let seen = gateway.seen();
+    assert!(seen.iter().any(|s| s.path_and_query == "/v1/chat"));
+    assert!(
+        seen.iter()
+            .all(|s| s.salad_api_key.as_deref() == Some("sk-tongs-gateway")),
+        "every request and heartbeat to the gateway carried tongs' key, never the client's: {seen:?}"
     );
     proxy.stop().await;
 }

@@ -6,6 +6,7 @@
 
 mod duration;
 mod kubernetes;
+mod salad;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ pub use duration::HumanDuration;
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
 };
+pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 
 /// Longest duration any key accepts (one day).
 pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);
@@ -34,6 +36,7 @@ pub struct Config {
     pub timeouts: Timeouts,
     pub limits: Limits,
     pub upstream: UpstreamConfig,
+    pub salad: SaladConfig,
     pub health: HealthConfig,
     pub breaker: BreakerConfig,
     pub retry: RetryConfig,
@@ -53,6 +56,7 @@ impl Default for Config {
             timeouts: Timeouts::default(),
             limits: Limits::default(),
             upstream: UpstreamConfig::default(),
+            salad: SaladConfig::default(),
             health: HealthConfig::default(),
             breaker: BreakerConfig::default(),
             retry: RetryConfig::default(),
@@ -164,6 +168,7 @@ pub struct UpstreamConfig {
     pub extra_ca_file: Option<PathBuf>,
     /// Idle pooled connections kept per endpoint.
     pub pool_max_idle_per_endpoint: usize,
+    pub tailscale: TailscaleConfig,
 }
 
 impl Default for UpstreamConfig {
@@ -171,6 +176,58 @@ impl Default for UpstreamConfig {
         Self {
             extra_ca_file: None,
             pool_max_idle_per_endpoint: 256,
+            tailscale: TailscaleConfig::default(),
+        }
+    }
+}
+
+/// How tongs reaches Tailscale addresses.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TailscaleConfig {
+    /// tailscaled's outbound proxy in a userspace-networking sidecar: `socks5://127.0.0.1:1055`
+    /// (`--socks5-server`) or `http://127.0.0.1:1055` (`--outbound-http-proxy-listen`, CONNECT).
+    /// Empty: connect to Tailscale addresses directly (tongs' pod routes to the tailnet itself).
+    pub proxy: String,
+    /// Destination addresses that go through the proxy (IP ranges).
+    pub ranges: Vec<String>,
+}
+
+impl Default for TailscaleConfig {
+    fn default() -> Self {
+        Self {
+            proxy: String::new(),
+            ranges: vec!["100.64.0.0/10".into(), "fd7a:115c:a1e0::/48".into()],
+        }
+    }
+}
+
+impl TailscaleConfig {
+    /// The ranges, parsed; entries that do not parse are left out (validation reports them).
+    pub fn parsed_ranges(&self) -> Vec<ipnet::IpNet> {
+        self.ranges
+            .iter()
+            .filter_map(|range| range.trim().parse::<ipnet::IpNet>().ok())
+            .map(|range| range.trunc())
+            .collect()
+    }
+
+    fn validate(&self, problems: &mut Vec<Problem>) {
+        if !self.proxy.is_empty()
+            && let Err(message) = crate::upstream::parse_proxy(&self.proxy)
+        {
+            problems.push(Problem {
+                field: "upstream.tailscale.proxy".into(),
+                message,
+            });
+        }
+        for (index, range) in self.ranges.iter().enumerate() {
+            if range.trim().parse::<ipnet::IpNet>().is_err() {
+                problems.push(Problem {
+                    field: format!("upstream.tailscale.ranges[{index}]"),
+                    message: format!("{range:?} is not a CIDR range like 100.64.0.0/10"),
+                });
+            }
         }
     }
 }
@@ -783,6 +840,8 @@ impl Config {
                 format!("{} is not a readable file", path.display()),
             );
         }
+        self.upstream.tailscale.validate(&mut problems);
+        self.salad.validate(&mut problems);
         self.discovery.kubernetes.validate(&mut problems);
         problems
     }

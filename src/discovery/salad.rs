@@ -109,6 +109,7 @@ impl SaladApi {
         let exchange = async {
             let response = self
                 .client
+                .pooled()
                 .request(request)
                 .await
                 .map_err(|err| transport(err.to_string()))?;

@@ -1,24 +1,35 @@
-//! The client side: pooled connections to endpoints over plain TCP or TLS (rustls).
+//! The client side: pooled connections to endpoints over plain TCP or TLS (rustls), directly or
+//! through tailscaled's proxy.
 //!
 //! One hyper-util client serves every endpoint; its pool is keyed by scheme and authority, so each
-//! endpoint gets its own pool of kept-alive connections. `https://` endpoints (the SaladCloud Container
-//! Gateway) are verified against the webpki roots plus an optional extra CA file, with SNI taken from the
-//! endpoint's host and HTTP/2 used when the server offers it by ALPN.
+//! endpoint gets its own pool of kept-alive connections. The transport is chosen per endpoint:
+//! - `https://` endpoints (the SaladCloud Container Gateway) are verified against the webpki roots plus
+//!   an optional extra CA file, with SNI taken from the endpoint's host and HTTP/2 used when the server
+//!   offers it by ALPN; those that match `salad.gateways` get the `Salad-Api-Key` ([`gateway_key`]);
+//! - Tailscale addresses go through tailscaled's SOCKS5 or HTTP CONNECT proxy when one is configured
+//!   ([`route`]);
+//! - everything else (podIPs) is plain TCP.
+
+pub mod gateway_key;
+pub mod route;
 
 use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use http::Request;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper_rustls::HttpsConnector;
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use crate::config::Config;
+pub use gateway_key::{GatewayKey, SALAD_API_KEY};
+pub use route::{ProxyKind, Route, parse_proxy};
 
 /// Any error a body can produce, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -26,20 +37,48 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The request body sent to an endpoint (the client's body, possibly wrapped in a size limit).
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
 
-/// The pooled client every request goes through.
-pub type UpstreamClient = Client<HttpsConnector<HttpConnector>, UpstreamBody>;
+/// The pooled hyper client underneath.
+pub type PooledClient = Client<HttpsConnector<Route>, UpstreamBody>;
+
+/// The pooled client every request to an endpoint goes through, and the key it attaches.
+#[derive(Clone)]
+pub struct UpstreamClient {
+    client: PooledClient,
+    key: Arc<GatewayKey>,
+}
+
+impl UpstreamClient {
+    /// Sends `request` to the endpoint its URI names, with `Salad-Api-Key` as [`GatewayKey`] decides.
+    pub fn request(&self, mut request: Request<UpstreamBody>) -> ResponseFuture {
+        let mut headers = std::mem::take(request.headers_mut());
+        self.key.apply(request.uri(), &mut headers);
+        *request.headers_mut() = headers;
+        self.client.request(request)
+    }
+
+    /// The client without the key handling, for callers that authenticate themselves (the SaladCloud
+    /// API client sends the key to the API, which is no gateway).
+    pub fn pooled(&self) -> &PooledClient {
+        &self.client
+    }
+}
 
 /// Why the upstream client could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
     #[error("upstream.extra_ca_file {path}: {detail}")]
     ExtraCa { path: String, detail: String },
+    #[error("upstream.tailscale.proxy: {0}")]
+    Proxy(String),
     #[error("TLS setup failed: {0}")]
     Tls(#[from] rustls::Error),
 }
 
-/// Builds the pooled upstream client from the configuration.
-pub fn build_client(config: &Config) -> Result<UpstreamClient, UpstreamError> {
+/// Builds the pooled upstream client from the configuration; `key` is shared with reloads.
+pub fn build_client(
+    config: &Config,
+    key: Arc<GatewayKey>,
+) -> Result<UpstreamClient, UpstreamError> {
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -60,14 +99,31 @@ pub fn build_client(config: &Config) -> Result<UpstreamClient, UpstreamError> {
         .with_tls_config(tls)
         .https_or_http()
         .enable_all_versions()
-        .wrap_connector(http);
+        .wrap_connector(route(config, http)?);
 
-    Ok(Client::builder(TokioExecutor::new())
+    let client = Client::builder(TokioExecutor::new())
         .pool_idle_timeout(config.timeouts.idle.get())
         .pool_max_idle_per_host(config.upstream.pool_max_idle_per_endpoint)
         .pool_timer(TokioTimer::new())
         .timer(TokioTimer::new())
-        .build(connector))
+        .build(connector);
+    Ok(UpstreamClient { client, key })
+}
+
+/// Direct, or through tailscaled's proxy for Tailscale addresses.
+fn route(config: &Config, http: HttpConnector) -> Result<Route, UpstreamError> {
+    let tailscale = &config.upstream.tailscale;
+    if tailscale.proxy.is_empty() {
+        return Ok(Route::direct(http));
+    }
+    let (kind, proxy) = parse_proxy(&tailscale.proxy).map_err(UpstreamError::Proxy)?;
+    Ok(Route::with_proxy(
+        http,
+        kind,
+        proxy,
+        tailscale.parsed_ranges(),
+        config.timeouts.connect.get(),
+    ))
 }
 
 fn add_extra_cas(roots: &mut RootCertStore, path: &Path) -> Result<(), UpstreamError> {

@@ -1,0 +1,334 @@
+//! Upstream transports: Tailscale addresses through tailscaled's proxy, everything else directly.
+//!
+//! tailscaled itself cannot run here (no tailnet), so its two outbound proxies are played by real
+//! servers from Debian's packages that speak the same protocols: `microsocks` for
+//! `--socks5-server` and `tinyproxy` for `--outbound-http-proxy-listen` (HTTP CONNECT). A "Tailscale
+//! node" is a backend on another loopback address that `upstream.tailscale.ranges` names. Each proxy
+//! binds its outgoing connections to an address of its own (`-b` / `Bind`), so the node can tell from
+//! the peer address whether a request came through the proxy or straight from tongs.
+
+mod support;
+
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use support::*;
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+/// Where microsocks' and tinyproxy's outgoing connections come from.
+const SOCKS_OUT: &str = "127.0.0.3";
+const CONNECT_OUT: &str = "127.0.0.5";
+
+/// What a node saw of one request: the peer it came from and the path.
+#[derive(Clone, Debug)]
+struct Seen {
+    peer: IpAddr,
+    path: String,
+}
+
+/// A node on `bind` answering `200 node` and recording every request.
+struct Node {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    stop: CancellationToken,
+}
+
+impl Node {
+    async fn start(bind: &str) -> Node {
+        let listener = TcpListener::bind(bind).await.expect("node binds");
+        let addr = listener.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let (recorded, stopped) = (Arc::clone(&seen), stop.clone());
+        tokio::spawn(async move {
+            loop {
+                let (stream, peer) = tokio::select! {
+                    () = stopped.cancelled() => return,
+                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+                };
+                let recorded = Arc::clone(&recorded);
+                let service = service_fn(move |request: Request<Incoming>| {
+                    recorded.lock().unwrap().push(Seen {
+                        peer: peer.ip(),
+                        path: request.uri().path().to_owned(),
+                    });
+                    async { Ok::<_, Infallible>(Response::new(full("node"))) }
+                });
+                tokio::spawn(async move {
+                    let builder =
+                        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    let _ = builder
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Node { addr, seen, stop }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A proxy server process, killed on drop.
+struct ProxyProcess {
+    child: Child,
+    port: u16,
+    /// tinyproxy's config file lives here.
+    _dir: Option<TempDir>,
+}
+
+impl Drop for ProxyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port (bound, then released for the proxy to take).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Waits until something accepts connections on `port`.
+async fn wait_listening(port: u16, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} did not listen on port {port} within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Debian's microsocks on 127.0.0.1:`port`, its outgoing connections bound to [`SOCKS_OUT`].
+async fn microsocks(port: u16) -> ProxyProcess {
+    let program = require("microsocks");
+    let child = Command::new(program)
+        .args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("microsocks starts");
+    wait_listening(port, "microsocks").await;
+    ProxyProcess {
+        child,
+        port,
+        _dir: None,
+    }
+}
+
+/// Debian's tinyproxy (HTTP CONNECT) on 127.0.0.1, its outgoing connections bound to [`CONNECT_OUT`].
+async fn tinyproxy() -> ProxyProcess {
+    let program = require("tinyproxy");
+    let dir = TempDir::new("tongs-tinyproxy");
+    let port = free_port();
+    let config = dir.0.join("tinyproxy.conf");
+    // No ConnectPort line: CONNECT to any port, as tailscaled's proxy allows.
+    std::fs::write(
+        &config,
+        format!(
+            "Port {port}\nListen 127.0.0.1\nBind {CONNECT_OUT}\nAllow 127.0.0.1\nLogLevel Error\nMaxClients 100\n"
+        ),
+    )
+    .unwrap();
+    let child = Command::new(program)
+        .arg("-d")
+        .arg("-c")
+        .arg(&config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("tinyproxy starts");
+    wait_listening(port, "tinyproxy").await;
+    ProxyProcess {
+        child,
+        port,
+        _dir: Some(dir),
+    }
+}
+
+/// tongs with `proxy` for `node_range`, heartbeats as `health`, and these endpoints.
+async fn proxy_via(proxy: &str, node_range: &str, health: &str, endpoints: &[String]) -> TestProxy {
+    let yaml = format!(
+        "upstream: {{ tailscale: {{ proxy: {proxy:?}, ranges: [{node_range:?}] }} }}\n\
+         timeouts: {{ connect: 500ms }}\n{health}"
+    );
+    start_proxy(config_with(&yaml, endpoints)).await
+}
+
+#[tokio::test]
+async fn tailscale_addresses_go_through_a_real_socks5_server_and_others_go_direct() {
+    let socks = microsocks(free_port()).await;
+    let tailscale_node = Node::start("127.0.0.2:0").await;
+    let pod_ip_node = Node::start("127.0.0.4:0").await;
+    let proxy = proxy_via(
+        &format!("socks5://127.0.0.1:{}", socks.port),
+        "127.0.0.2/32",
+        "",
+        &[tailscale_node.url(), pod_ip_node.url()],
+    )
+    .await;
+    for _ in 0..20 {
+        assert_eq!(get(&proxy.url("/v1/generate")).await, (200, "node".into()));
+    }
+    let through_socks = tailscale_node.seen();
+    let direct = pod_ip_node.seen();
+    assert!(
+        !through_socks.is_empty() && !direct.is_empty(),
+        "both nodes served"
+    );
+    let socks_out: IpAddr = SOCKS_OUT.parse().unwrap();
+    assert!(
+        through_socks.iter().all(|s| s.peer == socks_out),
+        "the Tailscale node was reached only through microsocks: {through_socks:?}"
+    );
+    assert!(
+        direct.iter().all(|s| s.peer != socks_out),
+        "the other node was reached directly: {direct:?}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeats_take_the_endpoints_own_transport() {
+    let socks = microsocks(free_port()).await;
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(
+        &format!("socks5://127.0.0.1:{}", socks.port),
+        "127.0.0.2/32",
+        "health: { interval: 100ms, timeout: 1s }\n",
+        &[node.url()],
+    )
+    .await;
+    eventually("a heartbeat reaches the node", HANG, || {
+        node.seen().iter().any(|s| s.path == "/health")
+    })
+    .await;
+    let socks_out: IpAddr = SOCKS_OUT.parse().unwrap();
+    assert!(node.seen().iter().all(|s| s.peer == socks_out));
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn http_connect_proxies_work_like_socks5() {
+    let connect = tinyproxy().await;
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(
+        &format!("http://127.0.0.1:{}", connect.port),
+        "127.0.0.2/32",
+        "",
+        &[node.url()],
+    )
+    .await;
+    for _ in 0..5 {
+        assert_eq!(get(&proxy.url("/x")).await, (200, "node".into()));
+    }
+    let connect_out: IpAddr = CONNECT_OUT.parse().unwrap();
+    let seen = node.seen();
+    assert_eq!(seen.len(), 5);
+    assert!(
+        seen.iter().all(|s| s.peer == connect_out),
+        "every request came through tinyproxy: {seen:?}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
+    let port = free_port();
+    let socks = microsocks(port).await;
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(
+        &format!("socks5://127.0.0.1:{port}"),
+        "127.0.0.2/32",
+        "",
+        &[node.url()],
+    )
+    .await;
+    assert_eq!(get(&proxy.url("/")).await.0, 200);
+    drop(socks);
+    // Pooled connections to the node ran through the dead proxy: they are gone too, and new ones fail.
+    let mut answer = get(&proxy.url("/")).await;
+    for _ in 0..5 {
+        if answer.0 != 200 {
+            break;
+        }
+        answer = get(&proxy.url("/")).await;
+    }
+    let (status, body) = answer;
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        body.contains("tailscaled's proxy") && body.contains(&node.addr.to_string()),
+        "the error names the proxy and the node: {body}"
+    );
+    let socks = microsocks(port).await;
+    let mut recovered = false;
+    for _ in 0..50 {
+        if get(&proxy.url("/")).await.0 == 200 {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(recovered, "requests succeed again once the proxy is back");
+    drop(socks);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
+    // Accepts TCP connections and never says a word of SOCKS.
+    let stalled = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = stalled.local_addr().unwrap().port();
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let holder = Arc::clone(&held);
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = stalled.accept().await {
+            holder.lock().unwrap().push(stream);
+        }
+    });
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(
+        &format!("socks5://127.0.0.1:{port}"),
+        "127.0.0.2/32",
+        "",
+        &[node.url()],
+    )
+    .await;
+    let (status, body) = get(&proxy.url("/")).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("no connection within"), "{body}");
+    assert!(
+        !held.lock().unwrap().is_empty(),
+        "tongs did reach the proxy"
+    );
+    assert!(node.seen().is_empty());
+    proxy.stop().await;
+}
