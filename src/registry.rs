@@ -39,11 +39,6 @@ impl EndpointSpec {
         }
     }
 
-    /// What identifies an endpoint across updates: same key, same `Endpoint` (and live state).
-    fn key(&self) -> (&str, u32, &Origin) {
-        (&self.url, self.weight, &self.origin)
-    }
-
     /// The static endpoints of a (validated) configuration.
     pub fn from_config(config: &Config) -> Vec<EndpointSpec> {
         config
@@ -198,24 +193,27 @@ impl Registry {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         sources.insert(source, desired);
         let current = self.snapshot.load_full();
-        let mut unchanged: HashMap<(&str, u32, &Origin), &Arc<Endpoint>> = current
-            .iter()
-            .map(|endpoint| {
-                (
-                    (endpoint.url(), endpoint.weight(), endpoint.origin()),
-                    endpoint,
-                )
-            })
-            .collect();
+        // Keyed by URL alone, with a fast hash: with thousands of pods this runs on every pod event,
+        // and hashing each endpoint's whole identity with SipHash was most of an event's cost.
+        let hasher = foldhash::fast::RandomState::default();
+        let mut unchanged: HashMap<&str, &Arc<Endpoint>, _> =
+            HashMap::with_capacity_and_hasher(current.len(), hasher.clone());
+        unchanged.extend(current.iter().map(|endpoint| (endpoint.url(), endpoint)));
         let wanted: usize = sources.values().map(Vec::len).sum();
         let mut next = Vec::with_capacity(wanted);
-        let mut urls: HashSet<&str> = HashSet::with_capacity(wanted);
+        let mut urls: HashSet<&str, _> = HashSet::with_capacity_and_hasher(wanted, hasher);
         for spec in sources.values().flatten() {
             if !urls.insert(&spec.url) {
                 continue;
             }
-            match unchanged.remove(&spec.key()) {
-                Some(existing) => next.push(Arc::clone(existing)),
+            let same = unchanged.get(spec.url.as_str()).filter(|existing| {
+                (existing.weight(), existing.origin()) == (spec.weight, &spec.origin)
+            });
+            match same {
+                Some(&existing) => {
+                    unchanged.remove(spec.url.as_str());
+                    next.push(Arc::clone(existing));
+                }
                 None => {
                     let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                     let endpoint = Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)

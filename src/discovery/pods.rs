@@ -338,7 +338,9 @@ impl Rules {
             }),
             rule: Some(rule),
             rejections,
-            wants_lookup: false,
+            // A later rule serves the pod meanwhile; the lookup still runs, so salad-api (earlier in
+            // the order) takes over once the gateway is known.
+            wants_lookup,
         }
     }
 
@@ -532,6 +534,23 @@ mod tests {
         assert!(!derived.wants_lookup);
         // An ordinary pod never asks.
         assert!(!rules().derive(&facts(), None).wants_lookup);
+    }
+
+    #[test]
+    fn a_salad_pod_served_by_a_later_rule_still_asks_for_its_gateway() {
+        let mut pod = facts();
+        pod.salad = true;
+        pod.pod_ip = Some("10.1.2.3".parse().unwrap());
+        pod.named_port = Some(8000);
+        let derived = rules().derive(&pod, None);
+        assert_eq!(url_of(&derived), Some("http://10.1.2.3:8000"));
+        assert!(derived.wants_lookup);
+        let derived = rules().derive(&pod, Some("plum-2.salad.cloud"));
+        assert_eq!(url_of(&derived), Some("https://plum-2.salad.cloud"));
+        assert!(!derived.wants_lookup);
+        // An earlier rule that gives an address makes the lookup moot.
+        let annotated = with(pod, "tongs.dev/url", "https://x.salad.cloud");
+        assert!(!rules().derive(&annotated, None).wants_lookup);
     }
 
     #[test]

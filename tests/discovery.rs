@@ -1,0 +1,37 @@
+//! Kubernetes pod discovery end to end: tongs' pod watcher (kube-rs's client and runtime watcher,
+//! unchanged) against a fake API server on a real socket (`support/kube_api.rs`), reached through a
+//! kubeconfig file; the endpoints it finds are real backends and simulated GPU nodes on loopback
+//! addresses other than 127.0.0.1 (which tongs refuses as interLink's placeholder podIP). Linux routes
+//! all of 127.0.0.0/8 to `lo`, so 127.0.0.2, 127.0.0.3, ... are distinct hosts to bind.
+//!
+//! Covered: the fake itself against kube-rs's client (so the rest tests tongs, not the fake); every
+//! address rule and their order; weight and max-outstanding annotations; allowlist refusals (counted,
+//! logged once per pod, never sent traffic); selectors; pod lifecycle with requests in flight while a
+//! pod leaves; `/readyz` before the first list; a dropped watch (resumed from its resourceVersion), a
+//! compacted history and a server-expired watch (410 → re-list) with the endpoints in service while
+//! lists fail; bookmarks; paged lists of thousands of pods; node self-registration; and the SaladCloud
+//! API rule with write-back (`support/salad_api.rs`).
+//!
+//! Nothing sleeps to wait: every wait polls a real outcome with a deadline.
+
+#[path = "support/kube_api.rs"]
+mod kube_api;
+#[path = "support/salad_api.rs"]
+mod salad_api;
+mod support;
+
+#[path = "discovery/harness.rs"]
+mod harness;
+
+#[path = "discovery/fake.rs"]
+mod fake;
+#[path = "discovery/lifecycle.rs"]
+mod lifecycle;
+#[path = "discovery/registration.rs"]
+mod registration;
+#[path = "discovery/rules.rs"]
+mod rules;
+#[path = "discovery/salad.rs"]
+mod salad;
+#[path = "discovery/watch_loss.rs"]
+mod watch_loss;

@@ -1,0 +1,224 @@
+//! Pods joining and leaving: Pending → Running → Ready, and every exit (NotReady, Pending again,
+//! terminating, deleted) with a request in flight that still completes; `/readyz` before the first
+//! list.
+
+use std::collections::BTreeSet;
+
+use serde_json::json;
+use tokio::time::Instant;
+
+use crate::harness::*;
+use crate::support::*;
+
+/// How a serving pod stops serving.
+#[derive(Clone, Copy, Debug)]
+enum Exit {
+    NotReady,
+    /// Back to Pending: the SaladCloud node is being reallocated.
+    Pending,
+    /// `deletionTimestamp` set (still Running and Ready).
+    Terminating,
+    Deleted,
+}
+
+/// Sends requests until one is held at `gated`; returns it (the others went elsewhere and finished).
+async fn hold_one_request(
+    proxy: &TestProxy,
+    gated: &Gated,
+) -> tokio::task::JoinHandle<(u16, String)> {
+    let before = gated.arrived();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let url = proxy.url("/v1/completions");
+        let request = tokio::spawn(async move { get(&url).await });
+        let mut request = Some(request);
+        until("the request is answered or held", || {
+            let done = request.as_ref().is_some_and(|r| r.is_finished());
+            let held = gated.arrived() > before;
+            async move { done || held }
+        })
+        .await;
+        if gated.arrived() > before {
+            return request.take().expect("the request");
+        }
+        let answered = request
+            .take()
+            .expect("the request")
+            .await
+            .expect("request task");
+        assert_eq!(answered, (200, "steady".into()));
+        assert!(
+            Instant::now() < deadline,
+            "no request reached the gated pod"
+        );
+    }
+}
+
+#[tokio::test]
+async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
+    let cluster = Cluster::start("tongs-lifecycle").await;
+    let api = &cluster.api;
+    let steady = named("127.0.0.3", "steady").await;
+    let mover = gated("127.0.0.2", "mover").await;
+    api.create(
+        PodBuilder::new("steady")
+            .ip("127.0.0.3")
+            .http_port(steady.port())
+            .json(),
+    );
+    let mover_pod = PodBuilder::new("mover").http_port(mover.port());
+    api.create(mover_pod.clone().phase("Pending").ready(false).json());
+    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
+    until_urls(&proxy, &[&steady.url()]).await;
+
+    // Pending → Running but not Ready: still not an endpoint.
+    api.update(NS, "mover", |pod| {
+        set_phase(pod, "Running");
+        pod["status"]["podIP"] = json!("127.0.0.2");
+    });
+    settle(api, &proxy).await;
+    assert_eq!(urls(&proxy).await, BTreeSet::from([steady.url()]));
+    assert_eq!(
+        metric(&proxy, "tongs_discovery_pods{state=\"ineligible\"}").await,
+        Some(1.0)
+    );
+    // Ready: an endpoint.
+    api.update(NS, "mover", |pod| set_ready(pod, true));
+
+    for exit in [
+        Exit::NotReady,
+        Exit::Pending,
+        Exit::Terminating,
+        Exit::Deleted,
+    ] {
+        until_urls(&proxy, &[&steady.url(), &mover.url()]).await;
+        let held = hold_one_request(&proxy, &mover).await;
+        let arrived = mover.arrived();
+        match exit {
+            Exit::NotReady => {
+                api.update(NS, "mover", |pod| set_ready(pod, false));
+            }
+            Exit::Pending => {
+                api.update(NS, "mover", |pod| {
+                    set_phase(pod, "Pending");
+                    set_ready(pod, false);
+                });
+            }
+            Exit::Terminating => {
+                api.begin_deletion(NS, "mover");
+            }
+            Exit::Deleted => {
+                api.delete(NS, "mover");
+            }
+        }
+        until_urls(&proxy, &[&steady.url()]).await;
+        // New requests go elsewhere while the one under way is still held at the leaving pod.
+        for _ in 0..5 {
+            assert_eq!(
+                get(&proxy.url("/")).await,
+                (200, "steady".into()),
+                "{exit:?}"
+            );
+        }
+        assert_eq!(
+            mover.arrived(),
+            arrived,
+            "{exit:?}: a new request reached a leaving pod"
+        );
+        assert!(
+            !held.is_finished(),
+            "{exit:?}: the held request ended early"
+        );
+        mover.release(1);
+        let answer = tokio::time::timeout(WAIT, held)
+            .await
+            .expect("the held request finishes")
+            .expect("request task");
+        assert_eq!(
+            answer,
+            (200, "mover".into()),
+            "{exit:?}: the request in flight"
+        );
+        // Back in service for the next exit.
+        match exit {
+            Exit::NotReady => {
+                assert_eq!(
+                    metric(&proxy, "tongs_discovery_pods{state=\"ineligible\"}").await,
+                    Some(1.0)
+                );
+                api.update(NS, "mover", |pod| set_ready(pod, true));
+            }
+            Exit::Pending => {
+                api.update(NS, "mover", |pod| {
+                    set_phase(pod, "Running");
+                    set_ready(pod, true);
+                });
+            }
+            Exit::Terminating => {
+                // A terminating pod never comes back: its replacement has a new UID.
+                api.delete(NS, "mover");
+                api.create(mover_pod.clone().ip("127.0.0.2").json());
+            }
+            Exit::Deleted => {}
+        }
+    }
+    assert_eq!(pods_tracked(&proxy).await, 1.0);
+    cluster.assert_faithful();
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn readyz_waits_for_the_first_complete_list() {
+    let cluster = Cluster::start("tongs-readyz").await;
+    let api = &cluster.api;
+    let node = named("127.0.0.2", "node").await;
+    api.create(
+        PodBuilder::new("node")
+            .ip("127.0.0.2")
+            .http_port(node.port())
+            .json(),
+    );
+    api.fail_next_lists(u64::MAX);
+    let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
+    until("tongs has been refused a list twice", || async {
+        api.stats().lists_failed >= 2
+    })
+    .await;
+    assert_eq!(admin_get(&proxy, "/readyz").await.0, 503);
+    assert_eq!(metric(&proxy, "tongs_discovery_synced").await, Some(0.0));
+    assert_eq!(
+        metric(&proxy, "tongs_discovery_lists_total").await,
+        Some(0.0)
+    );
+    assert!(metric_or_zero(&proxy, "tongs_discovery_watch_errors_total").await >= 2.0);
+    assert!(urls(&proxy).await.is_empty());
+
+    api.heal_lists();
+    until("/readyz answers 200", || async {
+        admin_get(&proxy, "/readyz").await.0 == 200
+    })
+    .await;
+    assert_eq!(metric(&proxy, "tongs_discovery_synced").await, Some(1.0));
+    assert_eq!(
+        metric(&proxy, "tongs_discovery_lists_total").await,
+        Some(1.0)
+    );
+    assert_eq!(urls(&proxy).await, BTreeSet::from([node.url()]));
+    assert_eq!(get(&proxy.url("/")).await, (200, "node".into()));
+    cluster.assert_faithful();
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn readyz_is_ready_with_an_empty_first_list() {
+    let cluster = Cluster::start("tongs-readyz-empty").await;
+    let proxy = start_proxy(cluster.config(&[], "")).await;
+    until("/readyz answers 200", || async {
+        admin_get(&proxy, "/readyz").await.0 == 200
+    })
+    .await;
+    assert!(cluster.api.stats().lists_started >= 1);
+    assert!(urls(&proxy).await.is_empty());
+    cluster.assert_faithful();
+    proxy.stop().await;
+}
