@@ -192,6 +192,35 @@ impl Registry {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         sources.insert(source, desired);
+        self.rebuild(&sources);
+    }
+
+    /// Changes one source by a few endpoints: those with the `removed` URLs leave it, the `added` join
+    /// it (replacing one with the same URL). For a pod event among thousands of pods: no spec is
+    /// cloned or dropped but the changed ones.
+    pub fn update_source(
+        &self,
+        source: &'static str,
+        removed: &[String],
+        added: Vec<EndpointSpec>,
+    ) {
+        let mut sources = self
+            .writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let specs = sources.entry(source).or_default();
+        let leaving: HashSet<String, foldhash::fast::RandomState> = removed
+            .iter()
+            .cloned()
+            .chain(added.iter().map(|spec| spec.url.clone()))
+            .collect();
+        specs.retain(|spec| !leaving.contains(&spec.url));
+        specs.extend(added);
+        self.rebuild(&sources);
+    }
+
+    /// Makes the snapshot the union of `sources`, keeping the endpoints that did not change.
+    fn rebuild(&self, sources: &BTreeMap<&'static str, Vec<EndpointSpec>>) {
         let current = self.snapshot.load_full();
         // Keyed by URL alone, with a fast hash: with thousands of pods this runs on every pod event,
         // and hashing each endpoint's whole identity with SipHash was most of an event's cost.
@@ -275,6 +304,43 @@ mod tests {
         assert_eq!(snapshot[1].url(), "http://c:1");
         drop(held);
         assert_eq!(a.outstanding(), 0);
+    }
+
+    #[test]
+    fn updates_change_one_source_by_a_few_endpoints() {
+        let registry = Registry::new();
+        registry.replace(vec![spec("http://shared:1", 1)]);
+        registry.set_source("pods", vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
+        // Sources in name order: "pods" before "static".
+        let a = Arc::clone(&registry.snapshot()[0]);
+        assert_eq!(a.url(), "http://a:1");
+        registry.update_source(
+            "pods",
+            &["http://b:1".to_owned()],
+            vec![
+                spec("http://c:1", 1),
+                spec("http://a:1", 1),
+                spec("http://shared:1", 1),
+            ],
+        );
+        let urls: Vec<_> = registry
+            .snapshot()
+            .iter()
+            .map(|e| e.url().to_owned())
+            .collect();
+        // A URL two sources want is one endpoint; a was replaced by an equal spec, so it is the same
+        // endpoint with its state.
+        assert_eq!(urls, ["http://c:1", "http://a:1", "http://shared:1"]);
+        assert!(Arc::ptr_eq(&registry.snapshot()[1], &a));
+        registry.update_source(
+            "pods",
+            &["http://a:1".to_owned()],
+            vec![spec("http://c:1", 4)],
+        );
+        let snapshot = registry.snapshot();
+        assert!(!a.is_available(), "a left and drains");
+        assert_eq!(snapshot.len(), 2);
+        assert_eq!((snapshot[1].url(), snapshot[1].weight()), ("http://c:1", 4));
     }
 
     #[test]

@@ -29,6 +29,8 @@ mod fake;
 mod lifecycle;
 #[path = "discovery/registration.rs"]
 mod registration;
+#[path = "discovery/reload.rs"]
+mod reload;
 #[path = "discovery/rules.rs"]
 mod rules;
 #[path = "discovery/salad.rs"]

@@ -125,17 +125,23 @@ impl SaladConfig {
                 "set salad.api_key_file or salad.api_key_env, not both".into(),
             );
         }
-        let key = match self.api_key() {
-            Ok(key) => key,
-            Err(err) => {
-                let field = match err {
-                    KeyError::File { .. } => "api_key_file",
-                    KeyError::Env { .. } => "api_key_env",
-                };
-                problem(field, err.to_string());
-                None
-            }
-        };
+        // The key itself is read when tongs starts and on every reload, not here: `check-config` runs
+        // where the Secret is not mounted, and a missing key then stops tongs with the same message.
+        if let Some(name) = &self.api_key_env
+            && (name.is_empty() || name.contains('=') || name.contains('\0'))
+        {
+            problem(
+                "api_key_env",
+                format!("{name:?} is not an environment variable name"),
+            );
+        }
+        if self
+            .api_key_file
+            .as_ref()
+            .is_some_and(|path| path.as_os_str().is_empty())
+        {
+            problem("api_key_file", "is empty; leave it out for no key".into());
+        }
         for (index, entry) in self.gateways.iter().enumerate() {
             if let Err(message) = AllowRule::parse(entry) {
                 problem(&format!("gateways[{index}]"), message);
@@ -168,7 +174,7 @@ impl SaladConfig {
                 Ok(uri) if matches!(uri.scheme_str(), Some("http" | "https")) => {}
                 _ => problem("api.url", format!("{:?} is not an http(s) URL", api.url)),
             }
-            if key.is_none() && self.api_key_file.is_none() && self.api_key_env.is_none() {
+            if self.api_key_file.is_none() && self.api_key_env.is_none() {
                 problem(
                     "api",
                     "lookups need the API key: set salad.api_key_file or salad.api_key_env".into(),
@@ -208,12 +214,19 @@ mod tests {
         };
         assert_eq!(from_file.api_key().unwrap().as_deref(), Some("sk-123"));
         std::fs::write(&file, "  \n").unwrap();
-        assert_eq!(fields(&from_file), ["salad.api_key_file"]);
+        // Valid as configuration (the Secret may be mounted only where tongs runs), refused when read.
+        assert!(fields(&from_file).is_empty());
+        assert!(matches!(from_file.api_key(), Err(KeyError::File { .. })));
         let missing_env = SaladConfig {
             api_key_env: Some("TONGS_TEST_NO_SUCH_VARIABLE".into()),
             ..SaladConfig::default()
         };
-        assert_eq!(fields(&missing_env), ["salad.api_key_env"]);
+        assert!(matches!(missing_env.api_key(), Err(KeyError::Env { .. })));
+        let bad_name = SaladConfig {
+            api_key_env: Some("A=B".into()),
+            ..SaladConfig::default()
+        };
+        assert_eq!(fields(&bad_name), ["salad.api_key_env"]);
         let _ = std::fs::remove_dir_all(dir);
     }
 

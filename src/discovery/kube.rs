@@ -11,12 +11,11 @@
 //! most [`LOOKUP_CONCURRENCY`] at once, retried with backoff while the group has no gateway yet), are
 //! cached by pod UID, and are optionally written back into the pod's URL annotation.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
@@ -25,6 +24,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::Status;
+use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::{Group, LookupError, SaladApi};
 use crate::admin::Readiness;
@@ -62,25 +62,46 @@ struct Tracked {
 /// The pods watched and what the rules made of them.
 pub struct Tracker {
     rules: Arc<Rules>,
-    pods: HashMap<Arc<str>, Tracked>,
+    /// By `namespace/name`, in order, so the endpoints come out in a stable order without a sort.
+    pods: BTreeMap<Arc<str>, Tracked>,
     /// A list in progress (between `Init` and `InitDone`).
     relist: Option<HashMap<Arc<str>, PodFacts>>,
     /// Gateway hosts found through the SaladCloud API, by pod UID.
     gateways: HashMap<String, String>,
+    /// What changed in the endpoints since the registry last heard.
+    changes: Changes,
+}
+
+/// Endpoint changes not yet published: after a list, the whole set; after events, only what they
+/// changed, so one pod event among thousands costs the registry a few specs, not all of them.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// A list replaced the set: publish all of it.
+    pub full: bool,
+    /// URLs of endpoints that left.
+    pub removed: Vec<String>,
+    /// Endpoints that joined or changed.
+    pub added: Vec<EndpointSpec>,
 }
 
 impl Tracker {
     pub fn new(rules: Arc<Rules>) -> Tracker {
         Tracker {
             rules,
-            pods: HashMap::new(),
+            pods: BTreeMap::new(),
             relist: None,
             gateways: HashMap::new(),
+            changes: Changes::default(),
         }
     }
 
+    /// The changes since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
     /// Applies one watcher event; true when the endpoints may have changed.
-    pub fn on_event(&mut self, event: Event<Pod>, status: &Status) -> bool {
+    pub fn on_event(&mut self, event: Event<WatchedPod>, status: &Status) -> bool {
         match event {
             Event::Init => {
                 self.relist = Some(HashMap::new());
@@ -101,7 +122,11 @@ impl Tracker {
                         tracing::info!(pod = %previous_pod, "pod gone while the watch was down");
                     }
                 }
-                self.pods.reserve(listed.len());
+                // The whole set is published; no need to note each pod's change on the way.
+                self.changes = Changes {
+                    full: true,
+                    ..Changes::default()
+                };
                 for (key, facts) in listed {
                     let before = previous.remove(&key);
                     self.track(facts, before.as_ref(), status);
@@ -130,6 +155,9 @@ impl Tracker {
                 match self.pods.remove(&facts.key) {
                     Some(gone) => {
                         self.gateways.remove(&gone.facts.uid);
+                        if let Some(spec) = gone.derived.spec {
+                            self.changes.removed.push(spec.url);
+                        }
                         tracing::info!(pod = %gone.facts.key, "pod deleted");
                         true
                     }
@@ -175,19 +203,25 @@ impl Tracker {
                 ),
             }
         }
+        let old_spec = before.and_then(|b| b.derived.spec.as_ref());
+        if old_spec != derived.spec.as_ref() && !self.changes.full {
+            if let Some(old) = old_spec {
+                self.changes.removed.push(old.url.clone());
+            }
+            if let Some(new) = &derived.spec {
+                self.changes.added.push(new.clone());
+            }
+        }
         self.pods
             .insert(Arc::clone(&facts.key), Tracked { facts, derived });
     }
 
-    /// The endpoints the pods make, in a stable order.
+    /// The endpoints the pods make, in pod order.
     pub fn specs(&self) -> Vec<EndpointSpec> {
-        let mut specs: Vec<EndpointSpec> = self
-            .pods
+        self.pods
             .values()
             .filter_map(|t| t.derived.spec.clone())
-            .collect();
-        specs.sort_unstable_by(|a, b| a.url.cmp(&b.url));
-        specs
+            .collect()
     }
 
     /// Pods by [`PodState`].
@@ -275,7 +309,7 @@ impl Discovery {
     async fn watch(&self, config: &KubernetesConfig) {
         let status = Arc::clone(self.registry.discovery());
         let client = connect(config).await;
-        let api: Api<Pod> = match config.namespace.as_str() {
+        let api: Api<WatchedPod> = match config.namespace.as_str() {
             "*" => Api::all(client.clone()),
             "" => Api::default_namespaced(client.clone()),
             namespace => Api::namespaced(client.clone(), namespace),
@@ -325,7 +359,7 @@ impl Discovery {
                         }
                     }
                     if changed {
-                        self.publish(&tracker, &status);
+                        self.publish(&mut tracker, &status);
                     }
                     if listed && !status.synced() {
                         status.set_synced();
@@ -341,7 +375,7 @@ impl Discovery {
                     let mut tracker = watched.tracker();
                     if let Some(host) = lookups.settle(&done, &status) {
                         if tracker.found_gateway(&done.key, &done.uid, host.clone(), &status) {
-                            self.publish(&tracker, &status);
+                            self.publish(&mut tracker, &status);
                         }
                         if config.write_back {
                             write_back(&client, config, &done, &host);
@@ -353,9 +387,15 @@ impl Discovery {
         }
     }
 
-    fn publish(&self, tracker: &Tracker, status: &Status) {
+    fn publish(&self, tracker: &mut Tracker, status: &Status) {
         status.set_pods(tracker.counts());
-        self.registry.set_source(SOURCE, tracker.specs());
+        let changes = tracker.take_changes();
+        if changes.full {
+            self.registry.set_source(SOURCE, tracker.specs());
+        } else if !changes.removed.is_empty() || !changes.added.is_empty() {
+            self.registry
+                .update_source(SOURCE, &changes.removed, changes.added);
+        }
     }
 }
 
@@ -381,11 +421,33 @@ async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> 
             let file = kube::config::Kubeconfig::read_from(path).map_err(|err| {
                 format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
             })?;
-            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|err| {
-                    format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
-                })?
+            let mut kube_config = kube::Config::from_custom_kubeconfig(
+                file,
+                &kube::config::KubeConfigOptions::default(),
+            )
+            .await
+            .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?;
+            // kube takes HTTPS_PROXY from the environment when the kubeconfig names no proxy, and
+            // then fails to build a client at all (tongs has no proxy support for the API server).
+            // A proxy meant for other traffic must not stop discovery; one the kubeconfig asks for is
+            // refused in words.
+            if let Some(proxy) = kube_config.proxy_url.take() {
+                let proxy = proxy.to_string();
+                let from_env = ["HTTPS_PROXY", "https_proxy"].iter().any(|name| {
+                    std::env::var(name).is_ok_and(|value| {
+                        value.trim_end_matches('/') == proxy.trim_end_matches('/')
+                    })
+                });
+                if !from_env {
+                    return Err(format!(
+                        "discovery.kubernetes.kubeconfig {}: the cluster's proxy-url {proxy} is not \
+                         supported; tongs reaches the API server directly",
+                        path.display()
+                    ));
+                }
+                tracing::warn!(proxy = %proxy, "HTTPS_PROXY is ignored for the Kubernetes API server");
+            }
+            kube_config
         }
         None => kube::Config::infer()
             .await
@@ -400,7 +462,7 @@ fn write_back(client: &kube::Client, config: &KubernetesConfig, done: &LookupDon
     let Some((namespace, name)) = done.key.split_once('/') else {
         return;
     };
-    let api: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    let api: Api<WatchedPod> = Api::namespaced(client.clone(), namespace);
     let name = name.to_owned();
     let patch = serde_json::json!({
         "metadata": { "annotations": { config.annotations.url.clone(): format!("https://{host}") } }
@@ -519,7 +581,7 @@ impl Lookups {
 mod tests {
     use super::*;
 
-    fn pod(name: &str, ip: &str, phase: &str) -> Pod {
+    fn pod(name: &str, ip: &str, phase: &str) -> WatchedPod {
         serde_json::from_value(serde_json::json!({
             "metadata": {"namespace": "gpu", "name": name, "uid": format!("uid-{name}")},
             "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
@@ -571,10 +633,41 @@ mod tests {
     }
 
     #[test]
+    fn events_publish_only_what_they_changed() {
+        let status = Status::default();
+        let mut tracker = tracker();
+        tracker.on_event(Event::Init, &status);
+        for name in ["a", "b", "c"] {
+            let ip = format!("10.0.0.{}", name.as_bytes()[0] - b'a' + 1);
+            tracker.on_event(Event::InitApply(pod(name, &ip, "Running")), &status);
+        }
+        tracker.on_event(Event::InitDone, &status);
+        let listed = tracker.take_changes();
+        assert!(listed.full && listed.added.is_empty() && listed.removed.is_empty());
+        // b goes Pending: one removal.
+        tracker.on_event(Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
+        let changes = tracker.take_changes();
+        assert!(!changes.full);
+        assert_eq!(changes.removed, ["http://10.0.0.2:8000"]);
+        assert!(changes.added.is_empty());
+        // c moves: its old address leaves, its new one joins; a is deleted.
+        tracker.on_event(Event::Apply(pod("c", "10.0.0.9", "Running")), &status);
+        tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status);
+        let changes = tracker.take_changes();
+        assert_eq!(
+            changes.removed,
+            ["http://10.0.0.3:8000", "http://10.0.0.1:8000"]
+        );
+        let added: Vec<_> = changes.added.iter().map(|s| s.url.as_str()).collect();
+        assert_eq!(added, ["http://10.0.0.9:8000"]);
+        assert_eq!(urls(&tracker), ["http://10.0.0.9:8000"]);
+    }
+
+    #[test]
     fn rejections_are_counted_once_per_pod() {
         let status = Status::default();
         let mut tracker = tracker();
-        let mut bad: Pod = pod("a", "10.0.0.1", "Running");
+        let mut bad: WatchedPod = pod("a", "10.0.0.1", "Running");
         bad.metadata.annotations = Some(
             [(
                 "tongs.dev/url".to_owned(),

@@ -10,6 +10,7 @@
 //! Discovery only writes the registry; it never touches the request path.
 
 pub mod kube;
+pub mod object;
 pub mod pods;
 pub mod register;
 pub mod salad;

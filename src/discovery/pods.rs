@@ -10,8 +10,7 @@ use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Pod;
-
+use super::object::WatchedPod;
 use crate::config::{AllowRule, EndpointUrl, KubernetesConfig, Rule};
 use crate::endpoint::Origin;
 use crate::registry::EndpointSpec;
@@ -90,7 +89,7 @@ pub struct PodFacts {
 
 impl PodFacts {
     /// Extracts the facts from a pod, reading only the annotations named in `config`.
-    pub fn from_pod(pod: &Pod, config: &KubernetesConfig) -> PodFacts {
+    pub fn from_pod(pod: &WatchedPod, config: &KubernetesConfig) -> PodFacts {
         let meta = &pod.metadata;
         let namespace = meta.namespace.clone().unwrap_or_default();
         let name = meta.name.clone().unwrap_or_default();
@@ -122,7 +121,7 @@ impl PodFacts {
                 })
             });
         let named_port = spec.and_then(|s| {
-            s.containers.iter().find_map(|c| {
+            s.containers.iter().flatten().find_map(|c| {
                 c.ports.as_ref()?.iter().find_map(|p| {
                     (p.name.as_deref() == Some(config.port_name.as_str()))
                         .then(|| u16::try_from(p.container_port).ok())
@@ -663,7 +662,7 @@ mod tests {
 
     #[test]
     fn facts_come_from_a_pod_object() {
-        let pod: Pod = serde_json::from_value(serde_json::json!({
+        let pod: WatchedPod = serde_json::from_value(serde_json::json!({
             "metadata": {
                 "namespace": "gpu", "name": "llm-1", "uid": "abc",
                 "annotations": {"tongs.dev/weight": " 2 ", "other": "x", "salad.com/networking-port": "80"}

@@ -12,8 +12,8 @@
 //! annotation. Every tongs replica then learns the address through its own pod watch: registration
 //! keeps no state in tongs, and any replica may answer it.
 
+use super::object::WatchedPod;
 use http::StatusCode;
-use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, Patch, PatchParams};
 use serde::Deserialize;
 
@@ -156,7 +156,7 @@ pub async fn register(
         );
     }
     let annotation = watched.rules.config().annotations.tailscale_address.clone();
-    let api: Api<Pod> = Api::namespaced(watched.client.clone(), &registration.namespace);
+    let api: Api<WatchedPod> = Api::namespaced(watched.client.clone(), &registration.namespace);
     let patch = serde_json::json!({ "metadata": { "annotations": { annotation: value } } });
     match api
         .patch(
