@@ -1,8 +1,12 @@
 //! The Kubernetes manifests in `deploy/`: every kustomization renders with `kubectl kustomize`, every
 //! rendered object parses as its Kubernetes type (and loses no field doing so, which catches misspelt
 //! keys), and the properties tongs relies on hold — in the base and in every overlay, so a component's
-//! patch cannot quietly undo them. The Grafana dashboard and the Dockerfile are checked against the code
-//! they describe.
+//! patch cannot quietly undo them. The tongs.yaml each rendering mounts is validated by tongs itself,
+//! and what it asks of the rest is checked across objects: the RBAC its discovery, registration and
+//! write-back need (and no more), that its label selector picks the example GPU workloads and a rule
+//! can address them, that the files it reads secrets from are mounted Secret files, and that its
+//! Tailscale proxy is the sidecar's. The Grafana dashboard and the Dockerfile are checked against the
+//! code they describe.
 //!
 //! Needs `kubectl` on the PATH (Debian's `kubernetes-client`; `scripts/test.sh` installs it). Without it
 //! the tests fail, never skip.
@@ -17,7 +21,8 @@ use std::sync::OnceLock;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscalerBehavior;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Container, Namespace, PodSpec, Probe, Service, ServiceAccount,
+    ConfigMap, Container, Namespace, PodSpec, Probe, SecretVolumeSource, Service, ServiceAccount,
+    VolumeMount,
 };
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
@@ -26,8 +31,10 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use tongs::config::Config;
+use tongs::config::{Config, Rule, parse_yaml};
+use tongs::discovery::pods::{SALAD_PORT_ANNOTATION, SALAD_PROVIDER, SALAD_TAINT_KEY};
 use tongs::metrics::{CATALOG, DEMAND};
+use tongs::upstream::{ProxyKind, parse_proxy};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -381,9 +388,18 @@ fn collect(source: &str, documents: &[Value], problems: &mut Problems) -> Object
 fn check_rendering(source: &str, documents: &[Value], problems: &mut Problems) {
     let objects = &collect(source, documents, problems);
     let at = |kind: &str, name: &str| format!("{source}: {kind}/{name}");
+    let tongs = TongsPod::of(objects);
+    let secrets = tongs
+        .as_ref()
+        .map(TongsPod::secret_mounts)
+        .unwrap_or_default();
+    let mut config = None;
     for (name, deployment) in &objects.deployments {
         match name.as_str() {
-            TONGS => check_tongs(&at("Deployment", name), deployment, objects, problems),
+            TONGS => {
+                let at = at("Deployment", name);
+                config = check_tongs(&at, deployment, objects, &secrets, problems);
+            }
             INFERENCE => check_inference(&at("Deployment", name), deployment, problems),
             _ => {}
         }
@@ -392,7 +408,7 @@ fn check_rendering(source: &str, documents: &[Value], problems: &mut Problems) {
         check_service(&at("Service", name), name, service, objects, problems);
     }
     for (name, config_map) in &objects.config_maps {
-        check_config_map(&at("ConfigMap", name), config_map, problems);
+        check_config_map(&at("ConfigMap", name), config_map, &secrets, problems);
     }
     for (name, role) in &objects.roles {
         check_role(&at("Role", name), role, problems);
@@ -408,6 +424,15 @@ fn check_rendering(source: &str, documents: &[Value], problems: &mut Problems) {
     }
     for (name, scaled) in &objects.scaled_objects {
         check_scaled_object(&at("ScaledObject", name), scaled, objects, problems);
+    }
+    // What tongs.yaml asks of the rest of the rendering.
+    if let (Some(tongs), Some(config)) = (&tongs, &config) {
+        let at = &format!("{source}: tongs.yaml");
+        check_keeps_base_keys(at, config, problems);
+        check_access(at, tongs, config, objects, problems);
+        check_discovered_workloads(at, tongs, config, objects, problems);
+        check_secret_files(at, tongs, config, &secrets, problems);
+        check_tailscale_proxy(at, tongs, config, problems);
     }
 }
 
@@ -484,10 +509,18 @@ fn resolve_port(container: &Container, port: &IntOrString) -> Option<i32> {
 // tongs' Deployment
 // ---------------------------------------------------------------------------------------------------
 
-fn check_tongs(at: &str, deployment: &Deployment, objects: &Objects, problems: &mut Problems) {
+/// Checks tongs' Deployment, and returns the configuration it mounts (when that parses at all).
+fn check_tongs(
+    at: &str,
+    deployment: &Deployment,
+    objects: &Objects,
+    secrets: &[SecretMount],
+    problems: &mut Problems,
+) -> Option<Config> {
     let (Some(deployment_spec), Some(spec)) = (deployment.spec.as_ref(), pod_spec(deployment))
     else {
-        return problems.fail(at, "has no pod spec");
+        problems.fail(at, "has no pod spec");
+        return None;
     };
     let replicas = deployment_spec.replicas.unwrap_or(1);
     ensure!(
@@ -571,7 +604,8 @@ fn check_tongs(at: &str, deployment: &Deployment, objects: &Objects, problems: &
     );
 
     let Some(container) = spec.containers.iter().find(|c| c.name == TONGS) else {
-        return problems.fail(at, "has no container named tongs");
+        problems.fail(at, "has no container named tongs");
+        return None;
     };
     let args = container.args.clone().unwrap_or_default();
     ensure!(
@@ -592,9 +626,7 @@ fn check_tongs(at: &str, deployment: &Deployment, objects: &Objects, problems: &
         "the tongs container needs cpu and memory requests and a memory limit"
     );
 
-    let Some(config) = mounted_config(at, spec, container, objects, problems) else {
-        return;
-    };
+    let config = mounted_config(at, spec, container, objects, secrets, problems)?;
     // Ports and probes agree with the configuration the pod runs.
     let (listen, admin) = (config.listen.port(), config.admin.listen.port());
     let http_port = named_port(container, "http");
@@ -646,6 +678,7 @@ fn check_tongs(at: &str, deployment: &Deployment, objects: &Objects, problems: &
         termination > 25 && termination > pause + grace,
         "terminationGracePeriodSeconds {termination} must exceed the preStop sleep ({pause} s) plus shutdown.grace ({grace} s)"
     );
+    Some(config)
 }
 
 /// Hardening every container of tongs' pod needs, sidecars included.
@@ -725,6 +758,7 @@ fn mounted_config(
     spec: &PodSpec,
     container: &Container,
     objects: &Objects,
+    secrets: &[SecretMount],
     problems: &mut Problems,
 ) -> Option<Config> {
     let Some(mount) = container
@@ -770,21 +804,57 @@ fn mounted_config(
         );
         return None;
     };
-    parse_config(at, text, problems)
+    parse_config(at, text, secrets, problems)
 }
 
-fn parse_config(at: &str, text: &str, problems: &mut Problems) -> Option<Config> {
-    let config = Config::parse(text, "deploy")
+/// Parses and validates tongs.yaml as `Config::parse` does (`parse_yaml`, then `validate`), as it
+/// would in tongs' pod: validation reads some files (`admin.bearer_token_file`,
+/// `discovery.kubernetes.registration.token_file`), and one that the pod gets from a Secret volume
+/// (`secrets`) exists only there, so a placeholder file stands in for it. Whether the Secret really is
+/// mounted at that path is `check_secret_files`' business.
+fn parse_config(
+    at: &str,
+    text: &str,
+    secrets: &[SecretMount],
+    problems: &mut Problems,
+) -> Option<Config> {
+    let config: Config = parse_yaml(text, "deploy")
         .map_err(|err| problems.fail(at, format!("tongs.yaml is not valid for tongs: {err}")))
         .ok()?;
-    let remaining = config.validate();
+    let mut in_the_pod = config.clone();
+    let read_by_validation = [
+        &mut in_the_pod.admin.bearer_token_file,
+        &mut in_the_pod.discovery.kubernetes.registration.token_file,
+    ];
+    for file in read_by_validation {
+        if file
+            .as_deref()
+            .is_some_and(|path| secret_file(secrets, path).is_some())
+        {
+            *file = Some(placeholder_secret());
+        }
+    }
+    let remaining = in_the_pod.validate();
     ensure!(
         problems,
         at,
         remaining.is_empty(),
         "tongs.yaml does not validate: {remaining:?}"
     );
+    // Checked further even so: the checks across objects then tell what the rendering lacks.
     Some(config)
+}
+
+/// A file holding a token, standing in for a Secret's file while validating.
+fn placeholder_secret() -> PathBuf {
+    static FILE: OnceLock<PathBuf> = OnceLock::new();
+    FILE.get_or_init(|| {
+        let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("deploy-placeholder-secret");
+        std::fs::write(&file, "placeholder-token\n")
+            .unwrap_or_else(|err| panic!("cannot write {}: {err}", file.display()));
+        file
+    })
+    .clone()
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -926,10 +996,15 @@ fn check_service(
     }
 }
 
-fn check_config_map(at: &str, config_map: &ConfigMap, problems: &mut Problems) {
+fn check_config_map(
+    at: &str,
+    config_map: &ConfigMap,
+    secrets: &[SecretMount],
+    problems: &mut Problems,
+) {
     let data = config_map.data.clone().unwrap_or_default();
     if let Some(text) = data.get("tongs.yaml") {
-        parse_config(at, text, problems);
+        parse_config(at, text, secrets, problems);
     }
     let labels = config_map.metadata.labels.clone().unwrap_or_default();
     let (key, value) = DASHBOARD_LABEL;
@@ -946,9 +1021,15 @@ fn check_config_map(at: &str, config_map: &ConfigMap, problems: &mut Problems) {
     }
 }
 
+/// A Role either reads pods (get, list, watch) or patches them, never both: `patch` lets tongs change any
+/// pod of the namespace, so it lives in a narrow Role of its own (components/pod-annotator) that only the
+/// renderings needing it include (`check_access`).
 fn check_role(at: &str, role: &Role, problems: &mut Problems) {
     let rules = role.rules.as_deref().unwrap_or(&[]);
     ensure!(problems, at, !rules.is_empty(), "has no rules");
+    let patches = rules
+        .iter()
+        .any(|rule| rule.verbs.iter().any(|verb| verb == "patch"));
     for rule in rules {
         let groups = rule.api_groups.as_deref();
         ensure!(
@@ -965,16 +1046,25 @@ fn check_role(at: &str, role: &Role, problems: &mut Problems) {
             "resources {resources:?}: only pods"
         );
         let verbs = &rule.verbs;
-        let reads = !verbs.is_empty()
-            && verbs
-                .iter()
-                .all(|v| matches!(v.as_str(), "get" | "list" | "watch"));
-        ensure!(
-            problems,
-            at,
-            reads,
-            "verbs {verbs:?}: only get, list and watch"
-        );
+        if patches {
+            ensure!(
+                problems,
+                at,
+                *verbs == ["patch"],
+                "verbs {verbs:?}: a Role granting patch grants nothing else (reads stay in the reader Role)"
+            );
+        } else {
+            let reads = !verbs.is_empty()
+                && verbs
+                    .iter()
+                    .all(|v| matches!(v.as_str(), "get" | "list" | "watch"));
+            ensure!(
+                problems,
+                at,
+                reads,
+                "verbs {verbs:?}: only get, list and watch (or patch alone, in a Role of its own)"
+            );
+        }
         ensure!(
             problems,
             at,
@@ -1049,6 +1139,673 @@ fn check_disruption_budget(
         replicas > 1,
         "with {replicas} replica(s), minAvailable 1 blocks every node drain"
     );
+}
+
+// ---------------------------------------------------------------------------------------------------
+// What tongs.yaml asks of the rest of the rendering: RBAC, the fleet's pods, Secret files, the proxy
+// ---------------------------------------------------------------------------------------------------
+
+/// tongs' Deployment, its pod spec and its `tongs` container.
+struct TongsPod<'a> {
+    deployment: &'a Deployment,
+    spec: &'a PodSpec,
+    container: &'a Container,
+}
+
+impl<'a> TongsPod<'a> {
+    fn of(objects: &'a Objects) -> Option<TongsPod<'a>> {
+        let deployment = objects.deployments.get(TONGS)?;
+        let spec = pod_spec(deployment)?;
+        let container = spec.containers.iter().find(|c| c.name == TONGS)?;
+        Some(TongsPod {
+            deployment,
+            spec,
+            container,
+        })
+    }
+
+    /// The namespace tongs runs in; none means wherever the rendering is applied.
+    fn namespace(&self) -> Option<&'a str> {
+        self.deployment.metadata.namespace.as_deref()
+    }
+
+    fn service_account(&self) -> &'a str {
+        self.spec
+            .service_account_name
+            .as_deref()
+            .unwrap_or("default")
+    }
+
+    /// The namespace `discovery.kubernetes` watches: `Err` for all of them (`*`).
+    fn watched_namespace<'c>(&self, config: &'c Config) -> Result<Option<&'c str>, ()>
+    where
+        'a: 'c,
+    {
+        match config.discovery.kubernetes.namespace.as_str() {
+            "" => Ok(self.namespace()),
+            "*" => Err(()),
+            namespace => Ok(Some(namespace)),
+        }
+    }
+
+    /// The Secret volumes the tongs container mounts.
+    fn secret_mounts(&self) -> Vec<SecretMount<'a>> {
+        let fs_group = self
+            .spec
+            .security_context
+            .as_ref()
+            .and_then(|security| security.fs_group);
+        let volumes = self.spec.volumes.as_deref().unwrap_or(&[]);
+        let mounts = self.container.volume_mounts.iter().flatten();
+        mounts
+            .filter_map(|mount| {
+                let volume = volumes.iter().find(|volume| volume.name == mount.name)?;
+                Some(SecretMount {
+                    mount,
+                    source: volume.secret.as_ref()?,
+                    fs_group,
+                })
+            })
+            .collect()
+    }
+}
+
+/// One Secret volume mounted into tongs' container.
+struct SecretMount<'a> {
+    mount: &'a VolumeMount,
+    source: &'a SecretVolumeSource,
+    /// The pod's fsGroup, the group that owns the volume's files.
+    fs_group: Option<i64>,
+}
+
+/// A file tongs' container has from a Secret.
+struct SecretFile<'a> {
+    secret: &'a str,
+    key: String,
+    mode: i32,
+    read_only: bool,
+    /// Whether tongs can read it. The files belong to root (which tongs never runs as) and to the
+    /// fsGroup, so tongs reads by "other", or by group when the pod sets an fsGroup.
+    readable: bool,
+}
+
+/// The Secret file `path` is in tongs' container, if it is one.
+fn secret_file<'a>(mounts: &[SecretMount<'a>], path: &Path) -> Option<SecretFile<'a>> {
+    mounts.iter().find_map(|secret| {
+        let mount_path = Path::new(&secret.mount.mount_path);
+        // The path inside the volume; a subPath mount is that one file.
+        let sub_path = secret
+            .mount
+            .sub_path
+            .as_deref()
+            .filter(|sub| !sub.is_empty());
+        let inside = match sub_path {
+            Some(sub) => (path == mount_path).then(|| sub.to_owned())?,
+            None => path.strip_prefix(mount_path).ok()?.to_str()?.to_owned(),
+        };
+        let source = secret.source;
+        let (key, mode) = match &source.items {
+            Some(items) => {
+                let item = items.iter().find(|item| item.path == inside)?;
+                (item.key.clone(), item.mode.or(source.default_mode))
+            }
+            // Without items, each key of the Secret is a file of that name.
+            None if !inside.is_empty() && !inside.contains('/') => (inside, source.default_mode),
+            None => return None,
+        };
+        // The API server's default for Secret volumes.
+        let mode = mode.unwrap_or(0o644);
+        Some(SecretFile {
+            secret: source.secret_name.as_deref().unwrap_or(""),
+            key,
+            mode,
+            read_only: secret.mount.read_only == Some(true),
+            readable: mode & 0o004 != 0 || (mode & 0o040 != 0 && secret.fs_group.is_some()),
+        })
+    })
+}
+
+/// The settings deploy/base/tongs.yaml makes, as JSON pointers into the effective configuration, and
+/// that configuration (defaults filled in).
+fn base_settings() -> &'static (Vec<String>, Value) {
+    static BASE: OnceLock<(Vec<String>, Value)> = OnceLock::new();
+    BASE.get_or_init(|| {
+        let text = read("deploy/base/tongs.yaml");
+        let written: Value = serde_saphyr::from_str(&text)
+            .unwrap_or_else(|err| panic!("deploy/base/tongs.yaml is not YAML: {err}"));
+        let config: Config =
+            parse_yaml(&text, "deploy/base/tongs.yaml").unwrap_or_else(|err| panic!("{err}"));
+        let mut pointers = Vec::new();
+        leaf_pointers(&written, String::new(), &mut pointers);
+        let effective = serde_json::to_value(&config).expect("Config serializes");
+        (pointers, effective)
+    })
+}
+
+/// JSON pointers to every leaf of `value` (a list counts as one leaf).
+fn leaf_pointers(value: &Value, pointer: String, out: &mut Vec<String>) {
+    match value.as_object() {
+        Some(map) if !map.is_empty() => {
+            for (key, child) in map {
+                let escaped = key.replace('~', "~0").replace('/', "~1");
+                leaf_pointers(child, format!("{pointer}/{escaped}"), out);
+            }
+        }
+        _ => out.push(pointer),
+    }
+}
+
+/// An overlay's tongs.yaml replaces the base's whole (kustomize cannot merge inside a file), so every
+/// setting of the base must reappear in it unchanged: a change to the base that the copies miss fails
+/// here instead of drifting apart.
+fn check_keeps_base_keys(at: &str, config: &Config, problems: &mut Problems) {
+    let (pointers, base) = base_settings();
+    let effective = serde_json::to_value(config).unwrap_or(Value::Null);
+    for pointer in pointers {
+        let (wanted, found) = (base.pointer(pointer), effective.pointer(pointer));
+        let key = pointer.trim_start_matches('/').replace('/', ".");
+        ensure!(
+            problems,
+            at,
+            wanted == found,
+            "{key} is {}, deploy/base/tongs.yaml has {}: keep every overlay's copy of tongs.yaml in step \
+             with the base",
+            found.map_or("unset".to_owned(), Value::to_string),
+            wanted.map_or("unset".to_owned(), Value::to_string)
+        );
+    }
+}
+
+/// The Roles of `namespace` that grant `verb` on pods and that a RoleBinding there binds to tongs'
+/// ServiceAccount.
+fn granted<'a>(
+    objects: &'a Objects,
+    tongs: &TongsPod,
+    namespace: Option<&str>,
+    verb: &str,
+) -> Vec<&'a str> {
+    let account = tongs.service_account();
+    let bound = |role: &str| {
+        objects.role_bindings.values().any(|binding| {
+            binding.metadata.namespace.as_deref() == namespace
+                && binding.role_ref.kind == "Role"
+                && binding.role_ref.name == role
+                && binding.subjects.iter().flatten().any(|subject| {
+                    subject.kind == "ServiceAccount"
+                        && subject.name == account
+                        && subject.namespace.as_deref().or(namespace) == tongs.namespace()
+                })
+        })
+    };
+    objects
+        .roles
+        .iter()
+        .filter(|(name, role)| {
+            role.metadata.namespace.as_deref() == namespace
+                && grants_on_pods(role, verb)
+                && bound(name)
+        })
+        .map(|(name, _)| name.as_str())
+        .collect()
+}
+
+fn grants_on_pods(role: &Role, verb: &str) -> bool {
+    role.rules.iter().flatten().any(|rule| {
+        rule.api_groups
+            .iter()
+            .flatten()
+            .any(|group| group.is_empty())
+            && rule.resources.iter().flatten().any(|r| r == "pods")
+            && rule.verbs.iter().any(|v| v == verb)
+    })
+}
+
+/// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where
+/// discovery watches, and `patch` there only when node registration or write-back writes annotations.
+fn check_access(
+    at: &str,
+    tongs: &TongsPod,
+    config: &Config,
+    objects: &Objects,
+    problems: &mut Problems,
+) {
+    let kubernetes = &config.discovery.kubernetes;
+    let account = tongs.service_account();
+    let Ok(watched) = tongs.watched_namespace(config) else {
+        return problems.fail(
+            at,
+            "discovery.kubernetes.namespace \"*\" needs a ClusterRole; deploy/ grants Roles only",
+        );
+    };
+    let shown = watched.unwrap_or("(the one applied to)");
+    if kubernetes.enabled {
+        for verb in ["get", "list", "watch"] {
+            let roles = granted(objects, tongs, watched, verb);
+            ensure!(
+                problems,
+                at,
+                !roles.is_empty(),
+                "discovery.kubernetes is enabled, but no Role bound to ServiceAccount {account} \
+                 grants {verb} on pods in namespace {shown}"
+            );
+        }
+    }
+    let mut writers = Vec::new();
+    if kubernetes.registration.token_file.is_some() {
+        writers.push("discovery.kubernetes.registration.token_file");
+    }
+    if kubernetes.write_back {
+        writers.push("discovery.kubernetes.write_back");
+    }
+    if writers.is_empty() {
+        let patchers: Vec<&String> = objects
+            .roles
+            .iter()
+            .filter(|(_, role)| grants_on_pods(role, "patch"))
+            .map(|(name, _)| name)
+            .collect();
+        ensure!(
+            problems,
+            at,
+            patchers.is_empty(),
+            "Role {patchers:?} grants patch on pods, but tongs.yaml sets neither \
+             discovery.kubernetes.registration.token_file nor write_back: leave out \
+             components/pod-annotator"
+        );
+    } else {
+        let patchers = granted(objects, tongs, watched, "patch");
+        ensure!(
+            problems,
+            at,
+            !patchers.is_empty(),
+            "{writers:?} write pod annotations, but no Role bound to ServiceAccount {account} grants \
+             patch on pods in namespace {shown}: add components/pod-annotator"
+        );
+    }
+}
+
+/// A pod of the SaladCloud Virtual Kubelet, as tongs tells one (src/discovery/pods.rs): it carries the
+/// gateway port annotation or tolerates the virtual node's taint.
+fn is_salad(deployment: &Deployment) -> bool {
+    let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
+    let tolerations = pod_spec(deployment).and_then(|spec| spec.tolerations.as_ref());
+    annotations.contains_key(SALAD_PORT_ANNOTATION)
+        || tolerations.into_iter().flatten().any(|toleration| {
+            toleration.key.as_deref() == Some(SALAD_TAINT_KEY)
+                && toleration
+                    .value
+                    .as_deref()
+                    .is_none_or(|value| value == SALAD_PROVIDER)
+        })
+}
+
+/// A SaladCloud Container Gateway host, as the SaladCloud API gives them.
+const GATEWAY_HOST: &str = "tamarind-navybean-2kln8fkx9xruvxa2.salad.cloud";
+
+/// Every GPU workload of the rendering (each Deployment but tongs) is one that pod discovery finds:
+/// the label selector picks its pods and not tongs' own, in the watched namespace, and a rule can give
+/// each pod an address tongs can reach.
+fn check_discovered_workloads(
+    at: &str,
+    tongs: &TongsPod,
+    config: &Config,
+    objects: &Objects,
+    problems: &mut Problems,
+) {
+    let kubernetes = &config.discovery.kubernetes;
+    if !kubernetes.enabled {
+        return;
+    }
+    let text = &kubernetes.label_selector;
+    let selector = match parse_label_selector(text) {
+        Ok(selector) => selector,
+        Err(message) => {
+            return problems.fail(
+                at,
+                format!("discovery.kubernetes.label_selector: {message}"),
+            );
+        }
+    };
+    let selects = |deployment: &Deployment| {
+        let labels = pod_labels(deployment);
+        selector
+            .iter()
+            .all(|requirement| requirement.matches(&labels))
+    };
+    ensure!(
+        problems,
+        at,
+        !selects(tongs.deployment),
+        "discovery.kubernetes.label_selector {text:?} selects tongs' own pods: tongs would send \
+         requests to itself"
+    );
+    let watched = tongs.watched_namespace(config);
+    let shown = match watched {
+        Ok(namespace) => namespace.unwrap_or("(tongs' own)").to_owned(),
+        Err(()) => "every namespace".to_owned(),
+    };
+    let workloads = objects
+        .deployments
+        .iter()
+        .filter(|(name, _)| *name != TONGS);
+    for (name, deployment) in workloads {
+        let at = &format!("{at} (Deployment/{name})");
+        ensure!(
+            problems,
+            at,
+            selects(deployment),
+            "discovery.kubernetes.label_selector {text:?} does not select this GPU workload's pods \
+             (labels {:?})",
+            pod_labels(deployment)
+        );
+        let namespace = deployment.metadata.namespace.as_deref();
+        ensure!(
+            problems,
+            at,
+            watched.is_err() || watched == Ok(namespace),
+            "runs in namespace {namespace:?}, but discovery.kubernetes watches {shown}"
+        );
+        check_address_rule(at, deployment, config, problems);
+    }
+}
+
+/// Some rule of `discovery.kubernetes.rules` gives the workload's pods an address tongs can reach, and
+/// none gives a SaladCloud pod one it cannot; and a gateway that requires the SaladCloud key gets it.
+fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, problems: &mut Problems) {
+    let kubernetes = &config.discovery.kubernetes;
+    let salad = is_salad(deployment);
+    let containers = pod_spec(deployment).map_or(&[][..], |spec| &spec.containers);
+    let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
+    let has_port = annotations.contains_key(&kubernetes.annotations.port)
+        || containers
+            .iter()
+            .any(|container| named_port(container, &kubernetes.port_name).is_some());
+    let registers = kubernetes.registration.token_file.is_some();
+    let proxied = !config.upstream.tailscale.proxy.is_empty();
+    let rules: Vec<&str> = kubernetes.rules.iter().map(|rule| rule.name()).collect();
+    let reachable = kubernetes.rules.iter().any(|rule| match rule {
+        // Nothing in deploy/ writes the URL annotation but write-back, which follows a salad-api
+        // lookup: url alone never gives these pods an address.
+        Rule::Url => false,
+        // The node registers its Tailscale address; tongs' pod reaches the tailnet through the proxy.
+        Rule::Tailscale => registers && proxied,
+        Rule::SaladApi => salad && config.salad.api_enabled(),
+        Rule::PodIp => !salad && has_port,
+    });
+    ensure!(
+        problems,
+        at,
+        reachable,
+        "no rule of discovery.kubernetes.rules {rules:?} gives these pods an address tongs reaches: \
+         a SaladCloud pod needs salad-api with salad.api set, or tailscale with registration and \
+         upstream.tailscale.proxy; another pod pod-ip and a containerPort named {:?}",
+        kubernetes.port_name
+    );
+    if !salad {
+        return;
+    }
+    ensure!(
+        problems,
+        at,
+        !kubernetes.rules.contains(&Rule::PodIp),
+        "a SaladCloud pod has no cluster networking: the pod-ip rule would serve it at a podIP tongs \
+         cannot reach whenever no other rule has an address for it; leave pod-ip out of rules"
+    );
+    let salad_config = &config.salad;
+    let sends_key = (salad_config.api_key_file.is_some() || salad_config.api_key_env.is_some())
+        && salad_config
+            .gateway_rules()
+            .iter()
+            .any(|rule| rule.allows_url("https", GATEWAY_HOST, 443));
+    let auth = annotations
+        .get("salad.com/networking-auth")
+        .map(String::as_str);
+    if auth == Some("true") {
+        ensure!(
+            problems,
+            at,
+            sends_key,
+            "salad.com/networking-auth is \"true\", but tongs sends no Salad-Api-Key to *.salad.cloud \
+             (salad.api_key_file or api_key_env, and salad.gateways): its heartbeats would fail"
+        );
+    }
+    let via_gateway = kubernetes.rules.contains(&Rule::SaladApi) && salad_config.api_enabled();
+    if via_gateway && sends_key {
+        ensure!(
+            problems,
+            at,
+            auth == Some("true"),
+            "tongs sends its SaladCloud key to the gateway: set salad.com/networking-auth: \"true\", \
+             so nobody who learns the gateway URL calls the node past tongs"
+        );
+    }
+}
+
+/// Every file tongs.yaml reads a secret from is a file of a Secret volume, mounted readOnly where it
+/// says, and readable by tongs; a key from the environment comes from a Secret too.
+fn check_secret_files(
+    at: &str,
+    tongs: &TongsPod,
+    config: &Config,
+    secrets: &[SecretMount],
+    problems: &mut Problems,
+) {
+    let files = [
+        ("salad.api_key_file", &config.salad.api_key_file),
+        (
+            "discovery.kubernetes.registration.token_file",
+            &config.discovery.kubernetes.registration.token_file,
+        ),
+        ("admin.bearer_token_file", &config.admin.bearer_token_file),
+    ];
+    for (field, path) in files {
+        let Some(path) = path else {
+            continue;
+        };
+        let Some(file) = secret_file(secrets, path) else {
+            problems.fail(
+                at,
+                format!(
+                    "{field} is {}, but tongs' container mounts no Secret file there",
+                    path.display()
+                ),
+            );
+            continue;
+        };
+        let (secret, key) = (file.secret, &file.key);
+        ensure!(
+            problems,
+            at,
+            !secret.is_empty(),
+            "{field}: the Secret volume names no secretName"
+        );
+        ensure!(
+            problems,
+            at,
+            file.read_only,
+            "{field}: mount Secret {secret} readOnly"
+        );
+        ensure!(
+            problems,
+            at,
+            file.readable,
+            "{field}: mode {:04o} of Secret {secret} key {key} keeps tongs (not root) from reading it: \
+             allow others to read, or the group with the pod's fsGroup",
+            file.mode
+        );
+    }
+    if let Some(name) = &config.salad.api_key_env {
+        let from_secret = tongs.container.env.iter().flatten().any(|var| {
+            var.name == *name
+                && var
+                    .value_from
+                    .as_ref()
+                    .is_some_and(|from| from.secret_key_ref.is_some())
+        });
+        ensure!(
+            problems,
+            at,
+            from_secret,
+            "salad.api_key_env is {name}, which tongs' container does not take from a Secret \
+             (env valueFrom.secretKeyRef)"
+        );
+    }
+}
+
+/// tailscaled's proxies in tongs' pod, from its sidecar's environment: kind and listen address.
+fn tailscale_listeners(spec: &PodSpec) -> Vec<(ProxyKind, String)> {
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
+    let variables = containers.flat_map(|container| container.env.iter().flatten());
+    variables
+        .filter_map(|var| {
+            let kind = match var.name.as_str() {
+                "TS_SOCKS5_SERVER" => ProxyKind::Socks5,
+                "TS_OUTBOUND_HTTP_PROXY_LISTEN" => ProxyKind::Connect,
+                _ => return None,
+            };
+            let listen = var.value.as_deref().filter(|value| !value.is_empty())?;
+            Some((kind, listen.to_owned()))
+        })
+        .collect()
+}
+
+fn is_loopback(host: &str) -> bool {
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A Tailscale sidecar and `upstream.tailscale.proxy` go together: with the sidecar tongs must use
+/// it (a pod without a TUN device cannot dial Tailscale addresses), and a proxy on the pod's loopback
+/// must be one the sidecar serves, of that kind, on that port.
+fn check_tailscale_proxy(at: &str, tongs: &TongsPod, config: &Config, problems: &mut Problems) {
+    let listeners = tailscale_listeners(tongs.spec);
+    let proxy = &config.upstream.tailscale.proxy;
+    if proxy.is_empty() {
+        ensure!(
+            problems,
+            at,
+            listeners.is_empty(),
+            "tongs' pod runs tailscaled's proxy ({listeners:?}), but upstream.tailscale.proxy is empty: \
+             tongs would dial Tailscale addresses directly, which its pod cannot"
+        );
+        return;
+    }
+    // A proxy that does not parse is reported by validation.
+    let Ok((kind, dial)) = parse_proxy(proxy) else {
+        return;
+    };
+    let Some(authority) = dial.authority() else {
+        return;
+    };
+    if !is_loopback(authority.host()) {
+        return;
+    }
+    let port = authority.port_u16();
+    let served = listeners.iter().any(|(listener, listen)| {
+        *listener == kind
+            && listen.rsplit_once(':').is_some_and(|(host, listen_port)| {
+                (host.is_empty() || is_loopback(host)) && listen_port.parse().ok() == port
+            })
+    });
+    ensure!(
+        problems,
+        at,
+        served,
+        "upstream.tailscale.proxy {proxy} is on tongs' own pod, but no container there serves that \
+         kind of proxy on that port (tailscaled's sidecar: {listeners:?})"
+    );
+}
+
+/// One requirement of a label selector written as a string (`kubectl get -l`, the watch's
+/// `labelSelector`).
+#[derive(Debug, PartialEq)]
+enum Requirement {
+    Equals(String, String),
+    NotEquals(String, String),
+    Exists(String),
+    Absent(String),
+    In(String, Vec<String>),
+    NotIn(String, Vec<String>),
+}
+
+impl Requirement {
+    fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
+        match self {
+            Requirement::Equals(key, value) => labels.get(key) == Some(value),
+            Requirement::NotEquals(key, value) => labels.get(key) != Some(value),
+            Requirement::Exists(key) => labels.contains_key(key),
+            Requirement::Absent(key) => !labels.contains_key(key),
+            Requirement::In(key, values) => labels.get(key).is_some_and(|v| values.contains(v)),
+            Requirement::NotIn(key, values) => labels.get(key).is_none_or(|v| !values.contains(v)),
+        }
+    }
+}
+
+/// Parses a label selector string: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`,
+/// joined by commas (all must hold).
+fn parse_label_selector(text: &str) -> Result<Vec<Requirement>, String> {
+    let mut parts = Vec::new();
+    let (mut depth, mut start) = (0, 0);
+    for (index, c) in text.char_indices() {
+        match c {
+            '(' => depth += 1,
+            ')' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&text[start..index]);
+                start = index + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&text[start..]);
+    let is_key = |key: &str| {
+        !key.is_empty()
+            && key
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
+    };
+    let values = |list: &str| -> Option<Vec<String>> {
+        let inner = list.trim().strip_prefix('(')?.strip_suffix(')')?;
+        Some(inner.split(',').map(|v| v.trim().to_owned()).collect())
+    };
+    let parse = |part: &str| -> Option<Requirement> {
+        let part = part.trim();
+        let pair = |(key, value): (&str, &str)| (key.trim().to_owned(), value.trim().to_owned());
+        let requirement = if let Some(split) = part.split_once("!=") {
+            let (key, value) = pair(split);
+            Requirement::NotEquals(key, value)
+        } else if let Some(split) = part.split_once("==").or_else(|| part.split_once('=')) {
+            let (key, value) = pair(split);
+            Requirement::Equals(key, value)
+        } else if let Some((key, list)) = part.split_once(" notin ") {
+            Requirement::NotIn(key.trim().to_owned(), values(list)?)
+        } else if let Some((key, list)) = part.split_once(" in ") {
+            Requirement::In(key.trim().to_owned(), values(list)?)
+        } else if let Some(key) = part.strip_prefix('!') {
+            Requirement::Absent(key.trim().to_owned())
+        } else {
+            Requirement::Exists(part.to_owned())
+        };
+        let key = match &requirement {
+            Requirement::Equals(key, _)
+            | Requirement::NotEquals(key, _)
+            | Requirement::Exists(key)
+            | Requirement::Absent(key)
+            | Requirement::In(key, _)
+            | Requirement::NotIn(key, _) => key,
+        };
+        is_key(key).then_some(requirement)
+    };
+    parts
+        .into_iter()
+        .map(|part| parse(part).ok_or_else(|| format!("{text:?}: cannot read {:?}", part.trim())))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -1510,8 +2267,220 @@ fn base_config_is_valid_for_tongs() {
         (8080, 9090)
     );
     assert!(
-        !config.discovery.static_endpoints.is_empty(),
-        "deploy/base/tongs.yaml shows a static endpoint"
+        config.discovery.static_endpoints.is_empty(),
+        "deploy/base/tongs.yaml lists no placeholder endpoints: the fleet comes from pods"
+    );
+    let kubernetes = &config.discovery.kubernetes;
+    assert!(kubernetes.enabled, "deploy/base/tongs.yaml discovers pods");
+    assert_eq!(kubernetes.namespace, "", "in tongs' own namespace");
+    let (key, value) = FLEET_LABEL;
+    assert_eq!(kubernetes.label_selector, format!("{key}={value}"));
+}
+
+#[test]
+fn label_selectors_are_read_as_the_api_server_reads_them() {
+    let labels: BTreeMap<String, String> = [("app", "llm"), ("tier", "gpu")]
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .into();
+    let holds = |text: &str| {
+        parse_label_selector(text)
+            .unwrap_or_else(|err| panic!("{err}"))
+            .iter()
+            .all(|requirement| requirement.matches(&labels))
+    };
+    assert!(holds("app=llm"));
+    assert!(holds("app==llm, tier"));
+    assert!(holds("app in (llm, chat),!spot,tier notin (cpu)"));
+    assert!(holds("tier!=cpu"));
+    assert!(!holds("app=chat"));
+    assert!(!holds("app,spot"));
+    assert!(!holds("tier in (cpu)"));
+    assert!(!holds("!app"));
+    for bad in ["", "app=llm,", "app in llm", "a b"] {
+        assert!(parse_label_selector(bad).is_err(), "{bad:?} parsed");
+    }
+}
+
+/// The problems `check_rendering` finds in `overlay`'s rendering after `change`.
+fn problems_after(overlay: &str, change: impl FnOnce(&mut Vec<Value>)) -> Vec<String> {
+    let (_, documents) = rendered()
+        .iter()
+        .find(|(source, _)| source == overlay)
+        .unwrap_or_else(|| panic!("{overlay} renders"));
+    let mut documents = documents.clone();
+    change(&mut documents);
+    let mut problems = Problems::default();
+    check_rendering(overlay, &documents, &mut problems);
+    problems.0
+}
+
+fn tongs_pod_spec(documents: &mut [Value]) -> &mut Value {
+    let tongs = documents
+        .iter_mut()
+        .find(|doc| doc["kind"] == "Deployment" && name_of(doc) == TONGS)
+        .expect("tongs' Deployment");
+    &mut tongs["spec"]["template"]["spec"]
+}
+
+#[test]
+fn the_cross_checks_catch_broken_renderings() {
+    let reported = |problems: &[String], wanted: &str| {
+        assert!(
+            problems.iter().any(|problem| problem.contains(wanted)),
+            "expected a problem containing {wanted:?}, got {problems:#?}"
+        );
+    };
+    let intact = problems_after("deploy/overlays/salad-tailscale", |_| {});
+    assert_eq!(intact, Vec::<String>::new());
+
+    // Registration without the Role that grants patch.
+    let problems = problems_after("deploy/overlays/salad-tailscale", |documents| {
+        documents.retain(|doc| !name_of(doc).contains("pod-annotator"));
+    });
+    reported(&problems, "grants patch on pods in namespace tongs");
+    // patch where nothing writes annotations: the Role from salad-tailscale added to salad-gateway.
+    let (_, tailscale) = rendered()
+        .iter()
+        .find(|(source, _)| source == "deploy/overlays/salad-tailscale")
+        .expect("salad-tailscale renders");
+    let annotator: Vec<Value> = tailscale
+        .iter()
+        .filter(|doc| name_of(doc).contains("pod-annotator"))
+        .cloned()
+        .collect();
+    let problems = problems_after("deploy/overlays/salad-gateway", |documents| {
+        documents.extend(annotator);
+    });
+    reported(&problems, "leave out components/pod-annotator");
+    // A reader Role that also patches.
+    let problems = problems_after("deploy/overlays/interlink", |documents| {
+        let reader = documents
+            .iter_mut()
+            .find(|doc| doc["kind"] == "Role")
+            .expect("a Role");
+        reader["rules"][0]["verbs"] = serde_json::json!(["get", "list", "watch", "patch"]);
+    });
+    reported(&problems, "grants nothing else");
+    // The fleet's pods without the label discovery selects.
+    let problems = problems_after("deploy/overlays/interlink", |documents| {
+        let inference = documents
+            .iter_mut()
+            .find(|doc| doc["kind"] == "Deployment" && name_of(doc) == INFERENCE)
+            .expect("the example workload");
+        let labels = &mut inference["spec"]["template"]["metadata"]["labels"];
+        labels[FLEET_LABEL.0] = Value::String("other".into());
+    });
+    reported(&problems, "does not select this GPU workload's pods");
+    // The Secret volume the API key file is on, gone.
+    let problems = problems_after("deploy/overlays/salad-gateway", |documents| {
+        let spec = tongs_pod_spec(documents);
+        let mounts = spec["containers"][0]["volumeMounts"]
+            .as_array_mut()
+            .expect("mounts");
+        mounts.retain(|mount| mount["mountPath"] != "/etc/tongs-salad");
+    });
+    reported(
+        &problems,
+        "salad.api_key_file is /etc/tongs-salad/api-key, but tongs' container",
+    );
+    // The registration token readable by root alone.
+    let problems = problems_after("deploy/overlays/salad-tailscale", |documents| {
+        let spec = tongs_pod_spec(documents);
+        for volume in spec["volumes"].as_array_mut().expect("volumes") {
+            if volume["secret"].is_object() {
+                volume["secret"]["defaultMode"] = Value::from(0o400);
+            }
+        }
+    });
+    reported(&problems, "keeps tongs (not root) from reading it");
+    // The Tailscale sidecar without the proxy setting (tongs.yaml of the base).
+    let problems = problems_after("deploy/overlays/salad-tailscale", |documents| {
+        let config_map = documents
+            .iter_mut()
+            .find(|doc| doc["kind"] == "ConfigMap" && name_of(doc).starts_with("tongs-config"))
+            .expect("tongs' ConfigMap");
+        config_map["data"]["tongs.yaml"] = Value::String(read("deploy/base/tongs.yaml"));
+    });
+    reported(&problems, "upstream.tailscale.proxy is empty");
+    reported(&problems, "no rule of discovery.kubernetes.rules");
+}
+
+/// The Secrets a pod refers to and the keys it reads from them (none: the whole Secret).
+fn secret_references(spec: &PodSpec) -> BTreeSet<(String, Option<String>)> {
+    let mut found = BTreeSet::new();
+    for volume in spec.volumes.iter().flatten() {
+        let Some(secret) = &volume.secret else {
+            continue;
+        };
+        let name = secret.secret_name.clone().unwrap_or_default();
+        match &secret.items {
+            Some(items) => found.extend(
+                items
+                    .iter()
+                    .map(|item| (name.clone(), Some(item.key.clone()))),
+            ),
+            None => {
+                found.insert((name, None));
+            }
+        }
+    }
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
+    for container in containers {
+        for var in container.env.iter().flatten() {
+            if let Some(from) = var
+                .value_from
+                .as_ref()
+                .and_then(|from| from.secret_key_ref.as_ref())
+            {
+                found.insert((from.name.clone(), Some(from.key.clone())));
+            }
+        }
+        for from in container.env_from.iter().flatten() {
+            if let Some(secret) = &from.secret_ref {
+                found.insert((secret.name.clone(), None));
+            }
+        }
+    }
+    found
+}
+
+/// The operator creates every Secret a rendering refers to (deploy/ ships none): deploy/README.md says
+/// how, with one `kubectl create secret generic` line per Secret naming its namespace and each key.
+#[test]
+fn deploy_readme_tells_how_to_create_every_secret() {
+    let readme = read("deploy/README.md");
+    let mut missing = BTreeSet::new();
+    for (source, documents) in rendered() {
+        for document in documents.iter().filter(|doc| doc["kind"] == "Deployment") {
+            let Ok(deployment) = serde_json::from_value::<Deployment>(document.clone()) else {
+                continue;
+            };
+            let Some(spec) = pod_spec(&deployment) else {
+                continue;
+            };
+            let namespace = deployment.metadata.namespace.as_deref();
+            for (secret, key) in secret_references(spec) {
+                let documented = readme.lines().any(|line| {
+                    line.contains(&format!("create secret generic {secret} "))
+                        && namespace.is_none_or(|ns| line.contains(&format!("kubectl -n {ns} ")))
+                        && key.as_deref().is_none_or(|key| {
+                            line.contains(&format!("--from-file={key}="))
+                                || line.contains(&format!("--from-literal={key}="))
+                        })
+                });
+                if !documented {
+                    missing.insert(format!("{source}: Secret {secret} key {key:?}"));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "deploy/README.md needs `kubectl -n NAMESPACE create secret generic NAME --from-file=KEY=FILE` \
+         (or --from-literal=KEY=VALUE) for: {missing:#?}"
     );
 }
 

@@ -266,18 +266,18 @@ impl KubernetesConfig {
                 problem(field, message);
             }
         }
-        if let Some(path) = &self.registration.token_file {
-            match std::fs::read_to_string(path) {
-                Ok(token) if token.trim().is_empty() => problem(
-                    "registration.token_file",
-                    format!("{} is empty", path.display()),
-                ),
-                Ok(_) => {}
-                Err(err) => problem(
-                    "registration.token_file",
-                    format!("cannot read {}: {err}", path.display()),
-                ),
-            }
+        // The token itself is read when tongs starts and on every reload (`Status::configure`), not
+        // here: `check-config` runs where the Secret is not mounted.
+        if self
+            .registration
+            .token_file
+            .as_ref()
+            .is_some_and(|path| path.as_os_str().is_empty())
+        {
+            problem(
+                "registration.token_file",
+                "is empty; leave it out to turn registration off".into(),
+            );
         }
         if !self.enabled {
             return;

@@ -63,7 +63,21 @@ impl Status {
     /// Hands discovery a (new) configuration, and the registration token read from its file.
     pub fn configure(&self, config: &KubernetesConfig) -> Result<(), std::io::Error> {
         let token = match &config.registration.token_file {
-            Some(path) => Some(Arc::new(std::fs::read_to_string(path)?.trim().to_owned())),
+            Some(path) => {
+                let read = |detail: String| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("{}: {detail}", path.display()),
+                    )
+                };
+                let text = std::fs::read_to_string(path).map_err(|err| read(err.to_string()))?;
+                let token = text.trim();
+                // An empty token would let any `Authorization: Bearer ` through.
+                if token.is_empty() {
+                    return Err(read("is empty".into()));
+                }
+                Some(Arc::new(token.to_owned()))
+            }
             None => None,
         };
         self.registration_token.store(token);
@@ -184,4 +198,30 @@ fn pairs<'a>(
         .iter()
         .zip(slots)
         .map(|(name, count)| (*name, count.load(Ordering::Relaxed)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_or_missing_registration_token_is_refused() {
+        let dir = std::env::temp_dir().join(format!("tongs-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        let mut config = KubernetesConfig::default();
+        config.registration.token_file = Some(file.clone());
+        let status = Status::default();
+        assert!(status.configure(&config).is_err(), "missing file");
+        std::fs::write(&file, " \n").unwrap();
+        let err = status.configure(&config).unwrap_err();
+        assert!(err.to_string().contains("is empty"), "{err}");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        status.configure(&config).unwrap();
+        assert_eq!(
+            status.registration_token().as_deref().map(String::as_str),
+            Some("s3cret")
+        );
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -180,6 +180,11 @@ impl FakeKubeApi {
         format!("http://{}", self.addr)
     }
 
+    /// The bearer token the server accepts.
+    pub fn token(&self) -> &str {
+        &self.shared.token
+    }
+
     /// Writes a kubeconfig for this server (its token, `namespace` as the context's) into `dir`.
     pub fn write_kubeconfig(&self, dir: &Path, namespace: &str) -> PathBuf {
         let path = dir.join("kubeconfig");
