@@ -331,6 +331,11 @@ pub async fn settle(api: &FakeKubeApi, proxy: &TestProxy) {
     .await;
 }
 
+/// Creates pod `name`, Running and Ready at `ip:port` (its containerPort named `http`).
+pub fn serve_pod(api: &FakeKubeApi, name: &str, ip: &str, port: u16) {
+    api.create(PodBuilder::new(name).ip(ip).http_port(port).json());
+}
+
 /// A backend on `ip` answering its name, counting requests.
 pub struct Named {
     backend: Backend,

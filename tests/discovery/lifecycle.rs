@@ -60,12 +60,7 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
     let api = &cluster.api;
     let steady = named("127.0.0.3", "steady").await;
     let mover = gated("127.0.0.2", "mover").await;
-    api.create(
-        PodBuilder::new("steady")
-            .ip("127.0.0.3")
-            .http_port(steady.port())
-            .json(),
-    );
+    serve_pod(api, "steady", "127.0.0.3", steady.port());
     let mover_pod = PodBuilder::new("mover").http_port(mover.port());
     api.create(mover_pod.clone().phase("Pending").ready(false).json());
     let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
@@ -172,12 +167,7 @@ async fn readyz_waits_for_the_first_complete_list() {
     let cluster = Cluster::start("tongs-readyz").await;
     let api = &cluster.api;
     let node = named("127.0.0.2", "node").await;
-    api.create(
-        PodBuilder::new("node")
-            .ip("127.0.0.2")
-            .http_port(node.port())
-            .json(),
-    );
+    serve_pod(api, "node", "127.0.0.2", node.port());
     api.fail_next_lists(u64::MAX);
     let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
     until("tongs has been refused a list twice", || async {

@@ -38,19 +38,9 @@ async fn every_rule_gives_an_address_and_annotations_shape_the_endpoint() {
             .annotate("tongs.dev/weight", "3")
             .json(),
     );
-    api.create(
-        PodBuilder::new("port-name")
-            .ip("127.0.0.5")
-            .http_port(by_name.port())
-            .json(),
-    );
+    serve_pod(api, "port-name", "127.0.0.5", by_name.port());
     // interLink without a tunnel reports 127.0.0.1: refused, and counted.
-    api.create(
-        PodBuilder::new("placeholder")
-            .ip("127.0.0.1")
-            .http_port(by_name.port())
-            .json(),
-    );
+    serve_pod(api, "placeholder", "127.0.0.1", by_name.port());
     let allow = format!(
         "allow: [\"http://127.0.0.2:{}\", 127.0.0.3/32]",
         by_url.port()
@@ -335,12 +325,7 @@ async fn the_namespace_setting_watches_the_own_namespace_or_all() {
     let api = &cluster.api;
     let here = named("127.0.0.2", "here").await;
     let there = named("127.0.0.3", "there").await;
-    api.create(
-        PodBuilder::new("here")
-            .ip("127.0.0.2")
-            .http_port(here.port())
-            .json(),
-    );
+    serve_pod(api, "here", "127.0.0.2", here.port());
     api.create(
         PodBuilder::new("there")
             .namespace("batch")

@@ -158,18 +158,8 @@ async fn a_watch_the_server_expires_relists_without_disturbing_the_endpoints() {
     let api = &cluster.api;
     let a = named("127.0.0.2", "a").await;
     let b = named("127.0.0.3", "b").await;
-    api.create(
-        PodBuilder::new("a")
-            .ip("127.0.0.2")
-            .http_port(a.port())
-            .json(),
-    );
-    api.create(
-        PodBuilder::new("b")
-            .ip("127.0.0.3")
-            .http_port(b.port())
-            .json(),
-    );
+    serve_pod(api, "a", "127.0.0.2", a.port());
+    serve_pod(api, "b", "127.0.0.3", b.port());
     let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
     until_urls(&proxy, &[&a.url(), &b.url()]).await;
     until("the watch is open", || async {
@@ -213,12 +203,7 @@ async fn a_bookmark_lets_the_watch_resume_past_a_compaction() {
     let cluster = Cluster::start("tongs-bookmarks").await;
     let api = &cluster.api;
     let a = named("127.0.0.2", "a").await;
-    api.create(
-        PodBuilder::new("a")
-            .ip("127.0.0.2")
-            .http_port(a.port())
-            .json(),
-    );
+    serve_pod(api, "a", "127.0.0.2", a.port());
     let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
     until_urls(&proxy, &[&a.url()]).await;
     until("the watch is open", || async {
