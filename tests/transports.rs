@@ -332,3 +332,79 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
     assert!(node.seen().is_empty());
     proxy.stop().await;
 }
+
+/// Two simulated GPU nodes on Tailscale-range addresses behind microsocks: when one is reset (its
+/// listener closed, in-flight connections RST), microsocks reports the refused connect in its SOCKS
+/// reply, tongs counts it as a connect failure and retries on the other node; no client sees a
+/// failure, and the node serves again once it is back. Heartbeats are off, so only requests can notice.
+#[tokio::test]
+async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
+    use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};
+    let socks = microsocks(free_port()).await;
+    let nodes = ["127.0.0.2", "127.0.0.6"]
+        .iter()
+        .enumerate()
+        .map(|(index, ip)| {
+            let mut spec = NodeSpec::new(&format!("ts-{index}"), Duration::from_millis(20));
+            spec.listen = format!("{ip}:0").parse().unwrap();
+            spec.capacity = 8;
+            spec
+        })
+        .collect();
+    let fleet = Fleet::start(&FleetConfig { seed: 5, nodes }, Duration::from_secs(3600))
+        .await
+        .expect("fleet starts");
+    let proxy = proxy_via(
+        &format!("socks5://127.0.0.1:{}", socks.port),
+        "127.0.0.0/8",
+        "balancer: { policy: least-outstanding }\n",
+        &fleet.urls(),
+    )
+    .await;
+    let interrupted = &fleet.nodes()[0];
+    let mut answers = Vec::new();
+    for i in 0..60 {
+        if i == 20 {
+            interrupted.set_condition(Condition::Interrupted {
+                kind: InterruptionKind::Refuse,
+                factor: 1.0,
+            });
+        }
+        if i == 45 {
+            interrupted.set_condition(Condition::Up);
+        }
+        let (status, body) = get(&proxy.url("/v1/generate")).await;
+        answers.push((i, status, body));
+    }
+    let failed: Vec<_> = answers
+        .iter()
+        .filter(|(_, status, _)| *status != 200)
+        .collect();
+    assert!(failed.is_empty(), "clients saw failures: {failed:?}");
+    let (_, metrics) = get(&format!("http://{}/metrics", proxy.admin)).await;
+    let connect_retries: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("tongs_retries_total{reason=\"connect-failure\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        connect_retries >= 1.0,
+        "the refused connect through the proxy was retried as a connect failure:\n{metrics}"
+    );
+    // Its breaker opened while it refused: it returns after the ejection (5 s) and a probe.
+    let served_before = interrupted.stats().served;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let mut back = false;
+    while tokio::time::Instant::now() < deadline {
+        assert_eq!(get(&proxy.url("/v1/generate")).await.0, 200);
+        if interrupted.stats().served > served_before {
+            back = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(back, "the node serves again once it is back");
+    assert!(fleet.nodes()[1].stats().served > 0);
+    proxy.stop().await;
+}
