@@ -352,3 +352,50 @@ async fn the_namespace_setting_watches_the_own_namespace_or_all() {
     own.stop().await;
     all.stop().await;
 }
+
+#[tokio::test]
+async fn static_endpoints_serve_beside_pods() {
+    let cluster = Cluster::start("tongs-static-beside-pods").await;
+    let api = &cluster.api;
+    let pod_node = named("127.0.0.2", "pod").await;
+    let fixed = named("127.0.0.4", "fixed").await;
+    serve_pod(api, "llm-0", "127.0.0.2", pod_node.port());
+    // Without slow start: a pod joining a serving set ramps in from 10 %, and one client sending one
+    // request at a time then always finds the static endpoint less loaded for those 5 s.
+    let mut config = cluster.config(
+        &["allow: []"],
+        "balancer: { policy: least-outstanding, slow_start: 0s }\n",
+    );
+    config
+        .discovery
+        .static_endpoints
+        .push(tongs::config::StaticEndpoint {
+            url: fixed.url(),
+            weight: 1,
+        });
+    let proxy = start_proxy(config).await;
+    until_urls(&proxy, &[&pod_node.url(), &fixed.url()]).await;
+    assert_eq!(endpoint(&proxy, &fixed.url()).await["source"], "static");
+    assert_eq!(
+        endpoint(&proxy, &pod_node.url()).await["source"],
+        "kubernetes"
+    );
+    for _ in 0..300 {
+        assert_eq!(get(&proxy.url("/")).await.0, 200);
+        if pod_node.hits() > 0 && fixed.hits() > 0 {
+            break;
+        }
+    }
+    assert!(
+        pod_node.hits() > 0 && fixed.hits() > 0,
+        "both served: pod {}, static {}",
+        pod_node.hits(),
+        fixed.hits()
+    );
+    // The pod leaving takes only its own endpoint.
+    api.delete(NS, "llm-0");
+    until_urls(&proxy, &[&fixed.url()]).await;
+    assert_eq!(get(&proxy.url("/")).await, (200, "fixed".into()));
+    cluster.assert_faithful();
+    proxy.stop().await;
+}
