@@ -27,6 +27,8 @@ mod harness;
 mod fake;
 #[path = "discovery/lifecycle.rs"]
 mod lifecycle;
+#[path = "discovery/process.rs"]
+mod process;
 #[path = "discovery/registration.rs"]
 mod registration;
 #[path = "discovery/reload.rs"]
