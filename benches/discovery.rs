@@ -395,8 +395,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let pods = env_number("PODS", 5000);
-    let events = env_number("EVENTS", 200);
+    // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it, and then
+    // gets a small smoke run (the same checks: every pod an endpoint, nothing unexpected asked).
+    let benchmarking = std::env::args().any(|arg| arg == "--bench");
+    let pods = env_number("PODS", if benchmarking { 5000 } else { 200 });
+    let events = env_number("EVENTS", if benchmarking { 200 } else { 10 });
+    if !benchmarking {
+        println!(
+            "discovery: smoke run with {pods} pods; the benchmark is `cargo bench --bench discovery`"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
