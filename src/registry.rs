@@ -254,6 +254,11 @@ impl Registry {
                         endpoint.start_slow_start(now);
                     }
                     endpoint.set_queue(Arc::clone(&self.queue));
+                    tracing::debug!(
+                        endpoint = endpoint.url(),
+                        weight = endpoint.weight(),
+                        "endpoint in service"
+                    );
                     next.push(Arc::new(endpoint));
                 }
             }
@@ -264,16 +269,6 @@ impl Registry {
                 endpoint = gone.url(),
                 outstanding = gone.outstanding(),
                 "endpoint removed; draining"
-            );
-        }
-        for added in next
-            .iter()
-            .filter(|e| e.requests() == 0 && e.outstanding() == 0)
-        {
-            tracing::debug!(
-                endpoint = added.url(),
-                weight = added.weight(),
-                "endpoint in service"
             );
         }
         self.snapshot.store(Arc::new(next));

@@ -70,6 +70,9 @@ pub struct Tracker {
     gateways: HashMap<String, String>,
     /// What changed in the endpoints since the registry last heard.
     changes: Changes,
+    /// Pods by [`PodState`], kept as pods come and go (a count over thousands on every event would
+    /// cost more than the event).
+    counts: [u64; 3],
 }
 
 /// Endpoint changes not yet published: after a list, the whole set; after events, only what they
@@ -92,7 +95,13 @@ impl Tracker {
             relist: None,
             gateways: HashMap::new(),
             changes: Changes::default(),
+            counts: [0; 3],
         }
+    }
+
+    fn count(&mut self, state: PodState, delta: i64) {
+        let index = PodState::ALL.iter().position(|s| *s == state).unwrap_or(0);
+        self.counts[index] = self.counts[index].saturating_add_signed(delta);
     }
 
     /// The changes since the last call.
@@ -117,6 +126,7 @@ impl Tracker {
             Event::InitDone => {
                 let listed = self.relist.take().unwrap_or_default();
                 let mut previous = std::mem::take(&mut self.pods);
+                self.counts = [0; 3];
                 for previous_pod in previous.keys() {
                     if !listed.contains_key(previous_pod) {
                         tracing::info!(pod = %previous_pod, "pod gone while the watch was down");
@@ -147,6 +157,9 @@ impl Tracker {
                     }
                     return false;
                 }
+                if let Some(before) = &before {
+                    self.count(before.derived.state, -1);
+                }
                 self.track(facts, before.as_ref(), status);
                 true
             }
@@ -154,6 +167,7 @@ impl Tracker {
                 let facts = PodFacts::from_pod(&pod, self.rules.config());
                 match self.pods.remove(&facts.key) {
                     Some(gone) => {
+                        self.count(gone.derived.state, -1);
                         self.gateways.remove(&gone.facts.uid);
                         if let Some(spec) = gone.derived.spec {
                             self.changes.removed.push(spec.url);
@@ -212,6 +226,7 @@ impl Tracker {
                 self.changes.added.push(new.clone());
             }
         }
+        self.count(derived.state, 1);
         self.pods
             .insert(Arc::clone(&facts.key), Tracked { facts, derived });
     }
@@ -226,15 +241,7 @@ impl Tracker {
 
     /// Pods by [`PodState`].
     pub fn counts(&self) -> [u64; 3] {
-        let mut counts = [0u64; 3];
-        for tracked in self.pods.values() {
-            let index = PodState::ALL
-                .iter()
-                .position(|s| *s == tracked.derived.state)
-                .unwrap_or(0);
-            counts[index] += 1;
-        }
-        counts
+        self.counts
     }
 
     /// The facts of a watched pod.
@@ -267,6 +274,7 @@ impl Tracker {
             return false;
         }
         self.gateways.insert(uid.to_owned(), host);
+        self.count(tracked.derived.state, -1);
         let facts = tracked.facts.clone();
         self.track(facts, Some(&tracked), status);
         true
@@ -661,6 +669,26 @@ mod tests {
         let added: Vec<_> = changes.added.iter().map(|s| s.url.as_str()).collect();
         assert_eq!(added, ["http://10.0.0.9:8000"]);
         assert_eq!(urls(&tracker), ["http://10.0.0.9:8000"]);
+        // The running counts agree with a count over the pods: c serving, b not.
+        assert_eq!(tracker.counts(), recount(&tracker));
+        assert_eq!(tracker.counts(), [1, 1, 0]);
+        tracker.on_event(Event::Init, &status);
+        tracker.on_event(Event::InitApply(pod("b", "10.0.0.2", "Running")), &status);
+        tracker.on_event(Event::InitDone, &status);
+        assert_eq!(tracker.counts(), [1, 0, 0]);
+        assert_eq!(tracker.counts(), recount(&tracker));
+    }
+
+    fn recount(tracker: &Tracker) -> [u64; 3] {
+        let mut counts = [0; 3];
+        for tracked in tracker.pods.values() {
+            let index = PodState::ALL
+                .iter()
+                .position(|s| *s == tracked.derived.state)
+                .unwrap();
+            counts[index] += 1;
+        }
+        counts
     }
 
     #[test]
