@@ -36,6 +36,11 @@ use tongs::discovery::pods::{SALAD_PORT_ANNOTATION, SALAD_PROVIDER, SALAD_TAINT_
 use tongs::metrics::{CATALOG, DEMAND};
 use tongs::upstream::{ProxyKind, parse_proxy};
 
+/// The fake API server's selector parser: one reading of label selectors for the whole test suite.
+#[allow(dead_code)]
+#[path = "support/kube_api/selectors.rs"]
+mod selectors;
+
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
 /// tongs' own Deployment, and the example GPU Deployment the KEDA component scales.
@@ -1466,12 +1471,8 @@ fn check_discovered_workloads(
             );
         }
     };
-    let selects = |deployment: &Deployment| {
-        let labels = pod_labels(deployment);
-        selector
-            .iter()
-            .all(|requirement| requirement.matches(&labels))
-    };
+    let selects =
+        |deployment: &Deployment| label_selector_selects(&selector, &pod_labels(deployment));
     ensure!(
         problems,
         at,
@@ -1722,90 +1723,23 @@ fn check_tailscale_proxy(at: &str, tongs: &TongsPod, config: &Config, problems: 
     );
 }
 
-/// One requirement of a label selector written as a string (`kubectl get -l`, the watch's
-/// `labelSelector`).
-#[derive(Debug, PartialEq)]
-enum Requirement {
-    Equals(String, String),
-    NotEquals(String, String),
-    Exists(String),
-    Absent(String),
-    In(String, Vec<String>),
-    NotIn(String, Vec<String>),
+/// Parses a label selector string (`kubectl get -l`, the watch's `labelSelector`) the way the fake
+/// API server does, which reads it as the real one: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`,
+/// `k notin (a,b)`, joined by commas (all must hold). Empty is refused here: every selector in
+/// deploy/ must name its labels.
+fn parse_label_selector(text: &str) -> Result<selectors::LabelSelector, String> {
+    if text.trim().is_empty() {
+        return Err("an empty selector selects every pod".into());
+    }
+    selectors::LabelSelector::parse(text)
 }
 
-impl Requirement {
-    fn matches(&self, labels: &BTreeMap<String, String>) -> bool {
-        match self {
-            Requirement::Equals(key, value) => labels.get(key) == Some(value),
-            Requirement::NotEquals(key, value) => labels.get(key) != Some(value),
-            Requirement::Exists(key) => labels.contains_key(key),
-            Requirement::Absent(key) => !labels.contains_key(key),
-            Requirement::In(key, values) => labels.get(key).is_some_and(|v| values.contains(v)),
-            Requirement::NotIn(key, values) => labels.get(key).is_none_or(|v| !values.contains(v)),
-        }
-    }
-}
-
-/// Parses a label selector string: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`, `k notin (a,b)`,
-/// joined by commas (all must hold).
-fn parse_label_selector(text: &str) -> Result<Vec<Requirement>, String> {
-    let mut parts = Vec::new();
-    let (mut depth, mut start) = (0, 0);
-    for (index, c) in text.char_indices() {
-        match c {
-            '(' => depth += 1,
-            ')' => depth -= 1,
-            ',' if depth == 0 => {
-                parts.push(&text[start..index]);
-                start = index + 1;
-            }
-            _ => {}
-        }
-    }
-    parts.push(&text[start..]);
-    let is_key = |key: &str| {
-        !key.is_empty()
-            && key
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_./".contains(&b))
-    };
-    let values = |list: &str| -> Option<Vec<String>> {
-        let inner = list.trim().strip_prefix('(')?.strip_suffix(')')?;
-        Some(inner.split(',').map(|v| v.trim().to_owned()).collect())
-    };
-    let parse = |part: &str| -> Option<Requirement> {
-        let part = part.trim();
-        let pair = |(key, value): (&str, &str)| (key.trim().to_owned(), value.trim().to_owned());
-        let requirement = if let Some(split) = part.split_once("!=") {
-            let (key, value) = pair(split);
-            Requirement::NotEquals(key, value)
-        } else if let Some(split) = part.split_once("==").or_else(|| part.split_once('=')) {
-            let (key, value) = pair(split);
-            Requirement::Equals(key, value)
-        } else if let Some((key, list)) = part.split_once(" notin ") {
-            Requirement::NotIn(key.trim().to_owned(), values(list)?)
-        } else if let Some((key, list)) = part.split_once(" in ") {
-            Requirement::In(key.trim().to_owned(), values(list)?)
-        } else if let Some(key) = part.strip_prefix('!') {
-            Requirement::Absent(key.trim().to_owned())
-        } else {
-            Requirement::Exists(part.to_owned())
-        };
-        let key = match &requirement {
-            Requirement::Equals(key, _)
-            | Requirement::NotEquals(key, _)
-            | Requirement::Exists(key)
-            | Requirement::Absent(key)
-            | Requirement::In(key, _)
-            | Requirement::NotIn(key, _) => key,
-        };
-        is_key(key).then_some(requirement)
-    };
-    parts
-        .into_iter()
-        .map(|part| parse(part).ok_or_else(|| format!("{text:?}: cannot read {:?}", part.trim())))
-        .collect()
+/// Whether `selector` selects pods labelled `labels`.
+fn label_selector_selects(
+    selector: &selectors::LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    selector.matches_labels(|key| labels.get(key).map(String::as_str))
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -2283,10 +2217,8 @@ fn label_selectors_are_read_as_the_api_server_reads_them() {
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .into();
     let holds = |text: &str| {
-        parse_label_selector(text)
-            .unwrap_or_else(|err| panic!("{err}"))
-            .iter()
-            .all(|requirement| requirement.matches(&labels))
+        let selector = parse_label_selector(text).unwrap_or_else(|err| panic!("{err}"));
+        label_selector_selects(&selector, &labels)
     };
     assert!(holds("app=llm"));
     assert!(holds("app==llm, tier"));

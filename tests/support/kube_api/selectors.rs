@@ -92,7 +92,11 @@ impl LabelSelector {
             .get("metadata")
             .and_then(|m| m.get("labels"))
             .and_then(Value::as_object);
-        let label = |key: &str| labels.and_then(|l| l.get(key)).and_then(Value::as_str);
+        self.matches_labels(|key| labels.and_then(|l| l.get(key)).and_then(Value::as_str))
+    }
+
+    /// Whether labels, as `label` looks them up, satisfy every requirement.
+    pub(super) fn matches_labels<'a>(&self, label: impl Fn(&str) -> Option<&'a str>) -> bool {
         self.0.iter().all(|requirement| match requirement {
             Requirement::Equals(key, value) => label(key) == Some(value),
             Requirement::NotEquals(key, value) => label(key) != Some(value),
