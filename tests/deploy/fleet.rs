@@ -1,0 +1,282 @@
+//! The GPU fleet: the example GPU Deployment (fleet label, SaladCloud annotations and toleration), and
+//! that tongs' pod discovery finds every GPU workload of a rendering and a rule gives its pods an
+//! address tongs reaches; label selectors read as the API server reads them.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use tongs::config::{Config, Rule};
+use tongs::discovery::pods::{SALAD_PORT_ANNOTATION, SALAD_PROVIDER, SALAD_TAINT_KEY};
+
+use crate::objects::Objects;
+use crate::pods::{TongsPod, named_port, pod_labels, pod_meta, pod_spec};
+use crate::problems::Problems;
+use crate::{FLEET_LABEL, TONGS, selectors};
+
+/// Pod annotations the SaladCloud Virtual Kubelet reads, besides `salad.com/logging-*`.
+const SALAD_ANNOTATIONS: &str = "salad.com/gpu-classes salad.com/country-codes \
+    salad.com/container-group-priority salad.com/networking-protocol salad.com/networking-port \
+    salad.com/networking-auth";
+
+pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut Problems) {
+    let labels = pod_labels(deployment);
+    let (key, value) = FLEET_LABEL;
+    ensure!(
+        problems,
+        at,
+        labels.get(key).is_some_and(|v| v == value),
+        "pods must carry {key}: {value}"
+    );
+    let Some(spec) = pod_spec(deployment) else {
+        return problems.fail(at, "has no pod spec");
+    };
+    let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
+    let salad: BTreeMap<&str, &str> = annotations
+        .iter()
+        .filter(|(key, _)| key.starts_with("salad.com/"))
+        .map(|(key, value)| (key.as_str(), value.as_str()))
+        .collect();
+    if salad.is_empty() {
+        return;
+    }
+    for key in salad.keys() {
+        let read = SALAD_ANNOTATIONS.split_whitespace().any(|k| k == *key)
+            || key.starts_with("salad.com/logging-");
+        ensure!(
+            problems,
+            at,
+            read,
+            "annotation {key} is not one the SaladCloud Virtual Kubelet reads"
+        );
+    }
+    let networking = ["protocol", "port", "auth"].map(|k| {
+        salad
+            .get(format!("salad.com/networking-{k}").as_str())
+            .copied()
+    });
+    let present = networking.iter().flatten().count();
+    ensure!(
+        problems,
+        at,
+        present == 0 || present == 3,
+        "the gateway needs all three salad.com/networking-* keys"
+    );
+    if let [Some(protocol), Some(port), Some(auth)] = networking {
+        ensure!(
+            problems,
+            at,
+            protocol == "http",
+            "salad.com/networking-protocol is {protocol:?}; only http is accepted"
+        );
+        let mut ports = spec
+            .containers
+            .iter()
+            .flat_map(|c| c.ports.iter().flatten());
+        let exposed = ports.any(|p| p.container_port.to_string() == port);
+        ensure!(
+            problems,
+            at,
+            exposed,
+            "salad.com/networking-port {port} is no containerPort of the pod"
+        );
+        ensure!(
+            problems,
+            at,
+            matches!(auth, "true" | "false"),
+            "salad.com/networking-auth is {auth:?}"
+        );
+    }
+    if let Some(priority) = salad.get("salad.com/container-group-priority") {
+        let known = matches!(*priority, "high" | "medium" | "low" | "batch");
+        ensure!(
+            problems,
+            at,
+            known,
+            "salad.com/container-group-priority {priority:?} is not high|medium|low|batch"
+        );
+    }
+    let tolerates = spec.tolerations.iter().flatten().any(|toleration| {
+        toleration.key.as_deref() == Some("virtual-kubelet.io/provider")
+            && toleration.effect.as_deref() == Some("NoSchedule")
+            && (toleration.operator.as_deref() == Some("Exists")
+                || toleration.value.as_deref() == Some("saladcloud"))
+    });
+    ensure!(
+        problems,
+        at,
+        tolerates,
+        "a SaladCloud pod must tolerate virtual-kubelet.io/provider=saladcloud:NoSchedule"
+    );
+}
+
+/// A pod of the SaladCloud Virtual Kubelet, as tongs tells one (src/discovery/pods.rs): it carries the
+/// gateway port annotation or tolerates the virtual node's taint.
+fn is_salad(deployment: &Deployment) -> bool {
+    let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
+    let tolerations = pod_spec(deployment).and_then(|spec| spec.tolerations.as_ref());
+    annotations.contains_key(SALAD_PORT_ANNOTATION)
+        || tolerations.into_iter().flatten().any(|toleration| {
+            toleration.key.as_deref() == Some(SALAD_TAINT_KEY)
+                && toleration
+                    .value
+                    .as_deref()
+                    .is_none_or(|value| value == SALAD_PROVIDER)
+        })
+}
+
+/// A SaladCloud Container Gateway host, as the SaladCloud API gives them.
+const GATEWAY_HOST: &str = "tamarind-navybean-2kln8fkx9xruvxa2.salad.cloud";
+
+/// Every GPU workload of the rendering (each Deployment but tongs) is one that pod discovery finds:
+/// the label selector picks its pods and not tongs' own, in the watched namespace, and a rule can give
+/// each pod an address tongs can reach.
+pub(crate) fn check_discovered_workloads(
+    at: &str,
+    tongs: &TongsPod,
+    config: &Config,
+    objects: &Objects,
+    problems: &mut Problems,
+) {
+    let kubernetes = &config.discovery.kubernetes;
+    if !kubernetes.enabled {
+        return;
+    }
+    let text = &kubernetes.label_selector;
+    let selector = match parse_label_selector(text) {
+        Ok(selector) => selector,
+        Err(message) => {
+            return problems.fail(
+                at,
+                format!("discovery.kubernetes.label_selector: {message}"),
+            );
+        }
+    };
+    let selects =
+        |deployment: &Deployment| label_selector_selects(&selector, &pod_labels(deployment));
+    ensure!(
+        problems,
+        at,
+        !selects(tongs.deployment),
+        "discovery.kubernetes.label_selector {text:?} selects tongs' own pods: tongs would send \
+         requests to itself"
+    );
+    let watched = tongs.watched_namespace(config);
+    let shown = match watched {
+        Ok(namespace) => namespace.unwrap_or("(tongs' own)").to_owned(),
+        Err(()) => "every namespace".to_owned(),
+    };
+    let workloads = objects
+        .deployments
+        .iter()
+        .filter(|(name, _)| *name != TONGS);
+    for (name, deployment) in workloads {
+        let at = &format!("{at} (Deployment/{name})");
+        ensure!(
+            problems,
+            at,
+            selects(deployment),
+            "discovery.kubernetes.label_selector {text:?} does not select this GPU workload's pods \
+             (labels {:?})",
+            pod_labels(deployment)
+        );
+        let namespace = deployment.metadata.namespace.as_deref();
+        ensure!(
+            problems,
+            at,
+            watched.is_err() || watched == Ok(namespace),
+            "runs in namespace {namespace:?}, but discovery.kubernetes watches {shown}"
+        );
+        check_address_rule(at, deployment, config, problems);
+    }
+}
+
+/// Some rule of `discovery.kubernetes.rules` gives the workload's pods an address tongs can reach, and
+/// none gives a SaladCloud pod one it cannot; and a gateway that requires the SaladCloud key gets it.
+fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, problems: &mut Problems) {
+    let kubernetes = &config.discovery.kubernetes;
+    let salad = is_salad(deployment);
+    let containers = pod_spec(deployment).map_or(&[][..], |spec| &spec.containers);
+    let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
+    let has_port = annotations.contains_key(&kubernetes.annotations.port)
+        || containers
+            .iter()
+            .any(|container| named_port(container, &kubernetes.port_name).is_some());
+    let registers = kubernetes.registration.token_file.is_some();
+    let proxied = !config.upstream.tailscale.proxy.is_empty();
+    let rules: Vec<&str> = kubernetes.rules.iter().map(|rule| rule.name()).collect();
+    let reachable = kubernetes.rules.iter().any(|rule| match rule {
+        // Nothing in deploy/ writes the URL annotation but write-back, which follows a salad-api
+        // lookup: url alone never gives these pods an address.
+        Rule::Url => false,
+        // The node registers its Tailscale address; tongs' pod reaches the tailnet through the proxy.
+        Rule::Tailscale => registers && proxied,
+        Rule::SaladApi => salad && config.salad.api_enabled(),
+        Rule::PodIp => !salad && has_port,
+    });
+    ensure!(
+        problems,
+        at,
+        reachable,
+        "no rule of discovery.kubernetes.rules {rules:?} gives these pods an address tongs reaches: \
+         a SaladCloud pod needs salad-api with salad.api set, or tailscale with registration and \
+         upstream.tailscale.proxy; another pod pod-ip and a containerPort named {:?}",
+        kubernetes.port_name
+    );
+    if !salad {
+        return;
+    }
+    ensure!(
+        problems,
+        at,
+        !kubernetes.rules.contains(&Rule::PodIp),
+        "a SaladCloud pod has no cluster networking: the pod-ip rule would serve it at a podIP tongs \
+         cannot reach whenever no other rule has an address for it; leave pod-ip out of rules"
+    );
+    let salad_config = &config.salad;
+    let sends_key = (salad_config.api_key_file.is_some() || salad_config.api_key_env.is_some())
+        && salad_config
+            .gateway_rules()
+            .iter()
+            .any(|rule| rule.allows_url("https", GATEWAY_HOST, 443));
+    let auth = annotations
+        .get("salad.com/networking-auth")
+        .map(String::as_str);
+    if auth == Some("true") {
+        ensure!(
+            problems,
+            at,
+            sends_key,
+            "salad.com/networking-auth is \"true\", but tongs sends no Salad-Api-Key to *.salad.cloud \
+             (salad.api_key_file or api_key_env, and salad.gateways): its heartbeats would fail"
+        );
+    }
+    let via_gateway = kubernetes.rules.contains(&Rule::SaladApi) && salad_config.api_enabled();
+    if via_gateway && sends_key {
+        ensure!(
+            problems,
+            at,
+            auth == Some("true"),
+            "tongs sends its SaladCloud key to the gateway: set salad.com/networking-auth: \"true\", \
+             so nobody who learns the gateway URL calls the node past tongs"
+        );
+    }
+}
+
+/// Parses a label selector string (`kubectl get -l`, the watch's `labelSelector`) the way the fake
+/// API server does, which reads it as the real one: `k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`,
+/// `k notin (a,b)`, joined by commas (all must hold). Empty is refused here: every selector in
+/// deploy/ must name its labels.
+pub(crate) fn parse_label_selector(text: &str) -> Result<selectors::LabelSelector, String> {
+    if text.trim().is_empty() {
+        return Err("an empty selector selects every pod".into());
+    }
+    selectors::LabelSelector::parse(text)
+}
+
+/// Whether `selector` selects pods labelled `labels`.
+pub(crate) fn label_selector_selects(
+    selector: &selectors::LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    selector.matches_labels(|key| labels.get(key).map(String::as_str))
+}

@@ -1,0 +1,209 @@
+//! RBAC: each Role reads pods or patches them, never both; each RoleBinding binds a Role to a
+//! ServiceAccount of the rendering; and tongs' ServiceAccount may do to pods exactly what its
+//! discovery, node registration and write-back need.
+
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use tongs::config::Config;
+
+use crate::objects::Objects;
+use crate::pods::TongsPod;
+use crate::problems::Problems;
+
+/// A Role either reads pods (get, list, watch) or patches them, never both: `patch` lets tongs change any
+/// pod of the namespace, so it lives in a narrow Role of its own (components/pod-annotator) that only the
+/// renderings needing it include (`check_access`).
+pub(crate) fn check_role(at: &str, role: &Role, problems: &mut Problems) {
+    let rules = role.rules.as_deref().unwrap_or(&[]);
+    ensure!(problems, at, !rules.is_empty(), "has no rules");
+    let patches = rules
+        .iter()
+        .any(|rule| rule.verbs.iter().any(|verb| verb == "patch"));
+    for rule in rules {
+        let groups = rule.api_groups.as_deref();
+        ensure!(
+            problems,
+            at,
+            groups == Some(&[String::new()]),
+            "apiGroups {groups:?}: only the core group"
+        );
+        let resources = rule.resources.as_deref();
+        ensure!(
+            problems,
+            at,
+            resources == Some(&["pods".to_owned()]),
+            "resources {resources:?}: only pods"
+        );
+        let verbs = &rule.verbs;
+        if patches {
+            ensure!(
+                problems,
+                at,
+                *verbs == ["patch"],
+                "verbs {verbs:?}: a Role granting patch grants nothing else (reads stay in the reader Role)"
+            );
+        } else {
+            let reads = !verbs.is_empty()
+                && verbs
+                    .iter()
+                    .all(|v| matches!(v.as_str(), "get" | "list" | "watch"));
+            ensure!(
+                problems,
+                at,
+                reads,
+                "verbs {verbs:?}: only get, list and watch (or patch alone, in a Role of its own)"
+            );
+        }
+        ensure!(
+            problems,
+            at,
+            rule.resource_names.is_none(),
+            "resourceNames: not needed for a pod watch"
+        );
+        ensure!(
+            problems,
+            at,
+            rule.non_resource_urls.is_none(),
+            "nonResourceURLs: not allowed"
+        );
+    }
+}
+
+pub(crate) fn check_role_binding(
+    at: &str,
+    binding: &RoleBinding,
+    objects: &Objects,
+    problems: &mut Problems,
+) {
+    let role = &binding.role_ref;
+    let bound = role.kind == "Role" && objects.roles.contains_key(&role.name);
+    ensure!(
+        problems,
+        at,
+        bound,
+        "roleRef {} {} is no Role of the rendering (no ClusterRoles)",
+        role.kind,
+        role.name
+    );
+    let subjects = binding.subjects.as_deref().unwrap_or(&[]);
+    ensure!(problems, at, !subjects.is_empty(), "has no subjects");
+    for subject in subjects {
+        let known =
+            subject.kind == "ServiceAccount" && objects.service_accounts.contains(&subject.name);
+        ensure!(
+            problems,
+            at,
+            known,
+            "subject {} {} is no ServiceAccount of the rendering",
+            subject.kind,
+            subject.name
+        );
+    }
+}
+
+/// The Roles of `namespace` that grant `verb` on pods and that a RoleBinding there binds to tongs'
+/// ServiceAccount.
+fn granted<'a>(
+    objects: &'a Objects,
+    tongs: &TongsPod,
+    namespace: Option<&str>,
+    verb: &str,
+) -> Vec<&'a str> {
+    let account = tongs.service_account();
+    let bound = |role: &str| {
+        objects.role_bindings.values().any(|binding| {
+            binding.metadata.namespace.as_deref() == namespace
+                && binding.role_ref.kind == "Role"
+                && binding.role_ref.name == role
+                && binding.subjects.iter().flatten().any(|subject| {
+                    subject.kind == "ServiceAccount"
+                        && subject.name == account
+                        && subject.namespace.as_deref().or(namespace) == tongs.namespace()
+                })
+        })
+    };
+    objects
+        .roles
+        .iter()
+        .filter(|(name, role)| {
+            role.metadata.namespace.as_deref() == namespace
+                && grants_on_pods(role, verb)
+                && bound(name)
+        })
+        .map(|(name, _)| name.as_str())
+        .collect()
+}
+
+fn grants_on_pods(role: &Role, verb: &str) -> bool {
+    role.rules.iter().flatten().any(|rule| {
+        rule.api_groups
+            .iter()
+            .flatten()
+            .any(|group| group.is_empty())
+            && rule.resources.iter().flatten().any(|r| r == "pods")
+            && rule.verbs.iter().any(|v| v == verb)
+    })
+}
+
+/// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where
+/// discovery watches, and `patch` there only when node registration or write-back writes annotations.
+pub(crate) fn check_access(
+    at: &str,
+    tongs: &TongsPod,
+    config: &Config,
+    objects: &Objects,
+    problems: &mut Problems,
+) {
+    let kubernetes = &config.discovery.kubernetes;
+    let account = tongs.service_account();
+    let Ok(watched) = tongs.watched_namespace(config) else {
+        return problems.fail(
+            at,
+            "discovery.kubernetes.namespace \"*\" needs a ClusterRole; deploy/ grants Roles only",
+        );
+    };
+    let shown = watched.unwrap_or("(the one applied to)");
+    if kubernetes.enabled {
+        for verb in ["get", "list", "watch"] {
+            let roles = granted(objects, tongs, watched, verb);
+            ensure!(
+                problems,
+                at,
+                !roles.is_empty(),
+                "discovery.kubernetes is enabled, but no Role bound to ServiceAccount {account} \
+                 grants {verb} on pods in namespace {shown}"
+            );
+        }
+    }
+    let mut writers = Vec::new();
+    if kubernetes.registration.token_file.is_some() {
+        writers.push("discovery.kubernetes.registration.token_file");
+    }
+    if kubernetes.write_back {
+        writers.push("discovery.kubernetes.write_back");
+    }
+    if writers.is_empty() {
+        let patchers: Vec<&String> = objects
+            .roles
+            .iter()
+            .filter(|(_, role)| grants_on_pods(role, "patch"))
+            .map(|(name, _)| name)
+            .collect();
+        ensure!(
+            problems,
+            at,
+            patchers.is_empty(),
+            "Role {patchers:?} grants patch on pods, but tongs.yaml sets neither \
+             discovery.kubernetes.registration.token_file nor write_back: leave out \
+             components/pod-annotator"
+        );
+    } else {
+        let patchers = granted(objects, tongs, watched, "patch");
+        ensure!(
+            problems,
+            at,
+            !patchers.is_empty(),
+            "{writers:?} write pod annotations, but no Role bound to ServiceAccount {account} grants \
+             patch on pods in namespace {shown}: add components/pod-annotator"
+        );
+    }
+}
