@@ -151,13 +151,17 @@ pub struct App {
     config_path: Option<PathBuf>,
     /// `Salad-Api-Key` for gateways, shared by every client and replaced by reloads.
     gateway_key: Arc<GatewayKey>,
+    /// The SaladCloud API key as read at start (the API client's; reloads do not change it).
+    salad_key: Option<String>,
 }
 
 impl App {
     /// Builds the proxy for `config` and binds its listeners (port 0 picks a free port).
     pub async fn bind(config: &Config) -> Result<App, AppError> {
         // Fail on a bad key, CA file or proxy now, before listening, rather than in each worker.
-        let gateway_key = GatewayKey::from_config(&config.salad)?;
+        let salad_key = config.salad.api_key()?;
+        let gateway_key = Arc::new(GatewayKey::default());
+        gateway_key.set(&config.salad, salad_key.as_deref());
         upstream::build_client(config, Arc::clone(&gateway_key))?;
         let registry = Arc::new(Registry::new());
         registry.set_limits(limit::LimitSettings::from_config(&config.concurrency));
@@ -213,6 +217,7 @@ impl App {
             admin_token,
             config_path: None,
             gateway_key,
+            salad_key,
         })
     }
 
@@ -249,15 +254,8 @@ impl App {
         if !salad.api_enabled() {
             return None;
         }
-        let key = match salad.api_key() {
-            Ok(Some(key)) => key,
-            Ok(None) => return None,
-            Err(err) => {
-                tracing::error!(error = %err, "SaladCloud API lookups are off");
-                return None;
-            }
-        };
-        let key = http::HeaderValue::from_str(&key).ok()?;
+        // A key that reads is a valid header value (`SaladConfig::api_key` checks).
+        let key = http::HeaderValue::from_str(self.salad_key.as_deref()?).ok()?;
         // The API client sends the key to the API itself; the gateway key handling is not involved.
         let client = upstream::build_client(&self.config, Arc::new(GatewayKey::default()))
             .map_err(|err| tracing::error!(error = %err, "SaladCloud API lookups are off"))

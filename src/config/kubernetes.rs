@@ -321,9 +321,10 @@ impl KubernetesConfig {
     }
 }
 
-/// A Kubernetes annotation key: an optional DNS-subdomain prefix and `/`, then a name of at most 63
-/// characters of alphanumerics, `-`, `_` and `.`, starting and ending alphanumeric.
-pub fn annotation_key(key: &str) -> Result<(), String> {
+/// A Kubernetes qualified name, the syntax of annotation and label keys: an optional DNS-subdomain
+/// prefix and `/`, then a name of at most 63 characters of alphanumerics, `-`, `_` and `.`, starting
+/// and ending alphanumeric.
+pub fn is_qualified_name(key: &str) -> bool {
     let (prefix, name) = match key.split_once('/') {
         Some((prefix, name)) => (Some(prefix), name),
         None => (None, key),
@@ -341,7 +342,12 @@ pub fn annotation_key(key: &str) -> Result<(), String> {
             && p.bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b))
     });
-    if name_ok && prefix_ok {
+    name_ok && prefix_ok
+}
+
+/// An annotation key tongs may read or write.
+pub fn annotation_key(key: &str) -> Result<(), String> {
+    if is_qualified_name(key) {
         Ok(())
     } else {
         Err(format!(

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 pub use duration::HumanDuration;
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
+    is_qualified_name,
 };
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 

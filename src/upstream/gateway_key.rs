@@ -51,14 +51,6 @@ impl GatewayKey {
         self.current.store(key);
     }
 
-    /// Built from `config`, reading its key.
-    pub fn from_config(config: &SaladConfig) -> Result<Arc<GatewayKey>, crate::config::KeyError> {
-        let key = config.api_key()?;
-        let gateway_key = Arc::new(GatewayKey::default());
-        gateway_key.set(config, key.as_deref());
-        Ok(gateway_key)
-    }
-
     /// Strips any client-sent key from `headers` and adds tongs' own when `uri` is a gateway's.
     pub fn apply(&self, uri: &Uri, headers: &mut HeaderMap) {
         headers.remove(&SALAD_API_KEY);

@@ -132,24 +132,8 @@ pub(super) fn split_top_level(text: &str) -> Vec<&str> {
 }
 
 pub(super) fn label_key(key: &str) -> Result<String, String> {
-    let (prefix, name) = match key.split_once('/') {
-        Some((prefix, name)) => (Some(prefix), name),
-        None => (None, key),
-    };
-    let name_ok = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
-        && name.as_bytes()[0].is_ascii_alphanumeric()
-        && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
-    let prefix_ok = prefix.is_none_or(|p| {
-        !p.is_empty()
-            && p.len() <= 253
-            && p.bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"-.".contains(&b))
-    });
-    if name_ok && prefix_ok {
+    // Label keys are qualified names, like annotation keys.
+    if tongs::config::is_qualified_name(key) {
         Ok(key.to_owned())
     } else {
         Err(format!(
