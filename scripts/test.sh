@@ -7,7 +7,10 @@ cd "$(dirname "$0")/.."
 # Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/cli.rs;
 # a real Prometheus scrapes tongs (tests/prometheus.rs); headless Chromium loads the status page
 # (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs); microsocks and tinyproxy
-# play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/transports.rs).
+# play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/transports.rs); nginx, HAProxy and Caddy
+# are the peers whose configurations the comparison benchmark's smoke pass starts and serves through
+# (benches/compare.rs, run by `cargo test --all-targets`).
+export PATH=$PATH:/usr/sbin:/sbin
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)
 command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
@@ -15,6 +18,9 @@ command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
 command -v microsocks >/dev/null 2>&1 || need+=(microsocks)
 command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
+command -v nginx >/dev/null 2>&1 || need+=(nginx)
+command -v haproxy >/dev/null 2>&1 || need+=(haproxy)
+command -v caddy >/dev/null 2>&1 || need+=(caddy)
 if ((${#need[@]})); then
   echo "test.sh: installing ${need[*]}" >&2
   if [ "$(id -u)" -ne 0 ]; then

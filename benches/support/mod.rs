@@ -1,0 +1,391 @@
+//! What the process-level benchmarks share: the machine's description, settings from the environment,
+//! free loopback ports, processes started and stopped cleanly (tongs' release binary, nginx, HAProxy,
+//! Caddy), and their resource use read from `/proc` (CPU time, RSS, open file descriptors, threads).
+//!
+//! Included by each benchmark with `#[path = "support/mod.rs"] mod support;`; not every benchmark uses
+//! every helper.
+#![allow(dead_code)]
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// "2 CPUs, Intel(R) Xeon(R) ..., 23.4 GiB": what a figure was measured on.
+pub fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find(|line| line.starts_with("model name"))
+        .and_then(|line| line.split_once(':'))
+        .map_or("unknown CPU", |(_, model)| model.trim());
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let memory = kib_field(&meminfo, "MemTotal:").map_or_else(String::new, |kib| {
+        format!(", {:.1} GiB", kib as f64 / 1048576.0)
+    });
+    format!("{cpus} CPUs, {model}{memory}")
+}
+
+/// The date and time now, UTC, to the second.
+pub fn now_utc() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+/// A duration from the environment: `60`, `60s`, `2m`, `500ms`; `default` when unset.
+pub fn env_duration(name: &str, default: Duration) -> Result<Duration> {
+    let Ok(text) = std::env::var(name) else {
+        return Ok(default);
+    };
+    let text = text.trim();
+    match text.parse::<u64>() {
+        Ok(seconds) => Ok(Duration::from_secs(seconds)),
+        Err(_) => humantime::parse_duration(text)
+            .with_context(|| format!("{name}={text:?} is not a duration such as 60s")),
+    }
+}
+
+/// A number from the environment; `default` when unset.
+pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
+    match std::env::var(name) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .ok()
+            .with_context(|| format!("{name}={text:?} is not a number")),
+        Err(_) => Ok(default),
+    }
+}
+
+/// A free port on 127.0.0.1 (bound, then released for a process to take).
+pub fn free_addr() -> Result<SocketAddr> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    listener.local_addr().context("finding a free port")
+}
+
+/// Finds `name` on PATH or in /usr/sbin and /sbin (where Debian puts nginx and HAProxy).
+pub fn find_program(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|dir| dir.join(name))
+        .find(|candidate| candidate.is_file())
+}
+
+/// The tongs binary cargo built for this benchmark (the release profile under `cargo bench`).
+pub fn tongs_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tongs"))
+}
+
+/// A directory under the system's temporary directory, removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Result<TempDir> {
+        let stamp = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos());
+        let dir =
+            std::env::temp_dir().join(format!("tongs-{prefix}-{}-{stamp}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Resource use of one or more processes (all their threads), read from `/proc`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    /// utime + stime.
+    pub cpu: Duration,
+    /// Resident set now (VmRSS), KiB.
+    pub rss_kib: u64,
+    /// Peak resident set (VmHWM), KiB.
+    pub peak_rss_kib: u64,
+    /// Open file descriptors.
+    pub fds: u64,
+    pub threads: u64,
+}
+
+/// Sums the usage of `pids`; processes that are gone count nothing.
+pub fn usage(pids: &[u32]) -> Usage {
+    let ticks_per_second = clock_ticks();
+    let mut total = Usage::default();
+    for &pid in pids {
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // Fields after the command name (which may hold spaces and parentheses).
+            if let Some((_, rest)) = stat.rsplit_once(") ") {
+                let fields: Vec<&str> = rest.split_whitespace().collect();
+                // state is field 3 of stat; utime and stime are 14 and 15, so 11 and 12 here.
+                let ticks: u64 = [11, 12]
+                    .iter()
+                    .filter_map(|&i| fields.get(i)?.parse::<u64>().ok())
+                    .sum();
+                total.cpu += Duration::from_secs_f64(ticks as f64 / ticks_per_second);
+            }
+        }
+        if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            total.rss_kib += kib_field(&status, "VmRSS:").unwrap_or(0);
+            total.peak_rss_kib += kib_field(&status, "VmHWM:").unwrap_or(0);
+            total.threads += kib_field(&status, "Threads:").unwrap_or(0);
+        }
+        if let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+            total.fds += entries.count() as u64;
+        }
+    }
+    total
+}
+
+/// A numeric field of a /proc status-like text ("VmRSS:   1234 kB" → 1234).
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .find(|line| line.starts_with(name))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|out| String::from_utf8_lossy(&out.stdout).trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// Processes whose parent is `pid`, from /proc.
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&candidate| {
+            std::fs::read_to_string(format!("/proc/{candidate}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let (_, rest) = stat.rsplit_once(") ")?;
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
+/// A process this benchmark started, with its stderr in a log file. Dropping it sends SIGTERM, waits
+/// up to 5 s, then kills it and any children it left (nginx's and HAProxy's workers).
+pub struct Process {
+    name: String,
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+impl Process {
+    /// Starts `command` with stdin and stdout closed and stderr (and stdout) in `log`.
+    pub fn spawn(name: &str, mut command: Command, log: PathBuf) -> Result<Process> {
+        let stderr = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let stdout = stderr
+            .try_clone()
+            .with_context(|| format!("opening {}", log.display()))?;
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr)
+            .spawn()
+            .with_context(|| format!("starting {name} ({command:?})"))?;
+        Ok(Process {
+            name: name.to_owned(),
+            child: Some(child),
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, Child::id)
+    }
+
+    /// The process and its children (a master and its workers).
+    pub fn pids(&self) -> Vec<u32> {
+        let pid = self.pid();
+        let mut pids = vec![pid];
+        pids.extend(children_of(pid));
+        pids
+    }
+
+    pub fn usage(&self) -> Usage {
+        usage(&self.pids())
+    }
+
+    /// The end of the log, for error messages.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_mut().and_then(|child| child.try_wait().ok()?)
+    }
+
+    /// Waits (at most `limit`) until `addr` accepts TCP connections.
+    pub fn wait_listening(&mut self, addr: SocketAddr, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.exited() {
+                bail!(
+                    "{} exited at start-up ({status}):\n{}",
+                    self.name,
+                    self.log_tail()
+                );
+            }
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!(
+            "{} did not listen on {addr} within {limit:?}:\n{}",
+            self.name,
+            self.log_tail()
+        )
+    }
+
+    /// Waits (at most `limit`) until GET `url` answers 200.
+    pub async fn wait_ok(&mut self, url: &str, limit: Duration) -> Result<()> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.exited() {
+                bail!(
+                    "{} exited at start-up ({status}):\n{}",
+                    self.name,
+                    self.log_tail()
+                );
+            }
+            if matches!(get(url).await, Ok((200, _))) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!(
+            "{} did not answer 200 at {url} within {limit:?}:\n{}",
+            self.name,
+            self.log_tail()
+        )
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let pid = child.id();
+        let children = children_of(pid);
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .stderr(Stdio::null())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if matches!(child.try_wait(), Ok(None)) {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+        for orphan in children {
+            let _ = Command::new("kill")
+                .args(["-KILL", &orphan.to_string()])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// tongs' release binary running `tongs run --config FILE`.
+pub struct TongsProcess {
+    pub process: Process,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    _dir: TempDir,
+}
+
+impl TongsProcess {
+    /// Writes `config` (YAML without `listen` or `admin`, which this adds on free ports) and starts
+    /// tongs on it; returns once `/readyz` answers 200 (within 30 s).
+    pub async fn start(config: &str) -> Result<TongsProcess> {
+        let dir = TempDir::new("bench-tongs")?;
+        let addr = free_addr()?;
+        let admin = free_addr()?;
+        let text = format!("listen: {addr}\nadmin: {{ listen: {admin} }}\n{config}");
+        let path = dir.path().join("tongs.yaml");
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        let mut command = Command::new(tongs_binary());
+        command
+            .arg("run")
+            .arg("--config")
+            .arg(&path)
+            .env("RUST_LOG", "warn");
+        let mut process = Process::spawn("tongs", command, dir.path().join("tongs.log"))?;
+        process
+            .wait_ok(&format!("http://{admin}/readyz"), Duration::from_secs(30))
+            .await?;
+        Ok(TongsProcess {
+            process,
+            addr,
+            admin,
+            _dir: dir,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// The value of one unlabelled sample in tongs' Prometheus text (`/metrics`).
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let (_, text) = get(&format!("http://{}/metrics", self.admin)).await.ok()?;
+        text.lines()
+            .find(|line| line.split_whitespace().next() == Some(name))?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
+    }
+}
+
+/// GET `url` over HTTP/1.1 with a 5 s limit: status and body as text.
+pub async fn get(url: &str) -> Result<(u16, String)> {
+    let client: Client<_, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let uri: http::Uri = url.parse().with_context(|| format!("bad URL {url}"))?;
+    let response = tokio::time::timeout(Duration::from_secs(5), client.get(uri))
+        .await
+        .with_context(|| format!("GET {url} timed out"))?
+        .with_context(|| format!("GET {url}"))?;
+    let status = response.status().as_u16();
+    let body = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect())
+        .await
+        .with_context(|| format!("GET {url}: body timed out"))?
+        .with_context(|| format!("GET {url}: body"))?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
