@@ -102,6 +102,8 @@ impl Worker {
                 return;
             }
         };
+        // Counted until the worker has drained; declared after the runtime, so dropped before it.
+        let _watch = self.proxy.metrics().watch_runtime(runtime.handle().clone());
         runtime.block_on(async move {
             let listener = match TcpListener::from_std(self.listener) {
                 Ok(listener) => listener,
@@ -271,6 +273,12 @@ impl App {
 
     /// Serves until `shutdown` is cancelled, then drains and returns.
     pub async fn run(self, shutdown: CancellationToken) {
+        // The runtime this runs on holds the admin port, heartbeats, discovery and reloads; each worker
+        // adds its own below.
+        let _watch = self
+            .proxy
+            .metrics()
+            .watch_runtime(tokio::runtime::Handle::current());
         tracing::info!(
             listen = %self.proxy_addr(),
             admin = %self.admin_addr(),

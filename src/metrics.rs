@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use metrics::{Counter, Key, Label, Level, Metadata, Recorder};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
@@ -191,9 +192,14 @@ pub const REGISTRATIONS: Spec = spec(
     "counter",
     "Node self-registrations, by result.",
 );
+pub const RUNTIME_TASKS: Spec = spec(
+    "tongs_runtime_tasks",
+    "gauge",
+    "Tokio tasks alive, summed over tongs' runtimes (the main one and each worker's); one that only grows is a task leak.",
+);
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 32] = [
+pub const CATALOG: [&Spec; 33] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -226,6 +232,7 @@ pub const CATALOG: [&Spec; 32] = [
     &DISCOVERY_LISTS,
     &SALAD_LOOKUPS,
     &REGISTRATIONS,
+    &RUNTIME_TASKS,
 ];
 
 pub const UPTIME: Spec = spec(
@@ -292,6 +299,42 @@ impl Buckets {
     }
 }
 
+/// The tokio runtimes this proxy runs on, for [`RUNTIME_TASKS`]: the one `App::run` is called on and
+/// each worker thread's own. Read at scrape time, so the figure is current and costs nothing between
+/// scrapes; a runtime leaves the list when the code that runs on it ends.
+#[derive(Default)]
+struct Runtimes {
+    next_id: AtomicU64,
+    handles: Mutex<Vec<(u64, tokio::runtime::Handle)>>,
+}
+
+impl Runtimes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(u64, tokio::runtime::Handle)>> {
+        self.handles
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn alive_tasks(&self) -> usize {
+        self.lock()
+            .iter()
+            .map(|(_, handle)| handle.metrics().num_alive_tasks())
+            .sum()
+    }
+}
+
+/// Keeps a runtime counted in [`RUNTIME_TASKS`] until dropped.
+pub struct RuntimeWatch {
+    runtimes: Arc<Runtimes>,
+    id: u64,
+}
+
+impl Drop for RuntimeWatch {
+    fn drop(&mut self) {
+        self.runtimes.lock().retain(|(id, _)| *id != self.id);
+    }
+}
+
 /// How a request ended, for [`REQUESTS`] and [`REQUEST_DURATION`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
@@ -336,6 +379,7 @@ pub struct Metrics {
     reloads_applied: Counter,
     reloads_invalid: Counter,
     started: Instant,
+    runtimes: Arc<Runtimes>,
 }
 
 static METADATA: Metadata<'static> = Metadata::new("tongs", Level::INFO, Some("tongs::metrics"));
@@ -387,7 +431,23 @@ impl Metrics {
             handle,
             recorder,
             started: Instant::now(),
+            runtimes: Arc::default(),
         }
+    }
+
+    /// Counts the tasks of the runtime behind `handle` in [`RUNTIME_TASKS`] while the watch lives.
+    pub fn watch_runtime(&self, handle: tokio::runtime::Handle) -> RuntimeWatch {
+        let id = self.runtimes.next_id.fetch_add(1, Ordering::Relaxed);
+        self.runtimes.lock().push((id, handle));
+        RuntimeWatch {
+            runtimes: Arc::clone(&self.runtimes),
+            id,
+        }
+    }
+
+    /// Tasks alive on the watched runtimes now.
+    pub fn runtime_tasks(&self) -> usize {
+        self.runtimes.alive_tasks()
     }
 
     /// A request ended with `status` after `took`.
@@ -436,6 +496,13 @@ impl Metrics {
         header(&mut out, &QUEUE_WAIT);
         self.queue_wait.render(&mut out, QUEUE_WAIT.name, ("", ""));
         render_state(&mut out, proxy, self.started);
+        header(&mut out, &RUNTIME_TASKS);
+        sample(
+            &mut out,
+            RUNTIME_TASKS.name,
+            &[],
+            self.runtime_tasks() as f64,
+        );
         out
     }
 }
@@ -652,6 +719,31 @@ mod tests {
                 assert!(spec.name.ends_with("_total"), "{}", spec.name);
             }
         }
+    }
+
+    #[test]
+    fn runtime_tasks_count_watched_runtimes_while_watched() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let metrics = Metrics::new();
+        let watch = metrics.watch_runtime(runtime.handle().clone());
+        assert_eq!(metrics.runtime_tasks(), 0);
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        let task = runtime.spawn(async move {
+            let _ = finished.await;
+        });
+        let _pending = runtime.spawn(std::future::pending::<()>());
+        assert_eq!(metrics.runtime_tasks(), 2);
+        let _ = done.send(());
+        runtime.block_on(task).unwrap();
+        assert_eq!(metrics.runtime_tasks(), 1);
+        drop(watch);
+        assert_eq!(
+            metrics.runtime_tasks(),
+            0,
+            "an unwatched runtime counts nothing"
+        );
     }
 
     #[test]

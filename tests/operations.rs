@@ -3,11 +3,17 @@
 
 mod support;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http::Response;
+use http_body_util::{BodyExt, StreamBody};
 use support::*;
-use tongs::config::EndpointUrl;
-use tongs::metrics::CATALOG;
+use tokio_util::sync::CancellationToken;
+use tongs::App;
+use tongs::config::{Config, EndpointUrl};
+use tongs::metrics::{CATALOG, RUNTIME_TASKS};
 use tongs::registry::EndpointSpec;
 
 fn specs(urls: &[String]) -> Vec<EndpointSpec> {
@@ -249,4 +255,149 @@ async fn a_bearer_token_guards_the_admin_port_but_not_the_probes() {
     }
     proxy.stop().await;
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A proxy on a runtime of its own, in its own thread, as `tongs run` has one: so the runtime gauge
+/// counts tongs' tasks and not this test's clients and backends.
+struct OwnRuntimeProxy {
+    addr: SocketAddr,
+    admin: SocketAddr,
+    shutdown: CancellationToken,
+    thread: std::thread::JoinHandle<()>,
+    /// Every scrape goes over this client's one kept-alive connection, so scrapes add one task, always
+    /// the same, rather than one per scrape that lingers while it closes.
+    scraper: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        TestBody,
+    >,
+}
+
+impl OwnRuntimeProxy {
+    async fn start(config: Config) -> OwnRuntimeProxy {
+        let (bound, addrs) = tokio::sync::oneshot::channel();
+        let shutdown = CancellationToken::new();
+        let stop = shutdown.clone();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap();
+            runtime.block_on(async move {
+                let app = App::bind(&config).await.expect("proxy binds");
+                let _ = bound.send((app.proxy_addr(), app.admin_addr()));
+                app.run(stop).await;
+            });
+        });
+        let (addr, admin) = addrs.await.expect("the proxy thread started");
+        OwnRuntimeProxy {
+            addr,
+            admin,
+            shutdown,
+            thread,
+            scraper: client(),
+        }
+    }
+
+    async fn tasks(&self) -> f64 {
+        let url = format!("http://{}/metrics", self.admin);
+        let response = tokio::time::timeout(HANG, self.scraper.get(url.parse().unwrap()))
+            .await
+            .expect("a scrape within HANG")
+            .expect("a scrape");
+        assert_eq!(response.status(), 200);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let text = String::from_utf8_lossy(&body);
+        value(&text, RUNTIME_TASKS.name).unwrap_or_else(|| panic!("no gauge in\n{text}"))
+    }
+
+    /// The gauge once it has read the same three times in a row, 100 ms apart (`run` spawns its
+    /// background tasks while the admin port already answers).
+    async fn settled_tasks(&self) -> f64 {
+        let mut last = self.tasks().await;
+        let mut same = 1;
+        for _ in 0..50 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let now = self.tasks().await;
+            same = if now == last { same + 1 } else { 1 };
+            last = now;
+            if same == 3 {
+                break;
+            }
+        }
+        last
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        let thread = self.thread;
+        tokio::task::spawn_blocking(move || thread.join())
+            .await
+            .unwrap()
+            .expect("the proxy thread ends cleanly");
+    }
+}
+
+#[tokio::test]
+async fn runtime_tasks_rise_with_open_streams_and_fall_back() {
+    // Each stream sends one event, then stays open until the client goes away.
+    let backend = backend(|_request| async {
+        let first = futures::stream::once(async {
+            Ok::<_, BoxError>(http_body::Frame::data(Bytes::from_static(b"data: 1\n\n")))
+        });
+        let body = StreamBody::new(futures::StreamExt::chain(first, futures::stream::pending()));
+        Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(BodyExt::boxed(body))
+            .unwrap()
+    })
+    .await;
+    let config = config_with("workers: 2\n", &[backend.url()]);
+    let proxy = OwnRuntimeProxy::start(config).await;
+    let idle = proxy.settled_tasks().await;
+    // The admin port's accept loop, discovery, and the connection of the scrape itself at least.
+    assert!(idle >= 3.0, "tasks while idle: {idle}");
+
+    const STREAMS: usize = 16;
+    let mut open = Vec::new();
+    for _ in 0..STREAMS {
+        let client = client();
+        let response = client
+            .get(
+                format!("http://{}/v1/completions", proxy.addr)
+                    .parse()
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        tokio::time::timeout(HANG, body.frame())
+            .await
+            .expect("the first event arrives")
+            .expect("a frame")
+            .expect("data");
+        open.push((client, body));
+    }
+    let busy = proxy.tasks().await;
+    // Per stream, at least the client connection's task in a worker (and the endpoint connection's).
+    assert!(
+        busy >= idle + STREAMS as f64,
+        "{STREAMS} streams open: {busy} tasks, idle {idle}"
+    );
+
+    // Clients leaving cancel their streams: both connections of each close, and their tasks end.
+    drop(open);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut now = proxy.tasks().await;
+    while now > idle {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "tasks still {now} (idle {idle}, busy {busy}) 10 s after the streams closed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        now = proxy.tasks().await;
+    }
+    println!("tasks: idle {idle}, {STREAMS} streams open {busy}, after they closed {now}");
+    proxy.stop().await;
 }
