@@ -531,7 +531,7 @@ impl Endpoint {
         self.unhealthy_marks.load(Ordering::Relaxed)
     }
 
-    /// Times the endpoint asked for back-off (429, 503 with Retry-After).
+    /// Times the endpoint asked for back-off (429, 503 with Retry-After), paused or not.
     pub fn cooldowns(&self) -> u64 {
         self.cooldowns.load(Ordering::Relaxed)
     }
@@ -546,6 +546,14 @@ impl Endpoint {
             pause_ms = pause.as_millis() as u64,
             "endpoint asked for back-off"
         );
+    }
+
+    /// Back-pressure from an endpoint still serving others of ours: counted, not paused (the caller
+    /// cuts an adaptive limit instead). Logged at debug: under standing overload it happens many times
+    /// a second.
+    pub fn pushed_back_while_busy(&self) {
+        self.cooldowns.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(endpoint = self.url(), "busy endpoint refused a request");
     }
 
     /// Whether the endpoint asked for back-off that has not ended at `now_ms`.

@@ -714,12 +714,17 @@ impl Proxy {
 
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {
-                // With an adaptive limit, a node that refuses while still serving others of ours is
-                // saying "fewer at once", which the cut answers; pausing it for Retry-After as well would
-                // idle a node that is busy. A node refusing with nothing else of ours in flight, or
-                // without an adaptive limit, is paused as it asked.
+                // A node that refuses while still serving others of ours is saying "fewer at once":
+                // with an adaptive limit the cut answers it; without one the node fills up again and
+                // refuses again, each refusal cheap and retried elsewhere. Pausing it for Retry-After
+                // would idle a node that is busy: under standing overload every node would sit paused
+                // for most of each second while requests waited. A node refusing with nothing else of
+                // ours in flight is paused as it asked.
                 let busy = endpoint.outstanding() > 1;
-                if !(busy && endpoint.limit_back_pressure(Instant::now())) {
+                if busy {
+                    endpoint.pushed_back_while_busy();
+                    endpoint.limit_back_pressure(Instant::now());
+                } else {
                     endpoint.cool_down(
                         retry_after(response.headers(), MAX_COOLDOWN),
                         Instant::now(),
