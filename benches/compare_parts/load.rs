@@ -9,13 +9,14 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use http::{Request, StatusCode, header};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
+use tongs::demo::build_request;
 
 /// A client gives up after this long.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -145,18 +146,6 @@ fn lock(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
     tally
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Bytes>> {
-    let body = format!(r#"{{"prompt":"request {index}","max_tokens":16,"stream":{stream}}}"#);
-    let mut builder = Request::post(format!("{target}/v1/completions"))
-        .header(header::CONTENT_TYPE, "application/json");
-    if stream {
-        builder = builder.header(header::ACCEPT, "text/event-stream");
-    }
-    builder
-        .body(Full::new(Bytes::from(body)))
-        .unwrap_or_else(|_| Request::new(Full::new(Bytes::new())))
 }
 
 /// Bodies the simulated nodes send with a 503: their own load shedding and the gateway's page. Any

@@ -156,23 +156,13 @@ fn cpus() -> usize {
 /// so passive ones mirroring tongs' breaker (3 failures, 5 s out); retries on errors, timeouts and
 /// 502/503/504, POST included (`non_idempotent`), on another server, 3 tries; no queue in OSS.
 fn nginx_config(dir: &Path, listen: &str, upstreams: &[Upstream]) -> String {
-    let dir = dir.display();
+    let head = nginx_head(dir, cpus(), "nginx");
     let servers: String = upstreams
         .iter()
         .map(|u| format!("        server {} max_fails=3 fail_timeout=5s;\n", u.addr))
         .collect();
     format!(
-        "worker_processes {workers};
-pid {dir}/nginx.pid;
-error_log stderr error;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/tmp/body;
-    proxy_temp_path {dir}/tmp/proxy;
-    fastcgi_temp_path {dir}/tmp/fastcgi;
-    uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;
+        "{head}
     upstream fleet {{
         least_conn;
         zone fleet 256k;
@@ -194,7 +184,6 @@ http {{
     }}
 }}
 ",
-        workers = cpus(),
     )
 }
 
@@ -281,7 +270,6 @@ fn caddy_config(port: u16, upstreams: &[Upstream]) -> String {
 
 /// nginx as the instant origin: one worker, two ports, `200 ok` to everything (health checks too).
 pub fn origin_config(dir: &Path, ports: &[u16]) -> String {
-    let dir = dir.display();
     let servers: String = ports
         .iter()
         .map(|port| {
@@ -291,9 +279,16 @@ pub fn origin_config(dir: &Path, ports: &[u16]) -> String {
             )
         })
         .collect();
+    format!("{}\n{servers}}}\n", nginx_head(dir, 1, "origin"))
+}
+
+/// The start of an nginx configuration up to the inside of `http {`: everything nginx would otherwise
+/// write under its compiled-in prefix goes to `dir`.
+fn nginx_head(dir: &Path, workers: usize, name: &str) -> String {
+    let dir = dir.display();
     format!(
-        "worker_processes 1;
-pid {dir}/origin.pid;
+        "worker_processes {workers};
+pid {dir}/{name}.pid;
 error_log stderr error;
 events {{ worker_connections 8192; }}
 http {{
@@ -302,8 +297,6 @@ http {{
     proxy_temp_path {dir}/tmp/proxy;
     fastcgi_temp_path {dir}/tmp/fastcgi;
     uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;
-{servers}}}
-"
+    scgi_temp_path {dir}/tmp/scgi;"
     )
 }

@@ -203,7 +203,9 @@ impl LoadGenerator {
     }
 }
 
-fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Bytes>> {
+/// The inference request the load sends: a small JSON prompt to `/v1/completions`, asking for an SSE
+/// stream when `stream`.
+pub fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Bytes>> {
     let prompt = format!(r#"{{"prompt":"request {index}","max_tokens":16,"stream":{stream}}}"#);
     let mut builder = Request::post(format!("{target}/v1/completions"))
         .header(header::CONTENT_TYPE, "application/json");
