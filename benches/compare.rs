@@ -590,9 +590,10 @@ async fn run(settings: Settings) -> Result<()> {
         return smoke_check(&rows);
     }
     if let Some(path) = &settings.results {
+        let header: String = header.lines().map(|line| format!("- {line}\n")).collect();
         let text = format!(
-            "# tongs against the peers\n\nWritten by `bash benches/compare` (`benches/compare.rs`).\n\n\
-             {header}\n{table}\n{verdicts}"
+            "# tongs against the peers\n\nWritten by `bash benches/compare` (`benches/compare.rs`); what the \
+             figures mean and where tongs loses: `benches/README.md`.\n\n{header}\n{table}\n{verdicts}"
         );
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
         println!("\nwritten to {}", path.display());
