@@ -13,11 +13,13 @@
 //! nginx when it is missing; without it the nginx row is skipped with a note. Under
 //! `cargo test --all-targets` (no `--bench` argument) nothing runs.
 
+#[path = "support/mod.rs"]
+mod support;
+
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::net::{SocketAddr, TcpStream};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, bail};
@@ -26,6 +28,8 @@ use tongs::App;
 use tongs::config::Config;
 use tongs::demo::{LoadGenerator, LoadPlan, Outcome};
 use tongs::sim::{Fleet, FleetConfig, NodeSpec, ResponseKind};
+
+use support::{Process, TempDir, env_duration};
 
 /// The fleet, fastest first: name and mean service time in milliseconds.
 const NODES: [(&str, u64); 6] = [
@@ -74,11 +78,11 @@ struct Settings {
 
 impl Settings {
     fn from_env() -> Result<Settings> {
-        let duration = duration_from_env("DURATION", Duration::from_secs(60))?;
+        let duration = env_duration("DURATION", Duration::from_secs(60))?;
         if duration < Duration::from_secs(1) {
             bail!("DURATION is too short: at least 1s");
         }
-        let warmup = duration_from_env("WARMUP", Duration::from_secs(5))?;
+        let warmup = env_duration("WARMUP", Duration::from_secs(5))?;
         let load = match std::env::var("LOAD") {
             Ok(text) => {
                 let load: f64 = text
@@ -106,18 +110,6 @@ impl Settings {
             load,
             contenders,
         })
-    }
-}
-
-fn duration_from_env(name: &str, default: Duration) -> Result<Duration> {
-    let Ok(text) = std::env::var(name) else {
-        return Ok(default);
-    };
-    let text = text.trim();
-    match text.parse::<u64>() {
-        Ok(seconds) => Ok(Duration::from_secs(seconds)),
-        Err(_) => humantime::parse_duration(text)
-            .with_context(|| format!("{name}={text:?} is not a duration such as 60s")),
     }
 }
 
@@ -187,7 +179,7 @@ async fn run(settings: Settings) -> Result<()> {
         "date: {}",
         humantime::format_rfc3339_seconds(SystemTime::now())
     );
-    println!("machine: {}", machine());
+    println!("machine: {}", support::machine());
     println!(
         "scenario: 6 nodes, mean service {} ms (lognormal spread {SPREAD}), capacity {CAPACITY} each, \
          node queue {NODE_QUEUE}, no interruptions, JSON answers; fleet capacity {capacity:.1} req/s; \
@@ -213,7 +205,7 @@ async fn run(settings: Settings) -> Result<()> {
             Contender::ExpectedLatency | Contender::LeastOutstanding => {
                 run_tongs(contender, &fleet, rate, &settings).await
             }
-            Contender::Nginx => match find_nginx() {
+            Contender::Nginx => match support::find_program("nginx") {
                 Some(nginx) => run_nginx(&nginx, &fleet, rate, &settings).await,
                 None => {
                     println!(
@@ -230,20 +222,6 @@ async fn run(settings: Settings) -> Result<()> {
     println!();
     print_shares(&runs);
     Ok(())
-}
-
-fn machine() -> String {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|line| line.starts_with("model name"))
-                .and_then(|line| line.split_once(':'))
-                .map(|(_, model)| model.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".to_owned());
-    format!("{cpus} CPUs, {model}")
 }
 
 /// Waits until no request is left at any node (at most a minute), then lets the fleet rest.
@@ -369,215 +347,65 @@ async fn run_tongs(
 // ---------------------------------------------------------------------------------------------------
 // nginx, a real process.
 
-fn find_nginx() -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-        .map(|dir| dir.join("nginx"))
-        .find(|candidate| candidate.is_file())
+/// nginx as the contender: `least_conn` with `zone` (so the workers share their counts, as tongs'
+/// counters are shared), one worker per CPU, upstream keepalive, HTTP/1.1 upstream.
+fn nginx_config(dir: &Path, listen: SocketAddr, fleet: &Fleet) -> String {
+    let workers = std::thread::available_parallelism().map_or(1, usize::from);
+    let servers: String = fleet
+        .nodes()
+        .iter()
+        .map(|node| format!("        server {};\n", node.addr()))
+        .collect();
+    format!(
+        "{head}
+    upstream fleet {{
+        least_conn;
+        zone fleet 64k;
+{servers}        keepalive 64;
+    }}
+    server {{
+        listen {listen};
+        location / {{
+            proxy_pass http://fleet;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_read_timeout 100s;
+        }}
+    }}
+}}
+",
+        head = support::nginx_head(dir, workers, 8192, "nginx"),
+    )
 }
 
-fn nginx_version(nginx: &Path) -> String {
-    // `nginx -v` writes "nginx version: nginx/1.22.1" to stderr.
-    Command::new(nginx)
-        .arg("-v")
-        .output()
-        .ok()
-        .and_then(|out| {
-            String::from_utf8_lossy(&out.stderr)
-                .trim()
-                .rsplit_once('/')
-                .map(|(_, version)| version.to_owned())
-        })
-        .unwrap_or_else(|| "unknown version".to_owned())
-}
-
-/// A running nginx with its temporary prefix directory; dropping it stops nginx (master and workers)
-/// and removes the directory.
-struct Nginx {
-    child: Option<Child>,
-    dir: PathBuf,
-    addr: SocketAddr,
-}
-
-impl Nginx {
-    fn start(nginx: &Path, fleet: &Fleet) -> Result<Nginx> {
-        let stamp = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |since| since.as_nanos());
-        let dir = std::env::temp_dir().join(format!("tongs-mixed-{}-{stamp}", std::process::id()));
-        std::fs::create_dir_all(dir.join("tmp"))
-            .with_context(|| format!("creating {}", dir.display()))?;
-        // From here on the guard owns the directory, so an early return removes it.
-        let mut guard = Nginx {
-            child: None,
-            dir,
-            addr: free_port()?,
-        };
-        let workers = std::thread::available_parallelism().map_or(1, usize::from);
-        let dir = guard.dir.display().to_string();
-        let servers: String = fleet
-            .nodes()
-            .iter()
-            .map(|node| format!("        server {};\n", node.addr()))
-            .collect();
-        // `zone` shares the upstream's state between the workers, so least_conn counts every
-        // worker's connections, as tongs' shared counters do.
-        let conf = format!(
-            "worker_processes {workers};\n\
-             pid {dir}/nginx.pid;\n\
-             error_log stderr warn;\n\
-             events {{ worker_connections 8192; }}\n\
-             http {{\n    \
-                 access_log off;\n    \
-                 client_body_temp_path {dir}/tmp/body;\n    \
-                 proxy_temp_path {dir}/tmp/proxy;\n    \
-                 fastcgi_temp_path {dir}/tmp/fastcgi;\n    \
-                 uwsgi_temp_path {dir}/tmp/uwsgi;\n    \
-                 scgi_temp_path {dir}/tmp/scgi;\n    \
-                 upstream fleet {{\n        \
-                     least_conn;\n        \
-                     zone fleet 64k;\n\
-             {servers}        \
-                     keepalive 64;\n    \
-                 }}\n    \
-                 server {{\n        \
-                     listen {addr};\n        \
-                     location / {{\n            \
-                         proxy_pass http://fleet;\n            \
-                         proxy_http_version 1.1;\n            \
-                         proxy_set_header Connection \"\";\n            \
-                         proxy_read_timeout 100s;\n        \
-                     }}\n    \
-                 }}\n\
-             }}\n",
-            addr = guard.addr,
-        );
-        let conf_path = guard.dir.join("nginx.conf");
-        std::fs::write(&conf_path, conf)
-            .with_context(|| format!("writing {}", conf_path.display()))?;
-        let stderr_path = guard.dir.join("stderr.log");
-        let stderr = File::create(&stderr_path)
-            .with_context(|| format!("creating {}", stderr_path.display()))?;
-        let child = Command::new(nginx)
-            .arg("-e")
-            .arg("stderr")
-            .arg("-c")
-            .arg(&conf_path)
-            .arg("-p")
-            .arg(&guard.dir)
-            .arg("-g")
-            .arg("daemon off;")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr)
-            .spawn()
-            .with_context(|| format!("starting {}", nginx.display()))?;
-        guard.child = Some(child);
-        guard.wait_ready(&stderr_path)?;
-        Ok(guard)
-    }
-
-    /// Waits (at most 10 s) until nginx accepts connections.
-    fn wait_ready(&mut self, stderr_path: &Path) -> Result<()> {
-        let log = || std::fs::read_to_string(stderr_path).unwrap_or_default();
-        for _ in 0..200 {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                bail!("nginx exited at startup ({status}):\n{}", log());
-            }
-            if TcpStream::connect_timeout(&self.addr, Duration::from_millis(200)).is_ok() {
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        bail!(
-            "nginx did not listen on {} within 10 s:\n{}",
-            self.addr,
-            log()
-        )
-    }
-
-    fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let master = child.id();
-            let workers = children_of(master);
-            // SIGTERM: the master stops its workers, then exits.
-            let _ = Command::new("kill")
-                .args(["-TERM", &master.to_string()])
-                .stderr(Stdio::null())
-                .status();
-            let mut exited = false;
-            for _ in 0..100 {
-                if !matches!(child.try_wait(), Ok(None)) {
-                    exited = true;
-                    break;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            if !exited {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            // Workers outlive a master that had to be killed; stop any still there.
-            for worker in workers {
-                if is_nginx(worker) {
-                    let _ = Command::new("kill")
-                        .args(["-KILL", &worker.to_string()])
-                        .stderr(Stdio::null())
-                        .status();
-                }
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// A free port on 127.0.0.1 (bound, then released for nginx to take).
-fn free_port() -> Result<SocketAddr> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    listener.local_addr().context("finding a free port")
-}
-
-/// Processes whose parent is `pid`, from /proc.
-fn children_of(pid: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|&candidate| {
-            std::fs::read_to_string(format!("/proc/{candidate}/stat"))
-                .ok()
-                // Fields after the command name (which may hold spaces): state, then the parent.
-                .and_then(|stat| {
-                    let (_, rest) = stat.rsplit_once(") ")?;
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(pid)
-        })
-        .collect()
-}
-
-fn is_nginx(pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| cmdline.starts_with(b"nginx"))
+/// Starts nginx in front of the fleet; dropping the result stops it (master and workers).
+fn start_nginx(nginx: &Path, fleet: &Fleet) -> Result<(Process, TempDir, SocketAddr)> {
+    let dir = TempDir::new("mixed-nginx")?;
+    std::fs::create_dir_all(dir.path().join("tmp"))?;
+    let addr = support::free_addr()?;
+    let conf_path = dir.path().join("nginx.conf");
+    std::fs::write(&conf_path, nginx_config(dir.path(), addr, fleet))
+        .with_context(|| format!("writing {}", conf_path.display()))?;
+    let mut command = Command::new(nginx);
+    command
+        .args(["-e", "stderr", "-c"])
+        .arg(&conf_path)
+        .arg("-p")
+        .arg(dir.path())
+        .args(["-g", "daemon off;"]);
+    let mut process = Process::spawn("nginx", command, dir.path().join("stderr.log"))?;
+    process.wait_listening(addr, Duration::from_secs(10))?;
+    Ok((process, dir, addr))
 }
 
 async fn run_nginx(nginx: &Path, fleet: &Fleet, rate: f64, settings: &Settings) -> Result<Run> {
-    let version = nginx_version(nginx);
-    let server = Nginx::start(nginx, fleet).context("nginx")?;
+    let version = support::program_version(nginx, "-v");
+    let (server, _dir, addr) = start_nginx(nginx, fleet).context("nginx")?;
     let label = format!("nginx {version}, least_conn");
     let run = measure(
         label,
         Contender::Nginx,
-        &server.url(),
+        &format!("http://{addr}"),
         fleet,
         rate,
         settings,

@@ -966,21 +966,6 @@ async fn tongs_streams(settings: &Settings, upstream: &SseUpstream) -> Result<St
     .await
 }
 
-fn nginx_version(nginx: &std::path::Path) -> String {
-    // `nginx -v` writes "nginx version: nginx/1.22.1" to stderr.
-    Command::new(nginx)
-        .arg("-v")
-        .output()
-        .ok()
-        .and_then(|out| {
-            String::from_utf8_lossy(&out.stderr)
-                .trim()
-                .rsplit_once('/')
-                .map(|(_, version)| version.to_owned())
-        })
-        .unwrap_or_else(|| "unknown version".to_owned())
-}
-
 async fn nginx_streams(
     nginx: &std::path::Path,
     settings: &Settings,
@@ -992,39 +977,29 @@ async fn nginx_streams(
     let workers = std::thread::available_parallelism().map_or(1, usize::from);
     // A client and an upstream connection per stream, all of them possibly on one worker.
     let connections = (settings.streams * 2 + 256).max(4096);
-    let prefix = dir.path().display();
     // `zone` shares the upstream's state between the workers (as tongs' counters are shared), least_conn
     // as tongs balances, no buffering so each event goes out as it comes.
     let conf = format!(
-        "worker_processes {workers};\n\
-         worker_rlimit_nofile {connections};\n\
-         pid {prefix}/nginx.pid;\n\
-         error_log stderr warn;\n\
-         events {{ worker_connections {connections}; }}\n\
-         http {{\n\
-         \x20   access_log off;\n\
-         \x20   client_body_temp_path {prefix}/tmp/body;\n\
-         \x20   proxy_temp_path {prefix}/tmp/proxy;\n\
-         \x20   fastcgi_temp_path {prefix}/tmp/fastcgi;\n\
-         \x20   uwsgi_temp_path {prefix}/tmp/uwsgi;\n\
-         \x20   scgi_temp_path {prefix}/tmp/scgi;\n\
-         \x20   upstream sse {{\n\
-         \x20       zone sse 64k;\n\
-         \x20       least_conn;\n\
-         \x20       server {upstream};\n\
-         \x20       keepalive 64;\n\
-         \x20   }}\n\
-         \x20   server {{\n\
-         \x20       listen {addr};\n\
-         \x20       location / {{\n\
-         \x20           proxy_pass http://sse;\n\
-         \x20           proxy_http_version 1.1;\n\
-         \x20           proxy_set_header Connection \"\";\n\
-         \x20           proxy_buffering off;\n\
-         \x20           proxy_read_timeout 100s;\n\
-         \x20       }}\n\
-         \x20   }}\n\
-         }}\n",
+        "{head}
+    upstream sse {{
+        zone sse 64k;
+        least_conn;
+        server {upstream};
+        keepalive 64;
+    }}
+    server {{
+        listen {addr};
+        location / {{
+            proxy_pass http://sse;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_buffering off;
+            proxy_read_timeout 100s;
+        }}
+    }}
+}}
+",
+        head = support::nginx_head(dir.path(), workers, connections, "nginx"),
         upstream = upstream.addr,
     );
     let conf_path = dir.path().join("nginx.conf");
@@ -1046,7 +1021,7 @@ async fn nginx_streams(
     while process.pids().len() <= workers && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let label = format!("nginx {}", nginx_version(nginx));
+    let label = format!("nginx {}", support::program_version(nginx, "-v"));
     stream_run(&label, addr, &process.pids(), upstream, settings).await
 }
 

@@ -89,7 +89,12 @@ pub async fn start_proxy(
                 .arg("-p")
                 .arg(dir.path())
                 .args(["-g", "daemon off;"]);
-            ("nginx.conf", config, command, version_of(&binary, "-v"))
+            (
+                "nginx.conf",
+                config,
+                command,
+                support::program_version(&binary, "-v"),
+            )
         }
         Proxy::Haproxy => {
             let config = haproxy_config(&addr.to_string(), upstreams);
@@ -98,7 +103,12 @@ pub async fn start_proxy(
                 .arg("-db")
                 .arg("-f")
                 .arg(dir.path().join("haproxy.cfg"));
-            ("haproxy.cfg", config, command, version_of(&binary, "-v"))
+            (
+                "haproxy.cfg",
+                config,
+                command,
+                support::program_version(&binary, "-v"),
+            )
         }
         Proxy::Caddy => {
             let config = caddy_config(addr.port(), upstreams);
@@ -109,7 +119,12 @@ pub async fn start_proxy(
                 .env("XDG_DATA_HOME", dir.path())
                 .env("XDG_CONFIG_HOME", dir.path())
                 .env("HOME", dir.path());
-            ("Caddyfile", config, command, version_of(&binary, "version"))
+            (
+                "Caddyfile",
+                config,
+                command,
+                support::program_version(&binary, "version"),
+            )
         }
         Proxy::Tongs | Proxy::TongsAdaptive => unreachable!("tongs is started above"),
     };
@@ -130,24 +145,6 @@ pub async fn start_proxy(
     })
 }
 
-/// The version a program prints ("nginx version: nginx/1.22.1", "HAProxy version 2.6.12-1...",
-/// "v2.6.2 h1:..."), reduced to the number.
-fn version_of(binary: &Path, flag: &str) -> String {
-    let Ok(out) = Command::new(binary).arg(flag).output() else {
-        return "(version unknown)".into();
-    };
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    text.split(|c: char| c.is_whitespace() || c == '/')
-        .map(|word| word.trim_start_matches('v'))
-        .find(|word| word.starts_with(|c: char| c.is_ascii_digit()) && word.contains('.'))
-        .map(|word| word.split('-').next().unwrap_or(word).to_owned())
-        .unwrap_or_else(|| "(version unknown)".into())
-}
-
 fn cpus() -> usize {
     std::thread::available_parallelism().map_or(1, usize::from)
 }
@@ -156,7 +153,7 @@ fn cpus() -> usize {
 /// so passive ones mirroring tongs' breaker (3 failures, 5 s out); retries on errors, timeouts and
 /// 502/503/504, POST included (`non_idempotent`), on another server, 3 tries; no queue in OSS.
 fn nginx_config(dir: &Path, listen: &str, upstreams: &[Upstream]) -> String {
-    let head = nginx_head(dir, cpus(), "nginx");
+    let head = support::nginx_head(dir, cpus(), 8192, "nginx");
     let servers: String = upstreams
         .iter()
         .map(|u| format!("        server {} max_fails=3 fail_timeout=5s;\n", u.addr))
@@ -279,24 +276,8 @@ pub fn origin_config(dir: &Path, ports: &[u16]) -> String {
             )
         })
         .collect();
-    format!("{}\n{servers}}}\n", nginx_head(dir, 1, "origin"))
-}
-
-/// The start of an nginx configuration up to the inside of `http {`: everything nginx would otherwise
-/// write under its compiled-in prefix goes to `dir`.
-fn nginx_head(dir: &Path, workers: usize, name: &str) -> String {
-    let dir = dir.display();
     format!(
-        "worker_processes {workers};
-pid {dir}/{name}.pid;
-error_log stderr error;
-events {{ worker_connections 8192; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/tmp/body;
-    proxy_temp_path {dir}/tmp/proxy;
-    fastcgi_temp_path {dir}/tmp/fastcgi;
-    uwsgi_temp_path {dir}/tmp/uwsgi;
-    scgi_temp_path {dir}/tmp/scgi;"
+        "{}\n{servers}}}\n",
+        support::nginx_head(dir, 1, 8192, "origin")
     )
 }

@@ -79,6 +79,44 @@ pub fn find_program(name: &str) -> Option<PathBuf> {
         .find(|candidate| candidate.is_file())
 }
 
+/// The version a program prints ("nginx version: nginx/1.22.1", "HAProxy version 2.6.12-1...",
+/// "v2.6.2 h1:..."), reduced to the number.
+pub fn program_version(binary: &Path, flag: &str) -> String {
+    let Ok(out) = Command::new(binary).arg(flag).output() else {
+        return "(version unknown)".into();
+    };
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text.split(|c: char| c.is_whitespace() || c == '/')
+        .map(|word| word.trim_start_matches('v'))
+        .find(|word| word.starts_with(|c: char| c.is_ascii_digit()) && word.contains('.'))
+        .map(|word| word.split('-').next().unwrap_or(word).to_owned())
+        .unwrap_or_else(|| "(version unknown)".into())
+}
+
+/// The start of an nginx configuration up to the inside of `http {`: everything nginx would otherwise
+/// write under its compiled-in prefix goes to `dir`.
+pub fn nginx_head(dir: &Path, workers: usize, connections: usize, name: &str) -> String {
+    let dir = dir.display();
+    format!(
+        "worker_processes {workers};
+pid {dir}/{name}.pid;
+error_log stderr error;
+worker_rlimit_nofile {connections};
+events {{ worker_connections {connections}; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/tmp/body;
+    proxy_temp_path {dir}/tmp/proxy;
+    fastcgi_temp_path {dir}/tmp/fastcgi;
+    uwsgi_temp_path {dir}/tmp/uwsgi;
+    scgi_temp_path {dir}/tmp/scgi;"
+    )
+}
+
 /// The tongs binary cargo built for this benchmark (the release profile under `cargo bench`).
 pub fn tongs_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tongs"))
