@@ -27,9 +27,9 @@ use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
-use crate::config::Config;
+use crate::config::{Config, parse_proxy};
 pub use gateway_key::{GatewayKey, SALAD_API_KEY};
-pub use route::{ProxyKind, Route, parse_proxy};
+pub use route::Route;
 
 /// Any error a body can produce, boxed.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,0 +1,277 @@
+//! Noticing and surviving failing endpoints: heartbeats, circuit breakers and retries.
+
+use serde::{Deserialize, Serialize};
+
+use super::{HumanDuration, Problem};
+
+/// Active health checks (heartbeats), one loop per endpoint through the endpoint's own transport.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Heartbeats on (default) or off.
+    pub enabled: bool,
+    /// Path requested with GET; any 2xx passes.
+    pub path: String,
+    /// Time between heartbeats of one endpoint, jittered by ±`jitter`.
+    pub interval: HumanDuration,
+    /// Time between heartbeats while an endpoint is changing state (after a failed heartbeat of a healthy
+    /// endpoint, or a passing one of an unhealthy endpoint), so a verdict comes quickly.
+    pub fast_interval: HumanDuration,
+    /// A heartbeat with no answer within this time fails.
+    pub timeout: HumanDuration,
+    /// Consecutive failed heartbeats that mark an endpoint unhealthy.
+    pub unhealthy_threshold: u32,
+    /// Consecutive passing heartbeats that mark an unhealthy endpoint healthy again.
+    pub healthy_threshold: u32,
+    /// Share of the interval by which each wait is randomly lengthened or shortened (0 ..= 0.5).
+    pub jitter: f64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            path: "/health".into(),
+            interval: HumanDuration::from_secs(2),
+            fast_interval: HumanDuration::from_millis(250),
+            timeout: HumanDuration::from_secs(1),
+            unhealthy_threshold: 2,
+            healthy_threshold: 2,
+            jitter: 0.1,
+        }
+    }
+}
+
+/// Per-endpoint circuit breakers fed by every request's outcome.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    /// Consecutive failed requests that eject an endpoint.
+    pub consecutive_failures: u32,
+    /// First ejection time; doubles with each ejection that follows soon after the last.
+    pub base_ejection: HumanDuration,
+    /// Longest ejection time.
+    pub max_ejection: HumanDuration,
+    /// Largest share of the endpoints (percent) that may be ejected at once; beyond it failures are counted
+    /// but endpoints stay in service, so a blip that hits everything cannot eject the whole fleet.
+    pub max_ejected_percent: u32,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 3,
+            base_ejection: HumanDuration::from_secs(5),
+            max_ejection: HumanDuration::from_secs(60),
+            max_ejected_percent: 50,
+        }
+    }
+}
+
+/// When a failed attempt is retried on another endpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetryConfig {
+    /// Retries on (default). A request can opt out with the header `x-tongs-retry: off`.
+    pub enabled: bool,
+    /// Attempts per request, the first included (1 ..= 8).
+    pub max_attempts: u32,
+    /// What is retried: `connect-failure`, `reset` (connection broken before the response started),
+    /// `timeout` (no response headers within `timeouts.response_headers`), `unhealthy` (heartbeats
+    /// declared the endpoint gone while the attempt waited), `back-pressure` (429, or 503 with
+    /// `Retry-After`), and status codes.
+    pub on: Vec<RetryOn>,
+    /// Backoff before a retry: random between zero and base × 2^(retry − 1), at most `backoff_max`.
+    pub backoff_base: HumanDuration,
+    pub backoff_max: HumanDuration,
+    /// Request bodies up to this size are kept for replay; a larger body streams, and its request is
+    /// retried only if the endpoint received none of it (a connect failure).
+    pub replay_limit_bytes: u64,
+    /// Retries may add at most this share of the request rate (percent) ...
+    pub budget_percent: u32,
+    /// ... plus this many retries per second, so a quiet proxy can still retry.
+    pub budget_min_per_second: u32,
+}
+
+impl Default for RetryConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_attempts: 3,
+            on: RetryOn::defaults(),
+            backoff_base: HumanDuration::from_millis(10),
+            backoff_max: HumanDuration::from_millis(200),
+            replay_limit_bytes: 4 * 1024 * 1024,
+            budget_percent: 20,
+            budget_min_per_second: 10,
+        }
+    }
+}
+
+/// One retryable condition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RetryOn {
+    ConnectFailure,
+    Reset,
+    Timeout,
+    Unhealthy,
+    BackPressure,
+    Status(u16),
+}
+
+impl RetryOn {
+    pub fn defaults() -> Vec<RetryOn> {
+        vec![
+            RetryOn::ConnectFailure,
+            RetryOn::Reset,
+            RetryOn::Timeout,
+            RetryOn::Unhealthy,
+            RetryOn::BackPressure,
+            RetryOn::Status(502),
+            RetryOn::Status(503),
+            RetryOn::Status(504),
+            RetryOn::Status(524),
+        ]
+    }
+}
+
+impl Serialize for RetryOn {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            RetryOn::ConnectFailure => serializer.serialize_str("connect-failure"),
+            RetryOn::Reset => serializer.serialize_str("reset"),
+            RetryOn::Timeout => serializer.serialize_str("timeout"),
+            RetryOn::Unhealthy => serializer.serialize_str("unhealthy"),
+            RetryOn::BackPressure => serializer.serialize_str("back-pressure"),
+            RetryOn::Status(code) => serializer.serialize_u16(*code),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for RetryOn {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = RetryOn;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "connect-failure, reset, timeout, unhealthy, back-pressure, or a status code 500..=599",
+                )
+            }
+            fn visit_u64<E: serde::de::Error>(self, code: u64) -> Result<RetryOn, E> {
+                match u16::try_from(code) {
+                    Ok(code @ 500..=599) => Ok(RetryOn::Status(code)),
+                    _ => Err(E::custom(format!(
+                        "status {code} is not retryable: use 500..=599"
+                    ))),
+                }
+            }
+            fn visit_i64<E: serde::de::Error>(self, code: i64) -> Result<RetryOn, E> {
+                self.visit_u64(u64::try_from(code).unwrap_or(0))
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RetryOn, E> {
+                match text {
+                    "connect-failure" => Ok(RetryOn::ConnectFailure),
+                    "reset" => Ok(RetryOn::Reset),
+                    "timeout" => Ok(RetryOn::Timeout),
+                    "unhealthy" => Ok(RetryOn::Unhealthy),
+                    "back-pressure" => Ok(RetryOn::BackPressure),
+                    other => match other.parse::<u64>() {
+                        Ok(code) => self.visit_u64(code),
+                        Err(_) => Err(E::custom(format!(
+                            "unknown retry condition {other:?}: use connect-failure, reset, timeout, \
+                             unhealthy, back-pressure or a status code"
+                        ))),
+                    },
+                }
+            }
+        }
+        deserializer.deserialize_any(Visit)
+    }
+}
+
+impl HealthConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem =
+            |field: String, message: String| problems.push(Problem { field, message });
+        if self.path.is_empty() || !self.path.starts_with('/') {
+            problem(
+                "health.path".into(),
+                format!("must start with /, got {:?}", self.path),
+            );
+        }
+        for (field, value) in [
+            ("health.unhealthy_threshold", self.unhealthy_threshold),
+            ("health.healthy_threshold", self.healthy_threshold),
+        ] {
+            if value == 0 {
+                problem(field.into(), "must be at least 1".into());
+            }
+        }
+        if !(0.0..=0.5).contains(&self.jitter) {
+            problem(
+                "health.jitter".into(),
+                format!("must be between 0 and 0.5, got {}", self.jitter),
+            );
+        }
+    }
+}
+
+impl BreakerConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem =
+            |field: String, message: String| problems.push(Problem { field, message });
+        if self.consecutive_failures == 0 {
+            problem(
+                "breaker.consecutive_failures".into(),
+                "must be at least 1".into(),
+            );
+        }
+        if self.max_ejection < self.base_ejection {
+            problem(
+                "breaker.max_ejection".into(),
+                format!(
+                    "({}) must be at least breaker.base_ejection ({})",
+                    self.max_ejection, self.base_ejection
+                ),
+            );
+        }
+        if self.max_ejected_percent > 100 {
+            problem(
+                "breaker.max_ejected_percent".into(),
+                format!("must be at most 100, got {}", self.max_ejected_percent),
+            );
+        }
+    }
+}
+
+impl RetryConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem =
+            |field: String, message: String| problems.push(Problem { field, message });
+        if !(1..=8).contains(&self.max_attempts) {
+            problem(
+                "retry.max_attempts".into(),
+                format!("must be between 1 and 8, got {}", self.max_attempts),
+            );
+        }
+        if self.backoff_max < self.backoff_base {
+            problem(
+                "retry.backoff_max".into(),
+                "must be at least retry.backoff_base".into(),
+            );
+        }
+        if self.budget_percent > 1000 {
+            problem(
+                "retry.budget_percent".into(),
+                format!("must be at most 1000, got {}", self.budget_percent),
+            );
+        }
+        if self.budget_min_per_second > 100_000 {
+            problem(
+                "retry.budget_min_per_second".into(),
+                "must be at most 100000".into(),
+            );
+        }
+    }
+}
