@@ -8,7 +8,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode, header};
@@ -19,29 +18,9 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::body::ProxyBody;
+use crate::http::ProxyBody;
 use crate::proxy::Proxy;
-
-/// What the readiness probe reports.
-#[derive(Debug, Default)]
-pub struct Readiness {
-    synced: AtomicBool,
-    draining: AtomicBool,
-}
-
-impl Readiness {
-    pub fn set_synced(&self) {
-        self.synced.store(true, Ordering::Relaxed);
-    }
-
-    pub fn set_draining(&self) {
-        self.draining.store(true, Ordering::Relaxed);
-    }
-
-    pub fn is_ready(&self) -> bool {
-        self.synced.load(Ordering::Relaxed) && !self.draining.load(Ordering::Relaxed)
-    }
-}
+use crate::readiness::Readiness;
 
 /// A response with `body` of `content_type`.
 fn typed(

@@ -9,18 +9,17 @@
 pub mod admin;
 pub mod admission;
 pub mod balance;
-pub mod body;
 pub mod breaker;
 pub mod config;
 pub mod demo;
 pub mod discovery;
 pub mod endpoint;
-pub mod error;
-pub mod headers;
 pub mod health;
+pub mod http;
 pub mod limit;
 pub mod metrics;
 pub mod proxy;
+pub mod readiness;
 pub mod registry;
 pub mod reload;
 pub mod retry;
@@ -36,9 +35,9 @@ use arc_swap::ArcSwap;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::Readiness;
 use crate::config::{Config, HealthConfig};
 use crate::proxy::{Proxy, ProxySettings};
+use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 use crate::server::ServerSettings;
 use crate::upstream::GatewayKey;
@@ -46,12 +45,8 @@ use crate::upstream::GatewayKey;
 /// Why tongs could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
-    #[error("cannot listen for {what} on {addr}: {source}")]
-    Bind {
-        what: String,
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Bind(#[from] server::BindError),
     #[error(transparent)]
     Upstream(#[from] upstream::UpstreamError),
     #[error(transparent)]
@@ -257,7 +252,7 @@ impl App {
             return None;
         }
         // A key that reads is a valid header value (`SaladConfig::api_key` checks).
-        let key = http::HeaderValue::from_str(self.salad_key.as_deref()?).ok()?;
+        let key = ::http::HeaderValue::from_str(self.salad_key.as_deref()?).ok()?;
         // The API client sends the key to the API itself; the gateway key handling is not involved.
         let client = upstream::build_client(&self.config, Arc::new(GatewayKey::default()))
             .map_err(|err| tracing::error!(error = %err, "SaladCloud API lookups are off"))

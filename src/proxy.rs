@@ -29,12 +29,12 @@ use tokio_util::task::TaskTracker;
 
 use crate::admission::{Priority, Reason, Waited};
 use crate::balance::{self, PickContext};
-use crate::body::ProxyBody;
 use crate::breaker::{Admission, BreakerSettings};
 use crate::config::{BalancePolicy, Config, RetryConfig};
 use crate::endpoint::{Eligibility, Endpoint, EndpointId, Outstanding};
-use crate::error::{ProxyError, describe};
-use crate::headers::{self, X_REQUEST_ID};
+use crate::http::ProxyBody;
+use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
+use crate::http::{ProxyError, describe};
 use crate::metrics::{Metrics, Outcome};
 use crate::registry::Registry;
 use crate::retry::{
@@ -42,9 +42,6 @@ use crate::retry::{
     retry_after,
 };
 use crate::upstream::{UpstreamBody, UpstreamClient};
-
-/// A request can opt out of retries with `x-tongs-retry: off` (non-idempotent routes).
-pub static X_TONGS_RETRY: http::HeaderName = http::HeaderName::from_static("x-tongs-retry");
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
 const MAX_COOLDOWN: Duration = Duration::from_secs(30);
@@ -312,12 +309,12 @@ impl Proxy {
         let (mut response, outcome) = self.answer(worker, request, client, started).await;
         let status = response.status().as_u16();
         // A streamed answer is counted when it ends; anything else now.
-        if let Err(finish) = response.body_mut().on_end(Finish {
+        if let Err(finish) = response.body_mut().on_end(Box::new(Finish {
             metrics: Arc::clone(&self.metrics),
             outcome,
             status,
             started,
-        }) {
+        })) {
             drop(finish);
         }
         response
@@ -910,7 +907,7 @@ impl Proxy {
         let body = ProxyBody::upstream(
             first,
             body,
-            outstanding,
+            Box::new(outstanding),
             deadline_timer,
             self.settings().total_timeout,
         );

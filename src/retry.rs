@@ -21,7 +21,8 @@ use hyper::body::Incoming;
 use tower::retry::budget::{Budget, TpsBudget};
 
 use crate::config::RetryConfig;
-use crate::upstream::{BoxError, UpstreamBody};
+use crate::http::BoxError;
+use crate::upstream::UpstreamBody;
 
 /// Why an attempt failed (or was turned away): the very conditions `retry.on` lists.
 pub use crate::config::RetryOn as FailureKind;

@@ -229,7 +229,7 @@ async fn exchange(
     // tongs names the reason of its own refusals; a node's or a gateway's 503 carries no such header.
     let refused_by_tongs = response
         .headers()
-        .contains_key(&crate::error::X_TONGS_REJECT_REASON);
+        .contains_key(&crate::http::headers::X_TONGS_REJECT_REASON);
     // The whole body must arrive: a stream cut short is a failure whatever its status said.
     if response.into_body().collect().await.is_err() {
         return Outcome::Broken;

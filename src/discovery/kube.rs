@@ -27,8 +27,8 @@ use super::Status;
 use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::{Group, LookupError, SaladApi};
-use crate::admin::Readiness;
 use crate::config::KubernetesConfig;
+use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 
 /// The registry source this module writes.

@@ -26,9 +26,9 @@ use ipnet::IpNet;
 use tokio::net::TcpStream;
 use tower::Service;
 
-use super::BoxError;
 use crate::config::ProxyKind;
-use crate::error::describe;
+use crate::http::BoxError;
+use crate::http::describe;
 
 #[derive(Clone, Debug)]
 enum Via {

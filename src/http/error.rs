@@ -7,14 +7,9 @@ use std::time::Duration;
 
 use http::{HeaderValue, Response, StatusCode, header};
 
+use super::body::ProxyBody;
+use super::headers::{X_REQUEST_ID, X_TONGS_REJECT_REASON};
 use crate::admission::Reason;
-use crate::body::ProxyBody;
-use crate::headers::X_REQUEST_ID;
-
-/// Names why tongs itself refused a request (`queue-full`, `queue-timeout`, `no-endpoints`,
-/// `shed-low-priority`).
-pub static X_TONGS_REJECT_REASON: http::HeaderName =
-    http::HeaderName::from_static("x-tongs-reject-reason");
 
 /// A request the proxy could not complete.
 #[derive(Debug, thiserror::Error)]

@@ -1,10 +1,10 @@
 //! The response body handed to clients.
 //!
 //! An endpoint's body is streamed frame by frame as it arrives (Server-Sent Events reach the client as
-//! the endpoint emits them). The body carries the request's [`Outstanding`] guard, so the endpoint counts
-//! the request as in flight until the body has ended, failed, hit the overall deadline, or was dropped
-//! because the client went away — and dropping it drops the endpoint's body too, which closes that
-//! upstream stream and so frees the GPU.
+//! the endpoint emits them). The body carries the request's guards (the endpoint's in-flight count, the
+//! request's metrics), so the endpoint counts the request as in flight until the body has ended, failed,
+//! hit the overall deadline, or was dropped because the client went away — and dropping it drops the
+//! endpoint's body too, which closes that upstream stream and so frees the GPU.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -16,9 +16,13 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::Sleep;
 
-use crate::endpoint::Outstanding;
-use crate::proxy::Finish;
-use crate::upstream::BoxError;
+/// Any error a body or a connection can carry.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Whatever the request path keeps alive while a streamed answer runs; dropped when the stream ends,
+/// fails or hits its deadline, or when the client goes away. Opaque here, so the HTTP layer depends on
+/// nothing above it.
+pub type Guard = Box<dyn Send>;
 
 pin_project! {
     /// A body sent to a client: an endpoint's streamed body, or a small one tongs made itself.
@@ -40,10 +44,10 @@ pin_project! {
             #[pin]
             deadline: Sleep,
             total: Duration,
-            // `None` once the stream has ended: the request stops counting as outstanding right there.
-            outstanding: Option<Outstanding>,
+            // `None` once the stream has ended: what it holds (the endpoint's in-flight count) goes right there.
+            held: Option<Guard>,
             // Counts the request in the metrics when the body goes.
-            finish: Option<Finish>,
+            finish: Option<Guard>,
         },
         Full {
             data: Option<Bytes>,
@@ -57,12 +61,11 @@ pin_project! {
 pub struct TotalTimeout(pub Duration);
 
 impl ProxyBody {
-    /// Streams an endpoint's body (after `first`, a frame already read), counting the request as
-    /// outstanding until it ends.
+    /// Streams an endpoint's body (after `first`, a frame already read), holding `held` until it ends.
     pub fn upstream(
         first: Option<Frame<Bytes>>,
         body: Incoming,
-        outstanding: Outstanding,
+        held: Guard,
         deadline: Sleep,
         total: Duration,
     ) -> Self {
@@ -72,7 +75,7 @@ impl ProxyBody {
                 body,
                 deadline,
                 total,
-                outstanding: Some(outstanding),
+                held: Some(held),
                 finish: None,
             },
         }
@@ -80,7 +83,7 @@ impl ProxyBody {
 
     /// A complete body made by tongs (error messages, admin answers).
     /// Hands `finish` to a streamed body, to drop when the body goes; gives it back for any other body.
-    pub fn on_end(&mut self, finish: Finish) -> Result<(), Finish> {
+    pub fn on_end(&mut self, finish: Guard) -> Result<(), Guard> {
         match &mut self.kind {
             Kind::Upstream { finish: slot, .. } => {
                 *slot = Some(finish);
@@ -119,30 +122,30 @@ impl Body for ProxyBody {
                 body,
                 deadline,
                 total,
-                outstanding,
+                held,
                 finish,
             } => {
                 if let Some(frame) = first.take() {
                     return Poll::Ready(Some(Ok(frame)));
                 }
-                if outstanding.is_none() {
+                if held.is_none() {
                     return Poll::Ready(None);
                 }
                 match body.poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
                     Poll::Ready(Some(Err(err))) => {
-                        *outstanding = None;
+                        *held = None;
                         *finish = None;
                         Poll::Ready(Some(Err(err.into())))
                     }
                     Poll::Ready(None) => {
-                        *outstanding = None;
+                        *held = None;
                         *finish = None;
                         Poll::Ready(None)
                     }
                     Poll::Pending => match deadline.poll(cx) {
                         Poll::Ready(()) => {
-                            *outstanding = None;
+                            *held = None;
                             *finish = None;
                             Poll::Ready(Some(Err(TotalTimeout(*total).into())))
                         }
@@ -157,11 +160,8 @@ impl Body for ProxyBody {
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Upstream {
-                first,
-                body,
-                outstanding,
-                ..
-            } => first.is_none() && (outstanding.is_none() || body.is_end_stream()),
+                first, body, held, ..
+            } => first.is_none() && (held.is_none() || body.is_end_stream()),
             Kind::Full { data } => data.is_none(),
         }
     }
