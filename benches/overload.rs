@@ -526,6 +526,7 @@ async fn run_tongs(
     let app = tongs::App::bind(&config).await.context("starting tongs")?;
     let target = format!("http://{}", app.proxy_addr());
     let registry = Arc::clone(app.registry());
+    let queue = Arc::clone(app.queue());
     let token = CancellationToken::new();
     let server = tokio::spawn(app.run(token.clone()));
 
@@ -537,6 +538,7 @@ async fn run_tongs(
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn(sample(
         Arc::clone(&registry),
+        queue,
         authorities.clone(),
         sampling.clone(),
     ));
@@ -586,6 +588,7 @@ fn by_node<T>(
 
 async fn sample(
     registry: Arc<Registry>,
+    queue: Arc<tongs::admission::Queue>,
     authorities: Vec<String>,
     stop: CancellationToken,
 ) -> Vec<Point> {
@@ -608,7 +611,7 @@ async fn sample(
         .into_iter()
         .map(Option::unwrap_or_default)
         .collect();
-        points.push((start.elapsed(), endpoints, registry.queue().len()));
+        points.push((start.elapsed(), endpoints, queue.len()));
     }
 }
 

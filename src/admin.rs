@@ -18,9 +18,53 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
+use crate::admission::{Queue, Reason};
+use crate::discovery;
 use crate::http::ProxyBody;
+use crate::metrics::{Metrics, Scrape};
 use crate::proxy::Proxy;
 use crate::readiness::Readiness;
+use crate::registry::Registry;
+
+/// What the admin port reads (and, for registrations, writes).
+#[derive(Clone)]
+pub struct State {
+    pub readiness: Arc<Readiness>,
+    /// The request path's settings, counters and fleet latency.
+    pub proxy: Arc<Proxy>,
+    pub registry: Arc<Registry>,
+    pub queue: Arc<Queue>,
+    pub discovery: Arc<discovery::Status>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl State {
+    /// The `/metrics` page: recorded figures plus the state of things now.
+    fn metrics_page(&self) -> String {
+        let now = tokio::time::Instant::now();
+        let slow_start = self.proxy.settings().slow_start;
+        let endpoints: Vec<_> = self
+            .registry
+            .snapshot()
+            .iter()
+            .map(|endpoint| endpoint.view(now, slow_start))
+            .collect();
+        let demand = self.registry.demand(self.queue.len());
+        let stats = self.queue.stats();
+        self.metrics.render(&Scrape {
+            queued: demand.queued,
+            demand: demand.demand,
+            capacity: demand.capacity,
+            rejections: Reason::ALL
+                .into_iter()
+                .map(|reason| (reason.as_str(), stats.rejected(reason)))
+                .collect(),
+            stats: self.proxy.stats(),
+            endpoints: &endpoints,
+            discovery: self.discovery.figures(),
+        })
+    }
+}
 
 /// A response with `body` of `content_type`.
 fn typed(
@@ -80,17 +124,17 @@ fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
     typed(StatusCode::OK, "application/json", body)
 }
 
-fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> Response<ProxyBody> {
-    let registry = proxy.registry();
+fn route(request: &Request<Incoming>, state: &State) -> Response<ProxyBody> {
+    let (registry, proxy, queue) = (&state.registry, &state.proxy, &state.queue);
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
     let mut response = match request.uri().path() {
         "/" => typed(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
         "/healthz" => answer(StatusCode::OK, "ok\n"),
-        "/readyz" if readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
+        "/readyz" if state.readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        "/demand" => json(&registry.demand()),
+        "/demand" => json(&registry.demand(queue.len())),
         "/debug/endpoints" => {
             let now = tokio::time::Instant::now();
             let slow_start = proxy.settings().slow_start;
@@ -99,10 +143,9 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
                 .iter()
                 .map(|e| e.view(now, slow_start))
                 .collect();
-            let queue = registry.queue();
             json(&serde_json::json!({
                 "endpoints": endpoints,
-                "demand": registry.demand(),
+                "demand": registry.demand(queue.len()),
                 "queue": {
                     "waiting": queue.len(),
                     "retry_after_seconds": queue.retry_after(),
@@ -116,7 +159,7 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
         "/metrics" => typed(
             StatusCode::OK,
             "text/plain; version=0.0.4; charset=utf-8",
-            proxy.metrics().render(proxy),
+            state.metrics_page(),
         ),
         _ => answer(
             StatusCode::NOT_FOUND,
@@ -135,12 +178,11 @@ fn route(request: &Request<Incoming>, readiness: &Readiness, proxy: &Proxy) -> R
 pub const REGISTER_PATH: &str = "/v1/nodes/register";
 
 /// `POST /v1/nodes/register`: see [`crate::discovery::register`].
-async fn register(request: Request<Incoming>, proxy: &Proxy) -> Response<ProxyBody> {
+async fn register(request: Request<Incoming>, status: &discovery::Status) -> Response<ProxyBody> {
     use http_body_util::BodyExt;
     if request.method() != Method::POST {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "POST a registration here\n");
     }
-    let status = proxy.registry().discovery();
     let authorization = request
         .headers()
         .get(header::AUTHORIZATION)
@@ -181,13 +223,10 @@ async fn register(request: Request<Incoming>, proxy: &Proxy) -> Response<ProxyBo
 /// Serves the admin endpoints until `shutdown` is cancelled.
 pub async fn serve(
     listener: TcpListener,
-    readiness: Arc<Readiness>,
-    proxy: Arc<Proxy>,
+    state: State,
     token: Option<Arc<str>>,
     shutdown: CancellationToken,
 ) {
-    // Histograms keep atomic buckets until drained; drain them between scrapes too.
-    let mut upkeep = tokio::time::interval(Duration::from_secs(5));
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -196,28 +235,23 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
-            _ = upkeep.tick() => {
-                proxy.metrics().upkeep();
-                continue;
-            }
             accepted = listener.accept() => accepted,
         };
         let Ok((stream, _)) = accepted else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let (readiness, proxy, token) = (Arc::clone(&readiness), Arc::clone(&proxy), token.clone());
+        let (state, token) = (state.clone(), token.clone());
         let service = service_fn(move |request: Request<Incoming>| {
-            let (readiness, proxy, token) =
-                (Arc::clone(&readiness), Arc::clone(&proxy), token.clone());
+            let (state, token) = (state.clone(), token.clone());
             async move {
                 let response = if request.uri().path() == REGISTER_PATH {
                     // Nodes present their own token, not the admin one.
-                    register(request, &proxy).await
+                    register(request, &state.discovery).await
                 } else {
                     match &token {
                         Some(token) if !authorized(&request, token) => unauthorized(),
-                        _ => route(&request, &readiness, &proxy),
+                        _ => route(&request, &state),
                     }
                 };
                 Ok::<_, Infallible>(response)

@@ -15,7 +15,6 @@ use http::uri::{Authority, Scheme};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::admission::Queue;
 use crate::breaker::{Admission, Breaker, BreakerSettings, State, Transition};
 use crate::config::{EndpointUrl, LimitMode};
 use crate::limit::{LimitSettings, Limiter};
@@ -27,6 +26,32 @@ const GATE_PROBING: u64 = u64::MAX;
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
 pub type EndpointId = u64;
+
+/// What an endpoint calls when one of its slots comes free or its limit rises: the owner of the queue
+/// that waits for slots wakes its next request. A callback, so endpoints know nothing of queues.
+#[derive(Clone)]
+pub struct SlotFreed(Arc<dyn Fn() + Send + Sync>);
+
+impl SlotFreed {
+    pub fn new(call: impl Fn() + Send + Sync + 'static) -> SlotFreed {
+        SlotFreed(Arc::new(call))
+    }
+
+    /// Nobody waits for slots (an endpoint built on its own, in tests or benchmarks).
+    pub fn nobody() -> SlotFreed {
+        SlotFreed::new(|| {})
+    }
+
+    pub fn call(&self) {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for SlotFreed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SlotFreed")
+    }
+}
 
 /// One endpoint: where it is, and how loaded it is right now.
 ///
@@ -82,8 +107,8 @@ pub struct Endpoint {
     cooldowns: AtomicU64,
     /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
     limiter: Mutex<Option<Limiter>>,
-    /// The queue to wake when a slot here comes free.
-    queue: OnceLock<Arc<Queue>>,
+    /// Called when a slot here comes free (wakes whoever waits for one).
+    slot_freed: OnceLock<SlotFreed>,
     /// The last heartbeat: when it ended (ms, 0: none yet), how long it took (µs), and whether it passed.
     heartbeat_at: AtomicU64,
     heartbeat_rtt_us: AtomicU64,
@@ -124,9 +149,8 @@ pub struct EndpointView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod: Option<String>,
     pub weight: u32,
-    /// The one word an operator needs first: draining, unhealthy, ejected, probing, cooldown, suspect,
-    /// slow-start or healthy.
-    pub state: &'static str,
+    /// The one word an operator needs first.
+    pub state: EndpointState,
     pub healthy: bool,
     pub suspect: bool,
     pub draining: bool,
@@ -151,17 +175,48 @@ pub struct EndpointView {
     pub last_heartbeat_ok: Option<bool>,
 }
 
-/// Every state an endpoint can be in, as [`EndpointView::state`] names them.
-pub const STATES: [&str; 8] = [
-    "healthy",
-    "slow-start",
-    "suspect",
-    "cooldown",
-    "probing",
-    "ejected",
-    "unhealthy",
-    "draining",
-];
+/// What an endpoint is doing, in the one word an operator needs first. When several hold, the first
+/// that applies in this order names it: draining, unhealthy, ejected, probing, cooldown, suspect,
+/// slow-start, healthy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointState {
+    Healthy,
+    SlowStart,
+    Suspect,
+    Cooldown,
+    Probing,
+    Ejected,
+    Unhealthy,
+    Draining,
+}
+
+impl EndpointState {
+    /// Every state, in the order metrics list them.
+    pub const ALL: [EndpointState; 8] = [
+        EndpointState::Healthy,
+        EndpointState::SlowStart,
+        EndpointState::Suspect,
+        EndpointState::Cooldown,
+        EndpointState::Probing,
+        EndpointState::Ejected,
+        EndpointState::Unhealthy,
+        EndpointState::Draining,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointState::Healthy => "healthy",
+            EndpointState::SlowStart => "slow-start",
+            EndpointState::Suspect => "suspect",
+            EndpointState::Cooldown => "cooldown",
+            EndpointState::Probing => "probing",
+            EndpointState::Ejected => "ejected",
+            EndpointState::Unhealthy => "unhealthy",
+            EndpointState::Draining => "draining",
+        }
+    }
+}
 
 /// Milliseconds from a process-wide epoch to `now`: the form instants take in the endpoints' atomics.
 /// One epoch for all endpoints lets a pick convert the time once, not once per endpoint it looks at.
@@ -213,7 +268,7 @@ impl Endpoint {
             unhealthy_marks: AtomicU64::new(0),
             cooldowns: AtomicU64::new(0),
             limiter: Mutex::new(None),
-            queue: OnceLock::new(),
+            slot_freed: OnceLock::new(),
             heartbeat_at: AtomicU64::new(0),
             heartbeat_rtt_us: AtomicU64::new(0),
             heartbeat_ok: AtomicBool::new(false),
@@ -276,7 +331,8 @@ impl Endpoint {
     /// breaker's and the limiter's).
     pub fn view(&self, now: Instant, slow_start: Duration) -> EndpointView {
         let now_ms = self.millis(now);
-        let breaker = match self.breaker_state() {
+        let breaker_state = self.breaker_state();
+        let breaker = match breaker_state {
             State::Closed { .. } => "closed",
             State::Open { .. } => "open",
             State::HalfOpen { .. } => "half-open",
@@ -289,21 +345,21 @@ impl Endpoint {
         let slow =
             window > 0 && self.effective_weight(now_ms, window) < u64::from(self.weight) * 1000;
         let state = if draining {
-            "draining"
+            EndpointState::Draining
         } else if !healthy {
-            "unhealthy"
-        } else if breaker == "open" {
-            "ejected"
-        } else if breaker == "half-open" {
-            "probing"
+            EndpointState::Unhealthy
+        } else if let State::Open { .. } = breaker_state {
+            EndpointState::Ejected
+        } else if let State::HalfOpen { .. } = breaker_state {
+            EndpointState::Probing
         } else if cooling_down {
-            "cooldown"
+            EndpointState::Cooldown
         } else if suspect {
-            "suspect"
+            EndpointState::Suspect
         } else if slow {
-            "slow-start"
+            EndpointState::SlowStart
         } else {
-            "healthy"
+            EndpointState::Healthy
         };
         let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
         let heartbeat = self.last_heartbeat();
@@ -716,9 +772,9 @@ impl Endpoint {
             .filter(|&us| us > 0)
     }
 
-    /// Where to send wakes when a slot comes free (set once, by the registry).
-    pub fn set_queue(&self, queue: Arc<Queue>) {
-        let _ = self.queue.set(queue);
+    /// What to call when a slot comes free (set once, by the registry).
+    pub fn set_slot_freed(&self, slot_freed: SlotFreed) {
+        let _ = self.slot_freed.set(slot_freed);
     }
 
     /// Applies the limit settings (on creation and on reload). An adaptive limiter keeps what it learnt
@@ -780,9 +836,9 @@ impl Endpoint {
         let limit = limit.min(self.limit_cap);
         let old = self.limit.swap(limit, Ordering::Relaxed);
         if limit > old
-            && let Some(queue) = self.queue.get()
+            && let Some(slot_freed) = self.slot_freed.get()
         {
-            queue.wake_one();
+            slot_freed.call();
         }
     }
 
@@ -820,8 +876,8 @@ impl Drop for Outstanding {
         // SeqCst on both sides of the hand-off (this decrement then the queue's waiting count; a joiner's
         // increment of that count then its look at this one): one of the two always sees the other.
         self.endpoint.outstanding.fetch_sub(1, Ordering::SeqCst);
-        if let Some(queue) = self.endpoint.queue.get() {
-            queue.wake_one();
+        if let Some(slot_freed) = self.endpoint.slot_freed.get() {
+            slot_freed.call();
         }
     }
 }

@@ -27,7 +27,7 @@ use hyper_util::rt::TokioIo;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
-use crate::admission::{Priority, Reason, Waited};
+use crate::admission::{Priority, Queue, Reason, Waited};
 use crate::balance::{self, PickContext};
 use crate::breaker::{Admission, BreakerSettings};
 use crate::config::{BalancePolicy, Config, RetryConfig};
@@ -35,11 +35,10 @@ use crate::endpoint::{Eligibility, Endpoint, EndpointId, Outstanding};
 use crate::http::ProxyBody;
 use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
 use crate::http::{ProxyError, describe};
-use crate::metrics::{Metrics, Outcome};
+use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::registry::Registry;
 use crate::retry::{
-    BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy, RetryStats, classify_status,
-    retry_after,
+    BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy, classify_status, retry_after,
 };
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
@@ -92,28 +91,14 @@ impl ProxySettings {
     }
 }
 
-/// Counters of the request path as a whole (per-endpoint counters live on the endpoint).
-#[derive(Debug, Default)]
-pub struct ProxyStats {
-    /// Requests received.
-    pub requests: AtomicU64,
-    /// Attempts sent to endpoints (requests plus retries).
-    pub attempts: AtomicU64,
-    /// Requests tongs refused itself (queue full or timed out, shed, no endpoints); by reason in the
-    /// queue's stats.
-    pub rejected: AtomicU64,
-    /// Requests whose every attempt failed.
-    pub failed: AtomicU64,
-    /// Retries, by reason, and retries the budget refused.
-    pub retries: RetryStats,
-}
-
 /// Shared state of the request path.
 ///
 /// Shared by every worker thread; each worker passes its own pooled [`UpstreamClient`] so connections
 /// stay on the thread that uses them.
 pub struct Proxy {
     registry: Arc<Registry>,
+    /// Where requests wait while no endpoint has a slot for them.
+    queue: Arc<Queue>,
     /// Replaced whole by a configuration reload; each read takes the current one.
     settings: ArcSwap<ProxySettings>,
     /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
@@ -245,15 +230,21 @@ impl Drop for ProbeGuard<'_> {
 }
 
 impl Proxy {
-    pub fn new(registry: Arc<Registry>, settings: ProxySettings) -> Self {
+    pub fn new(
+        registry: Arc<Registry>,
+        queue: Arc<Queue>,
+        metrics: Arc<Metrics>,
+        settings: ProxySettings,
+    ) -> Self {
         Proxy {
             registry,
+            queue,
             fleet_latency: AtomicU64::new(0),
             retry: ArcSwap::from_pointee(RetryPolicy::new(&settings.retry)),
             settings: ArcSwap::from_pointee(settings),
             stats: ProxyStats::default(),
             upgrades: TaskTracker::new(),
-            metrics: Arc::new(Metrics::new()),
+            metrics,
         }
     }
 
@@ -280,10 +271,6 @@ impl Proxy {
 
     pub fn stats(&self) -> &ProxyStats {
         &self.stats
-    }
-
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.registry
     }
 
     pub fn upgrades(&self) -> &TaskTracker {
@@ -518,7 +505,7 @@ impl Proxy {
         queued: &mut Duration,
         last_failure: &mut Option<Failure>,
     ) -> Result<Slot, Stop> {
-        let queue = self.registry.queue();
+        let queue = &self.queue;
         if queue.is_empty() {
             match self.pick(tried) {
                 Picked::Slot(slot) => return Ok(slot),
@@ -940,7 +927,7 @@ impl Proxy {
     /// Refuses a request tongs could not place: 503 with the reason and a `Retry-After` from how fast
     /// the queue drains.
     fn refuse(&self, reason: Reason, request_id: &HeaderValue) -> Response<ProxyBody> {
-        let queue = self.registry.queue();
+        let queue = &self.queue;
         queue.count_rejection(reason);
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
         let settings = queue.settings();

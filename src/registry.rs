@@ -13,9 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-use crate::admission::Queue;
 use crate::config::{Config, EndpointUrl};
-use crate::endpoint::{Endpoint, Origin};
+use crate::endpoint::{Endpoint, Origin, SlotFreed};
 use crate::limit::LimitSettings;
 
 /// What discovery says an endpoint should be.
@@ -84,33 +83,30 @@ pub struct Registry {
     writer: Mutex<BTreeMap<&'static str, Vec<EndpointSpec>>>,
     /// Concurrency limits every endpoint gets.
     limits: Mutex<LimitSettings>,
-    /// Where requests wait for an endpoint's slot; endpoints wake it when one comes free.
-    queue: Arc<Queue>,
-    /// What discovery is doing (for readiness, metrics and registration).
-    discovery: Arc<crate::discovery::Status>,
+    /// Handed to every endpoint: wakes whoever waits for this registry's slots.
+    slot_freed: SlotFreed,
 }
 
 impl Default for Registry {
     fn default() -> Self {
-        Self::new()
+        Self::new(SlotFreed::nobody())
     }
 }
 
 impl Registry {
-    pub fn new() -> Registry {
+    pub fn new(slot_freed: SlotFreed) -> Registry {
         Registry {
             snapshot: ArcSwap::from_pointee(Vec::new()),
             changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
             writer: Mutex::new(BTreeMap::new()),
             limits: Mutex::new(LimitSettings::none()),
-            queue: Arc::new(Queue::default()),
-            discovery: Arc::default(),
+            slot_freed,
         }
     }
 
-    /// Queued plus outstanding requests, and the capacity the limits allow.
-    pub fn demand(&self) -> Demand {
+    /// `queued` requests plus those outstanding here, and the capacity the limits allow.
+    pub fn demand(&self, queued: usize) -> Demand {
         let snapshot = self.snapshot.load();
         let mut outstanding = 0u64;
         let mut capacity = Some(0u64);
@@ -124,7 +120,7 @@ impl Registry {
                     .map(|(sum, limit)| sum.saturating_add(limit));
             }
         }
-        let queued = self.queue.len() as u64;
+        let queued = queued as u64;
         Demand {
             queued,
             outstanding,
@@ -132,16 +128,6 @@ impl Registry {
             capacity,
             endpoints,
         }
-    }
-
-    /// What discovery is doing.
-    pub fn discovery(&self) -> &Arc<crate::discovery::Status> {
-        &self.discovery
-    }
-
-    /// The queue of requests waiting for a slot.
-    pub fn queue(&self) -> &Arc<Queue> {
-        &self.queue
     }
 
     /// The concurrency limits endpoints get.
@@ -160,7 +146,7 @@ impl Registry {
         for endpoint in self.snapshot.load().iter() {
             endpoint.apply_limit(&settings, now);
         }
-        self.queue.wake_one();
+        self.slot_freed.call();
     }
 
     /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
@@ -253,7 +239,7 @@ impl Registry {
                     if !current.is_empty() {
                         endpoint.start_slow_start(now);
                     }
-                    endpoint.set_queue(Arc::clone(&self.queue));
+                    endpoint.set_slot_freed(self.slot_freed.clone());
                     tracing::debug!(
                         endpoint = endpoint.url(),
                         weight = endpoint.weight(),
@@ -274,7 +260,7 @@ impl Registry {
         self.snapshot.store(Arc::new(next));
         self.changes.send_modify(|version| *version += 1);
         // New endpoints may have room for whoever waits.
-        self.queue.wake_one();
+        self.slot_freed.call();
     }
 }
 
@@ -288,7 +274,7 @@ mod tests {
 
     #[test]
     fn unchanged_endpoints_keep_their_state() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         let a = Arc::clone(&registry.snapshot()[0]);
         let held = a.start_request();
@@ -303,7 +289,7 @@ mod tests {
 
     #[test]
     fn updates_change_one_source_by_a_few_endpoints() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://shared:1", 1)]);
         registry.set_source("pods", vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         // Sources in name order: "pods" before "static".
@@ -340,7 +326,7 @@ mod tests {
 
     #[test]
     fn endpoints_joining_a_serving_set_ramp_in_and_the_first_set_does_not() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1)]);
         registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         let snapshot = registry.snapshot();
@@ -351,7 +337,7 @@ mod tests {
 
     #[test]
     fn removed_endpoints_drain_and_new_weights_make_new_endpoints() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1)]);
         let old = Arc::clone(&registry.snapshot()[0]);
         registry.replace(vec![spec("http://a:1", 5)]);

@@ -8,7 +8,7 @@
 //! every thread contends for.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -28,28 +28,6 @@ use crate::upstream::UpstreamBody;
 pub use crate::config::RetryOn as FailureKind;
 
 impl FailureKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureKind::ConnectFailure => "connect-failure",
-            FailureKind::Reset => "reset",
-            FailureKind::Timeout => "timeout",
-            FailureKind::Unhealthy => "unhealthy",
-            FailureKind::BackPressure => "back-pressure",
-            FailureKind::Status(_) => "status",
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            FailureKind::ConnectFailure => 0,
-            FailureKind::Reset => 1,
-            FailureKind::Timeout => 2,
-            FailureKind::Unhealthy => 3,
-            FailureKind::BackPressure => 4,
-            FailureKind::Status(_) => 5,
-        }
-    }
-
     /// Whether the endpoint is at fault (feeds the breaker); back-pressure is not a fault.
     pub fn is_endpoint_fault(self) -> bool {
         self != FailureKind::BackPressure
@@ -74,47 +52,6 @@ pub fn retry_after(headers: &HeaderMap, cap: Duration) -> Duration {
         .and_then(|v| v.trim().parse::<u64>().ok())
         .unwrap_or(1);
     Duration::from_secs(seconds).min(cap)
-}
-
-/// Counters of retries, by reason.
-#[derive(Debug, Default)]
-pub struct RetryStats {
-    by_reason: [AtomicU64; 6],
-    /// Retries refused because the budget was spent.
-    pub budget_exhausted: AtomicU64,
-}
-
-impl RetryStats {
-    pub fn count(&self, kind: FailureKind) {
-        self.by_reason[kind.index()].fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn total(&self) -> u64 {
-        self.by_reason
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .sum()
-    }
-
-    /// `(reason, retries)` for every reason.
-    pub fn by_reason(&self) -> Vec<(&'static str, u64)> {
-        [
-            FailureKind::ConnectFailure,
-            FailureKind::Reset,
-            FailureKind::Timeout,
-            FailureKind::Unhealthy,
-            FailureKind::BackPressure,
-            FailureKind::Status(0),
-        ]
-        .into_iter()
-        .map(|k| {
-            (
-                k.as_str(),
-                self.by_reason[k.index()].load(Ordering::Relaxed),
-            )
-        })
-        .collect()
-    }
 }
 
 /// The retry rules of one configuration.

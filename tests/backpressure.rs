@@ -95,7 +95,7 @@ async fn gated() -> (Backend, Arc<Semaphore>, Arc<Mutex<Vec<String>>>) {
 
 /// Waits until `n` requests wait in the proxy's queue.
 async fn queued(proxy: &TestProxy, n: usize) {
-    let queue = Arc::clone(proxy.app_registry.queue());
+    let queue = Arc::clone(&proxy.app_queue);
     eventually(
         &format!("{n} requests queued"),
         Duration::from_secs(10),
@@ -135,7 +135,7 @@ async fn a_static_limit_is_never_exceeded_at_the_node() {
         let answer = task.await.unwrap();
         assert_eq!(answer.status, 200, "{answer:?}");
     }
-    let queue = proxy.app_registry.queue();
+    let queue = &proxy.app_queue;
     let enqueued = queue.stats().enqueued.load(Ordering::Relaxed);
     for node in fleet.nodes() {
         let stats = node.stats();
@@ -258,7 +258,7 @@ async fn waits_end_at_max_wait_or_the_clients_deadline_with_queue_timeout() {
 
     gate.add_permits(1);
     assert_eq!(busy.await.unwrap().status, 200);
-    let stats = proxy.app_registry.queue().stats();
+    let stats = proxy.app_queue.stats();
     assert_eq!(stats.rejected(tongs::admission::Reason::QueueTimeout), 2);
     proxy.stop().await;
 }
@@ -413,15 +413,7 @@ async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
         2,
         "nothing reached the node while it cooled down"
     );
-    assert_eq!(
-        proxy
-            .app_registry
-            .queue()
-            .stats()
-            .admitted
-            .load(Ordering::Relaxed),
-        1
-    );
+    assert_eq!(proxy.app_queue.stats().admitted.load(Ordering::Relaxed), 1);
     proxy.stop().await;
 }
 

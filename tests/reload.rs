@@ -71,11 +71,12 @@ async fn start(path: &Path) -> (TestProxy, Arc<tongs::proxy::Proxy>) {
         .await
         .unwrap()
         .watch_config(path.to_owned());
-    let proxy = Arc::clone(app.proxy());
+    let proxy = Arc::clone(&app.parts().proxy);
     let test = TestProxy {
         addr: app.proxy_addr(),
         admin: app.admin_addr(),
         app_registry: Arc::clone(app.registry()),
+        app_queue: Arc::clone(app.queue()),
         shutdown: CancellationToken::new(),
         task: tokio::spawn(async {}),
     };

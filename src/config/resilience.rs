@@ -108,7 +108,8 @@ impl Default for RetryConfig {
     }
 }
 
-/// One retryable condition.
+/// One retryable condition: the name of every way an attempt can fail, in `retry.on`, in logs and in
+/// metric labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RetryOn {
     ConnectFailure,
@@ -120,6 +121,40 @@ pub enum RetryOn {
 }
 
 impl RetryOn {
+    /// One of each kind (every status code counts as `status`).
+    pub const KINDS: [RetryOn; 6] = [
+        RetryOn::ConnectFailure,
+        RetryOn::Reset,
+        RetryOn::Timeout,
+        RetryOn::Unhealthy,
+        RetryOn::BackPressure,
+        RetryOn::Status(0),
+    ];
+
+    /// The condition's name; `status` for any status code.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetryOn::ConnectFailure => "connect-failure",
+            RetryOn::Reset => "reset",
+            RetryOn::Timeout => "timeout",
+            RetryOn::Unhealthy => "unhealthy",
+            RetryOn::BackPressure => "back-pressure",
+            RetryOn::Status(_) => "status",
+        }
+    }
+
+    /// The condition's place in [`RetryOn::KINDS`].
+    pub fn index(self) -> usize {
+        match self {
+            RetryOn::ConnectFailure => 0,
+            RetryOn::Reset => 1,
+            RetryOn::Timeout => 2,
+            RetryOn::Unhealthy => 3,
+            RetryOn::BackPressure => 4,
+            RetryOn::Status(_) => 5,
+        }
+    }
+
     pub fn defaults() -> Vec<RetryOn> {
         vec![
             RetryOn::ConnectFailure,
@@ -138,12 +173,8 @@ impl RetryOn {
 impl Serialize for RetryOn {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         match self {
-            RetryOn::ConnectFailure => serializer.serialize_str("connect-failure"),
-            RetryOn::Reset => serializer.serialize_str("reset"),
-            RetryOn::Timeout => serializer.serialize_str("timeout"),
-            RetryOn::Unhealthy => serializer.serialize_str("unhealthy"),
-            RetryOn::BackPressure => serializer.serialize_str("back-pressure"),
             RetryOn::Status(code) => serializer.serialize_u16(*code),
+            named => serializer.serialize_str(named.as_str()),
         }
     }
 }
@@ -170,16 +201,15 @@ impl<'de> Deserialize<'de> for RetryOn {
                 self.visit_u64(u64::try_from(code).unwrap_or(0))
             }
             fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<RetryOn, E> {
-                match text {
-                    "connect-failure" => Ok(RetryOn::ConnectFailure),
-                    "reset" => Ok(RetryOn::Reset),
-                    "timeout" => Ok(RetryOn::Timeout),
-                    "unhealthy" => Ok(RetryOn::Unhealthy),
-                    "back-pressure" => Ok(RetryOn::BackPressure),
-                    other => match other.parse::<u64>() {
+                let named = RetryOn::KINDS[..5]
+                    .iter()
+                    .find(|kind| kind.as_str() == text);
+                match named {
+                    Some(kind) => Ok(*kind),
+                    None => match text.parse::<u64>() {
                         Ok(code) => self.visit_u64(code),
                         Err(_) => Err(E::custom(format!(
-                            "unknown retry condition {other:?}: use connect-failure, reset, timeout, \
+                            "unknown retry condition {text:?}: use connect-failure, reset, timeout, \
                              unhealthy, back-pressure or a status code"
                         ))),
                     },

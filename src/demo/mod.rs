@@ -128,7 +128,7 @@ pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::
     let fleet_config = demo_fleet(&options);
     let fleet = Fleet::start(&fleet_config, options.duration).await?;
     let app = App::bind(&demo_config(&fleet, &options)).await?;
-    let proxy = std::sync::Arc::clone(app.proxy());
+    let parts = app.parts().clone();
     let target = format!("http://{}", app.proxy_addr());
     let proxy_stop = CancellationToken::new();
     let proxy_task = tokio::spawn(app.run(proxy_stop.clone()));
@@ -163,16 +163,16 @@ pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::
             tokio::select! {
                 () = &mut load => break,
                 _ = ticker.tick() => {
-                    let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+                    let view = report::snapshot(&fleet, &parts, &generator, started.elapsed());
                     live.show(&view);
                 }
             }
         }
-        let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+        let view = report::snapshot(&fleet, &parts, &generator, started.elapsed());
         live.show(&view);
         live.finish();
     }
-    let summary = Summary::collect(&options, &fleet, &proxy, &generator, started.elapsed());
+    let summary = Summary::collect(&options, &fleet, &parts, &generator, started.elapsed());
     proxy_stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy_task).await;
     drop(fleet);

@@ -284,13 +284,14 @@ impl Tracker {
 /// Runs pod discovery: follows `config` (restarting the watch when it changes), until `stop`.
 pub struct Discovery {
     pub registry: Arc<Registry>,
+    pub status: Arc<super::Status>,
     pub readiness: Arc<Readiness>,
     pub salad: Option<SaladApi>,
 }
 
 impl Discovery {
     pub async fn run(self, stop: CancellationToken) {
-        let status = Arc::clone(self.registry.discovery());
+        let status = Arc::clone(&self.status);
         let mut config = status.subscribe();
         loop {
             let current = config.borrow_and_update().clone();
@@ -315,7 +316,7 @@ impl Discovery {
 
     /// Watches pods with `config` until dropped.
     async fn watch(&self, config: &KubernetesConfig) {
-        let status = Arc::clone(self.registry.discovery());
+        let status = Arc::clone(&self.status);
         let client = connect(config).await;
         let api: Api<WatchedPod> = match config.namespace.as_str() {
             "*" => Api::all(client.clone()),

@@ -23,6 +23,7 @@ use arc_swap::ArcSwapOption;
 use self::kube::Watched;
 use self::pods::{PodState, Reason};
 use crate::config::KubernetesConfig;
+use crate::metrics::DiscoveryFigures;
 
 /// Outcomes of a registration, as counted.
 pub const REGISTRATION_RESULTS: [&str; 7] = [
@@ -181,6 +182,24 @@ impl Status {
 
     pub(crate) fn watched(&self) -> Option<Arc<Watched>> {
         self.watched.load_full()
+    }
+}
+
+impl Status {
+    /// Everything counted, for `/metrics`.
+    pub fn figures(&self) -> DiscoveryFigures {
+        DiscoveryFigures {
+            synced: self.synced() || !self.enabled(),
+            pods: self.pods().map(|(state, n)| (state.as_str(), n)).collect(),
+            rejections: self
+                .rejections()
+                .map(|(reason, n)| (reason.as_str(), n))
+                .collect(),
+            watch_errors: self.watch_errors(),
+            lists: self.lists(),
+            lookups: self.lookups().collect(),
+            registrations: self.registrations().collect(),
+        }
     }
 }
 

@@ -46,6 +46,7 @@ async fn a_reloaded_selector_restarts_the_watch() {
         addr: app.proxy_addr(),
         admin: app.admin_addr(),
         app_registry: Arc::clone(app.registry()),
+        app_queue: Arc::clone(app.queue()),
         shutdown: shutdown.clone(),
         task: tokio::spawn(app.run(shutdown)),
     };

@@ -32,6 +32,7 @@ pub struct TestProxy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub app_registry: Arc<tongs::registry::Registry>,
+    pub app_queue: Arc<tongs::admission::Queue>,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -73,12 +74,14 @@ pub async fn start_proxy(config: Config) -> TestProxy {
     let addr = app.proxy_addr();
     let admin = app.admin_addr();
     let app_registry = Arc::clone(app.registry());
+    let app_queue = Arc::clone(app.queue());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(app.run(shutdown.clone()));
     TestProxy {
         addr,
         admin,
         app_registry,
+        app_queue,
         shutdown,
         task,
     }
