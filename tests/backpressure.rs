@@ -259,7 +259,7 @@ async fn waits_end_at_max_wait_or_the_clients_deadline_with_queue_timeout() {
     gate.add_permits(1);
     assert_eq!(busy.await.unwrap().status, 200);
     let stats = proxy.app_queue.stats();
-    assert_eq!(stats.rejected(tongs::admission::Reason::QueueTimeout), 2);
+    assert_eq!(stats.rejected(tongs::admission::Refusal::QueueTimeout), 2);
     proxy.stop().await;
 }
 

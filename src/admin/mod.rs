@@ -25,7 +25,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Queue, Reason};
+use crate::admission::{Queue, Refusal};
 use crate::discovery;
 use crate::endpoint::EndpointView;
 use crate::http::ProxyBody;
@@ -69,7 +69,7 @@ impl State {
             queued: demand.queued,
             demand: demand.demand,
             capacity: demand.capacity,
-            rejections: Reason::ALL
+            rejections: Refusal::ALL
                 .into_iter()
                 .map(|reason| (reason.as_str(), stats.rejected(reason)))
                 .collect(),

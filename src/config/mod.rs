@@ -7,6 +7,7 @@
 mod balance;
 mod duration;
 mod endpoints;
+mod header;
 mod kubernetes;
 mod resilience;
 mod salad;
@@ -22,6 +23,7 @@ use serde::{Deserialize, Serialize};
 pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
+pub use header::Header;
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,

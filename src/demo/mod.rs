@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use load::{LoadGenerator, LoadPlan, Outcome, Recorder, build_request};
+pub use load::{ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request};
 pub use report::Summary;
 
 use crate::App;

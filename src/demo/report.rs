@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::DemoOptions;
-use super::load::{LoadGenerator, Outcome};
+use super::load::{ClientOutcome, LoadGenerator};
 use crate::app::Parts;
 use crate::breaker::State;
 use crate::sim::Fleet;
@@ -85,8 +85,8 @@ pub fn snapshot(
         let failed: u64 = r.failures().values().sum();
         (
             r.sent(),
-            r.count(Outcome::Succeeded),
-            r.count(Outcome::Rejected),
+            r.count(ClientOutcome::Succeeded),
+            r.count(ClientOutcome::Rejected),
             failed,
             r.latency_ms(0.5),
             r.latency_ms(0.99),
@@ -251,7 +251,7 @@ impl Summary {
             rps: options.rps,
             seed: options.seed,
             requests: r.sent(),
-            succeeded: r.count(Outcome::Succeeded),
+            succeeded: r.count(ClientOutcome::Succeeded),
             failed: r.failures(),
             retried: parts.proxy.stats().retries.total(),
             attempts_per_request: {
@@ -260,7 +260,7 @@ impl Summary {
                 let per = stats.attempts.load(Ordering::Relaxed) as f64 / requests as f64;
                 (per * 1000.0).round() / 1000.0
             },
-            rejected: r.count(Outcome::Rejected),
+            rejected: r.count(ClientOutcome::Rejected),
             interruptions_injected: fleet.interruptions_injected(),
             latency_ms: Latency {
                 p50: r.latency_ms(0.5),

@@ -9,14 +9,14 @@ use http::{HeaderValue, Response, StatusCode, header};
 
 use super::body::ProxyBody;
 use super::headers::{X_REQUEST_ID, X_TONGS_REJECT_REASON};
-use crate::admission::Reason;
+use crate::admission::Refusal;
 
 /// A request the proxy could not complete.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     #[error("{detail}")]
     Refused {
-        reason: Reason,
+        reason: Refusal,
         detail: String,
         /// Seconds until trying again is likely to succeed.
         retry_after: u64,
@@ -142,7 +142,7 @@ mod tests {
 
     fn refused() -> ProxyError {
         ProxyError::Refused {
-            reason: Reason::QueueFull,
+            reason: Refusal::QueueFull,
             detail: "the queue is full".into(),
             retry_after: 7,
         }

@@ -4,17 +4,14 @@ use std::net::IpAddr;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-// Every header name tongs itself reads or writes, defined here once.
+// Every header name tongs itself reads or writes, defined here once (those an operator can rename are
+// `queue.*_header` in the configuration).
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// A request can opt out of retries with `x-tongs-retry: off` (non-idempotent routes).
 pub static X_TONGS_RETRY: HeaderName = HeaderName::from_static("x-tongs-retry");
 /// Names why tongs itself refused a request (`queue-full`, `queue-timeout`, `no-endpoints`,
 /// `shed-low-priority`).
 pub static X_TONGS_REJECT_REASON: HeaderName = HeaderName::from_static("x-tongs-reject-reason");
-/// The default header carrying a request's priority (`queue.priority_header`).
-pub static X_PRIORITY: HeaderName = HeaderName::from_static("x-priority");
-/// The default header carrying a client's own deadline in milliseconds (`queue.deadline_header`).
-pub static X_TONGS_TIMEOUT_MS: HeaderName = HeaderName::from_static("x-tongs-timeout-ms");
 pub static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 pub static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 pub static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");

@@ -7,7 +7,7 @@ use tokio::time::Instant;
 
 use super::attempt::{Failure, Slot};
 use super::{Proxy, ProxySettings, millis_of};
-use crate::admission::{Priority, Reason, Waited};
+use crate::admission::{Priority, Refusal, Waited};
 use crate::balance::{self, PickContext};
 use crate::breaker::Admission;
 use crate::config::BalancePolicy;
@@ -45,7 +45,7 @@ enum Pick {
 /// Why a request stops looking for an endpoint.
 pub(super) enum Stop {
     Nowhere,
-    Refused(Reason),
+    Refused(Refusal),
 }
 
 impl Proxy {
@@ -83,7 +83,7 @@ impl Proxy {
         if let Some(wait) = queue.expected_wait(priority)
             && Instant::now() + wait > until
         {
-            return Err(Stop::Refused(self.refusal(Reason::QueueFull)));
+            return Err(Stop::Refused(self.refusal(Refusal::QueueFull)));
         }
         let mut ticket = match queue.join(priority) {
             Ok(ticket) => ticket,
@@ -112,8 +112,8 @@ impl Proxy {
             }
             match ticket.wait(until).await {
                 Waited::Go => look = true,
-                Waited::TimedOut => break Err(Stop::Refused(self.refusal(Reason::QueueTimeout))),
-                Waited::Shed => break Err(Stop::Refused(Reason::ShedLowPriority)),
+                Waited::TimedOut => break Err(Stop::Refused(self.refusal(Refusal::QueueTimeout))),
+                Waited::Shed => break Err(Stop::Refused(Refusal::ShedLowPriority)),
             }
         };
         *queued += joined.elapsed();
@@ -121,14 +121,14 @@ impl Proxy {
     }
 
     /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
-    fn refusal(&self, reason: Reason) -> Reason {
+    fn refusal(&self, reason: Refusal) -> Refusal {
         let none_up = !self
             .registry
             .snapshot()
             .iter()
             .any(|e| e.is_available() && e.is_healthy() && !e.is_ejected());
         match reason {
-            Reason::QueueFull | Reason::QueueTimeout if none_up => Reason::NoEndpoints,
+            Refusal::QueueFull | Refusal::QueueTimeout if none_up => Refusal::NoEndpoints,
             other => other,
         }
     }

@@ -36,10 +36,9 @@ use tokio_util::task::TaskTracker;
 use self::acquire::{Stop, Tried};
 use self::attempt::{Attempt, Failure};
 use self::request::ClientRequest;
-use crate::admission::{Queue, Reason};
+use crate::admission::{Queue, Refusal};
 use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
-use crate::http::headers::{X_PRIORITY, X_TONGS_TIMEOUT_MS};
 use crate::http::{ProxyBody, ProxyError, describe};
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::registry::Registry;
@@ -83,11 +82,8 @@ impl ProxySettings {
             suspect_grace: config.health.timeout.get(),
             policy: config.balancer.policy,
             latency_decay: config.balancer.latency_decay.get(),
-            // Validated by Config::validate; the fallbacks only serve configs built in code.
-            priority_header: http::HeaderName::from_bytes(config.queue.priority_header.as_bytes())
-                .unwrap_or_else(|_| X_PRIORITY.clone()),
-            deadline_header: http::HeaderName::from_bytes(config.queue.deadline_header.as_bytes())
-                .unwrap_or_else(|_| X_TONGS_TIMEOUT_MS.clone()),
+            priority_header: config.queue.priority_header.name().clone(),
+            deadline_header: config.queue.deadline_header.name().clone(),
         }
     }
 }
@@ -350,7 +346,7 @@ impl Proxy {
                 Outcome::Failed,
             ),
             None => (
-                self.refuse(Reason::NoEndpoints, &request_id),
+                self.refuse(Refusal::NoEndpoints, &request_id),
                 Outcome::Refused,
             ),
         }

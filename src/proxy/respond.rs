@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::attempt::{Committed, Failure};
 use super::{Proxy, ProxySettings};
-use crate::admission::Reason;
+use crate::admission::Refusal;
 use crate::endpoint::Outstanding;
 use crate::http::headers::{self, X_REQUEST_ID};
 use crate::http::{ProxyBody, ProxyError};
@@ -84,23 +84,23 @@ impl Proxy {
 
     /// Refuses a request tongs could not place: 503 with the reason and a `Retry-After` from how fast
     /// the queue drains.
-    pub(super) fn refuse(&self, reason: Reason, request_id: &HeaderValue) -> Response<ProxyBody> {
+    pub(super) fn refuse(&self, reason: Refusal, request_id: &HeaderValue) -> Response<ProxyBody> {
         let queue = &self.queue;
         queue.count_rejection(reason);
         self.stats.rejected.fetch_add(1, Ordering::Relaxed);
         let settings = queue.settings();
         let detail = match reason {
-            Reason::QueueFull => format!(
+            Refusal::QueueFull => format!(
                 "every endpoint is busy and the queue is full ({} waiting), or would not reach this \
                  request within the wait allowed at the rate it drains",
                 queue.len()
             ),
-            Reason::QueueTimeout => format!(
+            Refusal::QueueTimeout => format!(
                 "no endpoint freed up within the wait allowed (queue.max_wait {}, or the request's deadline)",
                 humantime::format_duration(settings.max_wait)
             ),
-            Reason::NoEndpoints => "no endpoint is available".to_owned(),
-            Reason::ShedLowPriority => {
+            Refusal::NoEndpoints => "no endpoint is available".to_owned(),
+            Refusal::ShedLowPriority => {
                 "low-priority request shed while the queue is congested".to_owned()
             }
         };
