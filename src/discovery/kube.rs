@@ -424,18 +424,43 @@ async fn connect(config: &KubernetesConfig) -> kube::Client {
     }
 }
 
-async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> {
+/// Why no Kubernetes client could be made.
+#[derive(Debug, thiserror::Error)]
+enum ConnectError {
+    #[error("discovery.kubernetes.kubeconfig {}: {source}", path.display())]
+    Kubeconfig {
+        path: std::path::PathBuf,
+        source: kube::config::KubeconfigError,
+    },
+    #[error(
+        "discovery.kubernetes.kubeconfig {}: the cluster's proxy-url {proxy} is not supported; tongs \
+         reaches the API server directly",
+        path.display()
+    )]
+    ProxyUnsupported {
+        path: std::path::PathBuf,
+        proxy: String,
+    },
+    #[error("no in-cluster service account and no kubeconfig: {0}")]
+    NoCluster(kube::config::InferConfigError),
+    #[error(transparent)]
+    Client(#[from] kube::Error),
+}
+
+async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, ConnectError> {
     let kube_config = match &config.kubeconfig {
         Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path).map_err(|err| {
-                format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
-            })?;
+            let failed = |source| ConnectError::Kubeconfig {
+                path: path.clone(),
+                source,
+            };
+            let file = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
             let mut kube_config = kube::Config::from_custom_kubeconfig(
                 file,
                 &kube::config::KubeConfigOptions::default(),
             )
             .await
-            .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?;
+            .map_err(failed)?;
             // kube takes HTTPS_PROXY from the environment when the kubeconfig names no proxy, and
             // then fails to build a client at all (tongs has no proxy support for the API server).
             // A proxy meant for other traffic must not stop discovery; one the kubeconfig asks for is
@@ -448,11 +473,10 @@ async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> 
                     })
                 });
                 if !from_env {
-                    return Err(format!(
-                        "discovery.kubernetes.kubeconfig {}: the cluster's proxy-url {proxy} is not \
-                         supported; tongs reaches the API server directly",
-                        path.display()
-                    ));
+                    return Err(ConnectError::ProxyUnsupported {
+                        path: path.clone(),
+                        proxy,
+                    });
                 }
                 tracing::warn!(proxy = %proxy, "HTTPS_PROXY is ignored for the Kubernetes API server");
             }
@@ -460,9 +484,9 @@ async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> 
         }
         None => kube::Config::infer()
             .await
-            .map_err(|err| format!("no in-cluster service account and no kubeconfig: {err}"))?,
+            .map_err(ConnectError::NoCluster)?,
     };
-    kube::Client::try_from(kube_config).map_err(|err| err.to_string())
+    Ok(kube::Client::try_from(kube_config)?)
 }
 
 /// Writes the gateway URL into the pod's URL annotation (best effort; the next lookup is not needed

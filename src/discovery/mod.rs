@@ -7,7 +7,11 @@
 //! - [`register`]: node self-registration (`POST /v1/nodes/register`), which writes a pod annotation
 //!   so every replica learns the address through its own watch; tongs keeps no state of its own.
 //!
-//! Discovery only writes the registry; it never touches the request path.
+//! What discovery writes: the registry's `kubernetes` source (the request path sees endpoints come and
+//! go through the registry's snapshot, nothing more), its own [`Status`] (counters, the registration
+//! token, the watch in force), readiness once the first list is in, and pod annotations through the
+//! Kubernetes API (a node's registered address, a SaladCloud gateway host found by lookup). It never
+//! touches the request path directly.
 
 pub mod kube;
 pub mod object;

@@ -234,17 +234,12 @@ impl Endpoint {
     }
 
     /// Whether a new request may go here at `now_ms` (see [`millis`]).
-    pub fn eligibility(
-        &self,
-        now_ms: u64,
-        ignore_health: bool,
-        ignore_cooldown: bool,
-    ) -> Eligibility {
+    pub fn eligibility(&self, now_ms: u64, ignore_health: bool) -> Eligibility {
         let unwell = !self.healthy.load(Ordering::Relaxed) || self.suspect.load(Ordering::Relaxed);
         if self.outstanding.load(Ordering::Relaxed) >= self.limit.load(Ordering::Relaxed)
             || self.draining.load(Ordering::Relaxed)
             || (!ignore_health && unwell)
-            || (!ignore_cooldown && self.cooldown_until.load(Ordering::Relaxed) > now_ms)
+            || self.cooldown_until.load(Ordering::Relaxed) > now_ms
         {
             return Eligibility::No;
         }

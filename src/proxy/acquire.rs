@@ -141,7 +141,6 @@ impl Proxy {
             now,
             slow_start_ms: millis_of(settings.slow_start),
             ignore_health: false,
-            ignore_cooldown: false,
             neutral_latency_us: match settings.policy {
                 BalancePolicy::ExpectedLatency => Some(self.fleet_latency_us()),
                 BalancePolicy::LeastOutstanding => None,

@@ -28,7 +28,6 @@ use tower::Service;
 
 use crate::config::ProxyKind;
 use crate::http::BoxError;
-use crate::http::describe;
 
 #[derive(Clone, Debug)]
 enum Via {
@@ -92,8 +91,10 @@ impl Route {
 /// tell a dead tailscaled from a dead node.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
-    #[error("through tailscaled's proxy to {dst}: {detail}")]
-    Proxy { dst: String, detail: String },
+    #[error("through tailscaled's proxy to {dst}")]
+    Proxy { dst: String, source: BoxError },
+    #[error("{dst} is a Tailscale address but no upstream.tailscale.proxy is configured")]
+    NoProxy { dst: String },
     #[error("through tailscaled's proxy to {dst}: no connection within {after:?}")]
     Timeout { dst: String, after: Duration },
 }
@@ -134,22 +135,25 @@ impl Service<Uri> for Route {
             .authority()
             .map_or_else(String::new, |a| a.as_str().to_owned());
         let deadline = self.deadline;
-        let connecting: Pin<Box<dyn Future<Output = Result<_, String>> + Send>> =
+        let connecting: Pin<Box<dyn Future<Output = Result<_, BoxError>> + Send>> =
             match self.via.clone() {
                 Some(Via::Socks5(mut socks)) => {
                     let fut = socks.call(dst);
-                    Box::pin(async move { fut.await.map_err(|err| describe(&err)) })
+                    Box::pin(async move { fut.await.map_err(Into::into) })
                 }
                 Some(Via::Connect(mut tunnel)) => {
                     let fut = tunnel.call(dst);
-                    Box::pin(async move { fut.await.map_err(|err| describe(&err)) })
+                    Box::pin(async move { fut.await.map_err(Into::into) })
                 }
-                None => Box::pin(async { Err("no proxy configured".to_owned()) }),
+                None => {
+                    let error = RouteError::NoProxy { dst: name.clone() };
+                    Box::pin(async move { Err(error.into()) })
+                }
             };
         Box::pin(async move {
             match tokio::time::timeout(deadline, connecting).await {
                 Ok(Ok(stream)) => Ok(stream),
-                Ok(Err(detail)) => Err(RouteError::Proxy { dst: name, detail }.into()),
+                Ok(Err(source)) => Err(RouteError::Proxy { dst: name, source }.into()),
                 Err(_) => Err(RouteError::Timeout {
                     dst: name,
                     after: deadline,
