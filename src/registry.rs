@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use arc_swap::ArcSwap;
 
 use crate::config::{Config, EndpointUrl};
-use crate::endpoint::{Endpoint, Origin, SlotFreed};
+use crate::endpoint::{Endpoint, FleetCounts, Origin, SlotFreed};
 use crate::limit::LimitSettings;
 
 /// What discovery says an endpoint should be.
@@ -85,6 +85,8 @@ pub struct Registry {
     limits: Mutex<LimitSettings>,
     /// Handed to every endpoint: wakes whoever waits for this registry's slots.
     slot_freed: SlotFreed,
+    /// Ejected, healthy and up endpoints in the set, kept by the endpoints as they change.
+    counts: Arc<FleetCounts>,
 }
 
 impl Default for Registry {
@@ -102,6 +104,7 @@ impl Registry {
             writer: Mutex::new(BTreeMap::new()),
             limits: Mutex::new(LimitSettings::none()),
             slot_freed,
+            counts: Arc::default(),
         }
     }
 
@@ -147,6 +150,11 @@ impl Registry {
             endpoint.apply_limit(&settings, now);
         }
         self.slot_freed.call();
+    }
+
+    /// How many endpoints in the set are ejected, healthy and up, without a scan.
+    pub fn counts(&self) -> &FleetCounts {
+        &self.counts
     }
 
     /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
@@ -240,6 +248,7 @@ impl Registry {
                         endpoint.start_slow_start(now);
                     }
                     endpoint.set_slot_freed(self.slot_freed.clone());
+                    endpoint.count_in(Arc::clone(&self.counts));
                     tracing::debug!(
                         endpoint = endpoint.url(),
                         weight = endpoint.weight(),
@@ -345,5 +354,39 @@ mod tests {
         let new = &registry.snapshot()[0];
         assert_eq!(new.weight(), 5);
         assert_ne!(new.id(), old.id());
+    }
+
+    #[test]
+    fn counts_follow_breakers_health_and_removal_without_a_scan() {
+        let registry = Registry::default();
+        registry.replace(vec![
+            spec("http://a:1", 1),
+            spec("http://b:1", 1),
+            spec("http://c:1", 1),
+        ]);
+        let counts = registry.counts();
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 3, 3));
+        let now = tokio::time::Instant::now();
+        let [a, b, _] = [0, 1, 2].map(|i| Arc::clone(&registry.snapshot()[i]));
+        let breaker = crate::breaker::BreakerSettings::default();
+        for _ in 0..breaker.consecutive_failures {
+            a.record_failure(&breaker, now, true);
+        }
+        assert!(a.is_ejected());
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 3, 2));
+        b.set_healthy(false, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 2, 1));
+        // Leaving the set takes an endpoint out of every count; one that stays keeps its share.
+        registry.replace(vec![spec("http://b:1", 1), spec("http://c:1", 1)]);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 1, 1));
+        b.set_healthy(true, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 2, 2));
+        // A removed endpoint's later changes count for nothing.
+        a.set_healthy(false, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 2, 2));
+        let scanned =
+            |test: fn(&Endpoint) -> bool| registry.snapshot().iter().filter(|e| test(e)).count();
+        assert_eq!(scanned(|e| e.is_ejected()), counts.ejected());
+        assert_eq!(scanned(|e| e.is_healthy()), counts.healthy());
     }
 }

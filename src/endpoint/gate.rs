@@ -100,6 +100,7 @@ impl Endpoint {
             State::Open { until } => self.millis(until).max(1),
         };
         self.gate.store(gate, Ordering::Relaxed);
+        self.recount();
         match transition {
             Some(Transition::Opened { for_ }) => {
                 self.ejections.fetch_add(1, Ordering::Relaxed);

@@ -46,6 +46,10 @@ impl Endpoint {
             let transition = breaker.on_recovery(now);
             self.publish(&breaker, now, transition);
         } else {
+            {
+                let _counting = self.lock_breaker();
+                self.recount();
+            }
             self.unhealthy_marks.fetch_add(1, Ordering::Relaxed);
             self.gone.send_modify(|generation| *generation += 1);
             tracing::warn!(
@@ -91,6 +95,8 @@ impl Endpoint {
     }
 
     pub fn set_draining(&self, draining: bool) {
+        let _breaker = self.lock_breaker();
         self.draining.store(draining, Ordering::Relaxed);
+        self.recount();
     }
 }

@@ -8,8 +8,9 @@
 //!
 //! One file per concern: [`load`] (outstanding requests, limits, back-off), [`gate`] (the breaker and
 //! its lock-free gate), [`latency`] (the expected-latency estimate), [`liveness`] (heartbeats' verdicts)
-//! and [`view`] (what operators see).
+//! and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
 
+mod counts;
 mod gate;
 mod latency;
 mod liveness;
@@ -28,6 +29,8 @@ use crate::breaker::Breaker;
 use crate::config::EndpointUrl;
 use crate::limit::Limiter;
 
+use self::counts::Counted;
+pub use self::counts::FleetCounts;
 use self::gate::{GATE_CLOSED, GATE_PROBING};
 pub use self::load::Outstanding;
 pub use self::view::{EndpointState, EndpointView};
@@ -117,6 +120,9 @@ pub struct Endpoint {
     limiter: Mutex<Option<Limiter>>,
     /// Called when a slot here comes free (wakes whoever waits for one).
     slot_freed: OnceLock<SlotFreed>,
+    /// The registry's counts this endpoint is counted in, and what it adds to them now.
+    counts: OnceLock<Arc<FleetCounts>>,
+    counted: Counted,
     /// The last heartbeat: when it ended (ms, 0: none yet), how long it took (µs), and whether it passed.
     heartbeat_at: AtomicU64,
     heartbeat_rtt_us: AtomicU64,
@@ -199,6 +205,8 @@ impl Endpoint {
             cooldowns: AtomicU64::new(0),
             limiter: Mutex::new(None),
             slot_freed: OnceLock::new(),
+            counts: OnceLock::new(),
+            counted: Counted::default(),
             heartbeat_at: AtomicU64::new(0),
             heartbeat_rtt_us: AtomicU64::new(0),
             heartbeat_ok: AtomicBool::new(false),

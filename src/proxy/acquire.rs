@@ -122,11 +122,7 @@ impl Proxy {
 
     /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
     fn refusal(&self, reason: Refusal) -> Refusal {
-        let none_up = !self
-            .registry
-            .snapshot()
-            .iter()
-            .any(|e| e.is_available() && e.is_healthy() && !e.is_ejected());
+        let none_up = self.registry.counts().up() == 0;
         match reason {
             Refusal::QueueFull | Refusal::QueueTimeout if none_up => Refusal::NoEndpoints,
             other => other,
@@ -154,9 +150,7 @@ impl Proxy {
                 // Panic mode: when no endpoint passes its heartbeats, more likely tongs' own network or
                 // the health path is broken than every node died at once, so heartbeats are ignored
                 // (breakers still apply). Requests still fail fast if the nodes really are gone.
-                if !ctx.ignore_health
-                    && !snapshot.iter().any(|e| e.is_available() && e.is_healthy())
-                {
+                if !ctx.ignore_health && self.registry.counts().healthy() == 0 {
                     ctx.ignore_health = true;
                     continue;
                 }

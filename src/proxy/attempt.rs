@@ -255,9 +255,9 @@ impl Proxy {
 
     /// Whether one more endpoint may be ejected without exceeding `breaker.max_ejected_percent`.
     fn may_eject(&self, settings: &ProxySettings) -> bool {
-        let snapshot = self.registry.snapshot();
-        let ejected = snapshot.iter().filter(|e| e.is_ejected()).count();
-        (ejected + 1) * 100 <= snapshot.len() * settings.max_ejected_percent as usize
+        let ejected = self.registry.counts().ejected();
+        let endpoints = self.registry.snapshot().len();
+        (ejected + 1) * 100 <= endpoints * settings.max_ejected_percent as usize
     }
 
     fn classify(
