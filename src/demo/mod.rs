@@ -11,11 +11,11 @@ use tokio_util::sync::CancellationToken;
 pub use load::{ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request};
 pub use report::Summary;
 
-use crate::App;
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
     Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
 };
+use crate::{App, AppError};
 
 /// What `tongs demo` was asked for.
 #[derive(Clone, Debug)]
@@ -123,10 +123,21 @@ pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
     config
 }
 
+/// Why the demo could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("cannot start the simulated fleet: {0}")]
+    Fleet(std::io::Error),
+    #[error("cannot start tongs in front of the fleet: {0}")]
+    Proxy(#[from] AppError),
+}
+
 /// Runs the whole demo and returns its summary.
-pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::Result<Summary> {
+pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> Result<Summary, DemoError> {
     let fleet_config = demo_fleet(&options);
-    let fleet = Fleet::start(&fleet_config, options.duration).await?;
+    let fleet = Fleet::start(&fleet_config, options.duration)
+        .await
+        .map_err(DemoError::Fleet)?;
     let app = App::bind(&demo_config(&fleet, &options)).await?;
     let parts = app.parts().clone();
     let target = format!("http://{}", app.proxy_addr());

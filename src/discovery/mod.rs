@@ -13,6 +13,7 @@
 //! Kubernetes API (a node's registered address, a SaladCloud gateway host found by lookup). It never
 //! touches the request path directly.
 
+mod client;
 pub mod kube;
 pub mod object;
 pub mod pods;
