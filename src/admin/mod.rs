@@ -95,6 +95,15 @@ pub(super) fn typed(
     response
 }
 
+/// Marks an answer as live state: never cached, by browsers or by anything in between.
+pub(super) fn no_store(mut response: Response<ProxyBody>) -> Response<ProxyBody> {
+    response.headers_mut().insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-store"),
+    );
+    response
+}
+
 pub(super) fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBody> {
     typed(status, "text/plain", text)
 }

@@ -5,7 +5,7 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 
-use super::{answer, typed};
+use super::{answer, no_store, typed};
 use crate::discovery;
 use crate::http::ProxyBody;
 
@@ -50,10 +50,9 @@ pub(super) async fn register(
         &body,
     )
     .await;
-    let mut response = typed(outcome.status, "application/json", outcome.body.to_string());
-    response.headers_mut().insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-store"),
-    );
-    response
+    no_store(typed(
+        outcome.status,
+        "application/json",
+        outcome.body.to_string(),
+    ))
 }

@@ -1,9 +1,9 @@
 //! The admin port's read-only paths: probes, the status page, demand, endpoints and metrics.
 
-use http::{Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
-use super::{State, answer, typed};
+use super::{State, answer, no_store, typed};
 use crate::http::ProxyBody;
 
 /// The status page: one self-contained HTML file (no external assets) that polls /debug/endpoints.
@@ -19,7 +19,7 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
-    let mut response = match request.uri().path() {
+    let response = match request.uri().path() {
         "/" => typed(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
         "/healthz" => answer(StatusCode::OK, "ok\n"),
         "/readyz" if state.readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
@@ -50,10 +50,5 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
             "not found: try /healthz, /readyz, /metrics, /demand or /debug/endpoints\n",
         ),
     };
-    // Everything here is live state: never cached, by browsers or by anything in between.
-    response.headers_mut().insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-store"),
-    );
-    response
+    no_store(response)
 }
