@@ -8,6 +8,7 @@ mod balance;
 mod duration;
 mod endpoints;
 mod header;
+mod hedge;
 mod kubernetes;
 mod resilience;
 mod salad;
@@ -24,11 +25,12 @@ pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, Q
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
 pub use header::Header;
+pub use hedge::{HedgeConfig, StreamConfig};
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,
 };
-pub use resilience::{BreakerConfig, HealthConfig, RetryConfig, RetryOn};
+pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
 pub use upstream::{ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
@@ -54,6 +56,8 @@ pub struct Config {
     pub health: HealthConfig,
     pub breaker: BreakerConfig,
     pub retry: RetryConfig,
+    pub hedge: HedgeConfig,
+    pub stream: StreamConfig,
     pub balancer: BalancerConfig,
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
@@ -74,6 +78,8 @@ impl Default for Config {
             health: HealthConfig::default(),
             breaker: BreakerConfig::default(),
             retry: RetryConfig::default(),
+            hedge: HedgeConfig::default(),
+            stream: StreamConfig::default(),
             balancer: BalancerConfig::default(),
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
@@ -188,6 +194,8 @@ impl Config {
             ("breaker.max_ejection", self.breaker.max_ejection, false),
             ("retry.backoff_base", self.retry.backoff_base, true),
             ("retry.backoff_max", self.retry.backoff_max, true),
+            ("hedge.min_delay", self.hedge.min_delay, true),
+            ("stream.idle_min", self.stream.idle_min, false),
             ("balancer.slow_start", self.balancer.slow_start, true),
             ("balancer.latency_decay", self.balancer.latency_decay, false),
             (
@@ -225,6 +233,8 @@ impl Config {
         self.health.validate(&mut problems);
         self.breaker.validate(&mut problems);
         self.retry.validate(&mut problems);
+        self.hedge.validate(&mut problems);
+        self.stream.validate(&mut problems);
         self.concurrency.validate(&mut problems);
         self.queue.validate(&mut problems);
         self.limits.validate(&mut problems);

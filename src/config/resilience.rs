@@ -25,6 +25,68 @@ pub struct HealthConfig {
     pub healthy_threshold: u32,
     /// Share of the interval by which each wait is randomly lengthened or shortened (0 ..= 0.5).
     pub jitter: f64,
+    /// A deep heartbeat: this request instead of `GET path` (e.g. a one-token completion), so a node
+    /// whose health endpoint answers while its model cannot fails its heartbeats. Off by default.
+    pub request: Option<HealthRequest>,
+}
+
+/// The request a deep heartbeat sends, and the status that passes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthRequest {
+    #[serde(default = "default_method")]
+    pub method: String,
+    pub path: String,
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    pub body: String,
+    /// The status that passes (any 2xx when left out).
+    #[serde(default)]
+    pub expected_status: Option<u16>,
+}
+
+fn default_method() -> String {
+    "GET".into()
+}
+
+impl HealthRequest {
+    fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem = |field: &str, message: String| {
+            problems.push(Problem {
+                field: format!("health.request.{field}"),
+                message,
+            })
+        };
+        if http::Method::from_bytes(self.method.as_bytes()).is_err() {
+            problem("method", format!("{:?} is not an HTTP method", self.method));
+        }
+        if !self.path.starts_with('/') || self.path.parse::<http::uri::PathAndQuery>().is_err() {
+            problem(
+                "path",
+                format!("must be a path starting with /, got {:?}", self.path),
+            );
+        }
+        for (name, value) in &self.headers {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                problem("headers", format!("{name:?} is not a valid header name"));
+            }
+            if http::HeaderValue::from_str(value).is_err() {
+                problem(
+                    &format!("headers.{name}"),
+                    "is not a valid header value".into(),
+                );
+            }
+        }
+        if let Some(status) = self.expected_status
+            && !(100..=599).contains(&status)
+        {
+            problem(
+                "expected_status",
+                format!("must be an HTTP status 100..=599, got {status}"),
+            );
+        }
+    }
 }
 
 impl Default for HealthConfig {
@@ -38,6 +100,7 @@ impl Default for HealthConfig {
             unhealthy_threshold: 2,
             healthy_threshold: 2,
             jitter: 0.1,
+            request: None,
         }
     }
 }
@@ -55,6 +118,13 @@ pub struct BreakerConfig {
     /// Largest share of the endpoints (percent) that may be ejected at once; beyond it failures are counted
     /// but endpoints stay in service, so a blip that hits everything cannot eject the whole fleet.
     pub max_ejected_percent: u32,
+    /// Gray failures: attempts in a row that stall — lose to a hedge, or wait `stall_multiplier` times
+    /// the endpoint's expected time to first byte — while heartbeats pass, which mark the endpoint
+    /// stalled: ejected, its waiting requests moved at once, and closed again only by a real request.
+    pub consecutive_stalls: u32,
+    /// An attempt still without an answer after this many times its endpoint's expected time to first
+    /// byte (2 ..= 1000) counts as stalled.
+    pub stall_multiplier: f64,
 }
 
 impl Default for BreakerConfig {
@@ -64,6 +134,8 @@ impl Default for BreakerConfig {
             base_ejection: HumanDuration::from_secs(5),
             max_ejection: HumanDuration::from_secs(60),
             max_ejected_percent: 50,
+            consecutive_stalls: 2,
+            stall_multiplier: 8.0,
         }
     }
 }
@@ -244,6 +316,9 @@ impl HealthConfig {
                 format!("must be between 0 and 0.5, got {}", self.jitter),
             );
         }
+        if let Some(request) = &self.request {
+            request.validate(problems);
+        }
     }
 }
 
@@ -270,6 +345,18 @@ impl BreakerConfig {
             problem(
                 "breaker.max_ejected_percent".into(),
                 format!("must be at most 100, got {}", self.max_ejected_percent),
+            );
+        }
+        if self.consecutive_stalls == 0 {
+            problem(
+                "breaker.consecutive_stalls".into(),
+                "must be at least 1".into(),
+            );
+        }
+        if !(2.0..=1000.0).contains(&self.stall_multiplier) {
+            problem(
+                "breaker.stall_multiplier".into(),
+                format!("must be between 2 and 1000, got {}", self.stall_multiplier),
             );
         }
     }

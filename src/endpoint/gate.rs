@@ -43,6 +43,40 @@ impl Endpoint {
         self.publish(&breaker, now, transition);
     }
 
+    /// An attempt here stalled (lost to a hedge, or waited far past the expected latency). Counted only
+    /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
+    /// the endpoint stalled: ejected, with its waiting attempts told to move at once.
+    pub fn record_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) -> bool {
+        if !self.is_healthy() {
+            return false;
+        }
+        self.stall_events.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_stall(settings, now, may_eject, fastrand::f64());
+        self.publish(&breaker, now, transition);
+        drop(breaker);
+        let stalled = matches!(transition, Some(Transition::Opened { .. }));
+        if stalled {
+            self.gone.send_modify(|generation| *generation += 1);
+            tracing::warn!(
+                endpoint = self.url(),
+                outstanding = self.outstanding(),
+                "endpoint stalled: heartbeats pass but requests hang; ejected until a real request succeeds"
+            );
+        }
+        stalled
+    }
+
+    /// Whether the breaker keeps the endpoint out because its requests stalled (a gray failure).
+    pub fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+
+    /// Attempts here that stalled (lost to a hedge, or waited far past the expected latency).
+    pub fn stalls(&self) -> u64 {
+        self.stall_events.load(Ordering::Relaxed)
+    }
+
     /// A half-open probe ended without a verdict (its client left): let another request probe.
     pub fn release_probe(&self, now: Instant) {
         let mut breaker = self.lock_breaker();
@@ -100,6 +134,7 @@ impl Endpoint {
             State::Open { until } => self.millis(until).max(1),
         };
         self.gate.store(gate, Ordering::Relaxed);
+        self.stalled.store(breaker.is_stalled(), Ordering::Relaxed);
         self.recount();
         match transition {
             Some(Transition::Opened { for_ }) => {

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::Endpoint;
 
 impl Endpoint {
-    /// Records how long the endpoint took to start answering (see `proxy.rs` for what is measured).
+    /// Records how long the endpoint took to start answering (see `proxy::attempt` for what is measured).
     ///
     /// Peak EWMA (Finagle, linkerd): a sample above the estimate replaces it at once, so a node that slows
     /// down loses its share on its first slow answer; lower samples pull the estimate down with a weight
@@ -42,6 +42,28 @@ impl Endpoint {
         }
         let drift = idle as f64 / decay_ms.max(1) as f64;
         (estimate + (neutral_us as f64 - estimate) * drift).max(1.0) as u64
+    }
+
+    /// A streamed answer from here sent a chunk `gap` after the one before: feeds the typical gap that
+    /// sets a stream's idle limit. An EWMA with weight 1/16: steady enough that one slow chunk does not
+    /// move it much, quick enough to follow a node that changes pace.
+    pub fn observe_chunk_gap(&self, gap: Duration) {
+        let sample = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX).max(1);
+        let old = self.chunk_gap_us.load(Ordering::Relaxed);
+        let next = if old == 0 {
+            sample
+        } else {
+            old - old / 16 + sample / 16
+        };
+        self.chunk_gap_us.store(next, Ordering::Relaxed);
+    }
+
+    /// The typical gap between chunks of a streamed answer from here (`None` before any was seen).
+    pub fn chunk_gap(&self) -> Option<Duration> {
+        match self.chunk_gap_us.load(Ordering::Relaxed) {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        }
     }
 
     /// The raw estimate in microseconds (0 before the first observation), for debug output.

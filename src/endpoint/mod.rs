@@ -109,8 +109,14 @@ pub struct Endpoint {
     breaker: Mutex<Breaker>,
     /// The closed breaker's failure streak, mirrored so a success needs no lock when it is zero.
     streak: AtomicU32,
-    /// Bumped when heartbeats declare the endpoint gone; waiting attempts fail over at once.
+    /// Bumped when heartbeats declare the endpoint gone or it stalls; waiting attempts fail over at once.
     gone: watch::Sender<u64>,
+    /// The breaker is open because requests stalled while heartbeats passed (mirrored from it).
+    stalled: AtomicBool,
+    /// Attempts that stalled here.
+    stall_events: AtomicU64,
+    /// Typical gap between a streamed answer's chunks: an EWMA in microseconds (0: none seen yet).
+    chunk_gap_us: AtomicU64,
     ejections: AtomicU64,
     /// Times heartbeats marked the endpoint unhealthy.
     unhealthy_marks: AtomicU64,
@@ -200,6 +206,9 @@ impl Endpoint {
             cooldown_until: AtomicU64::new(0),
             ramp_start: AtomicU64::new(0),
             gone: watch::channel(0).0,
+            stalled: AtomicBool::new(false),
+            stall_events: AtomicU64::new(0),
+            chunk_gap_us: AtomicU64::new(0),
             ejections: AtomicU64::new(0),
             unhealthy_marks: AtomicU64::new(0),
             cooldowns: AtomicU64::new(0),

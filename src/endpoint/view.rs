@@ -31,6 +31,8 @@ pub struct EndpointView {
     pub requests: u64,
     pub failures: u64,
     pub ejections: u64,
+    /// Attempts that stalled here (lost to a hedge, or waited far past the expected latency).
+    pub stalls: u64,
     pub cooldowns: u64,
     /// Expected-latency estimate (time to first byte), ms; null before the first answer.
     pub latency_ms: Option<f64>,
@@ -43,7 +45,7 @@ pub struct EndpointView {
 }
 
 /// What an endpoint is doing, in the one word an operator needs first. When several hold, the first
-/// that applies in this order names it: draining, unhealthy, ejected, probing, cooldown, suspect,
+/// that applies in this order names it: draining, unhealthy, stalled, ejected, probing, cooldown, suspect,
 /// slow-start, healthy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -54,19 +56,22 @@ pub enum EndpointState {
     Cooldown,
     Probing,
     Ejected,
+    /// Ejected because its requests stalled while its heartbeats passed (a gray failure).
+    Stalled,
     Unhealthy,
     Draining,
 }
 
 impl EndpointState {
     /// Every state, in the order metrics list them.
-    pub const ALL: [EndpointState; 8] = [
+    pub const ALL: [EndpointState; 9] = [
         EndpointState::Healthy,
         EndpointState::SlowStart,
         EndpointState::Suspect,
         EndpointState::Cooldown,
         EndpointState::Probing,
         EndpointState::Ejected,
+        EndpointState::Stalled,
         EndpointState::Unhealthy,
         EndpointState::Draining,
     ];
@@ -79,6 +84,7 @@ impl EndpointState {
             EndpointState::Cooldown => "cooldown",
             EndpointState::Probing => "probing",
             EndpointState::Ejected => "ejected",
+            EndpointState::Stalled => "stalled",
             EndpointState::Unhealthy => "unhealthy",
             EndpointState::Draining => "draining",
         }
@@ -107,6 +113,8 @@ impl Endpoint {
             EndpointState::Draining
         } else if !healthy {
             EndpointState::Unhealthy
+        } else if self.is_stalled() && !matches!(breaker_state, State::Closed { .. }) {
+            EndpointState::Stalled
         } else if let State::Open { .. } = breaker_state {
             EndpointState::Ejected
         } else if let State::HalfOpen { .. } = breaker_state {
@@ -139,6 +147,7 @@ impl Endpoint {
             requests: self.requests(),
             failures: self.failures(),
             ejections: self.ejections(),
+            stalls: self.stalls(),
             cooldowns: self.cooldowns(),
             latency_ms: ms(self.latency_us()),
             unloaded_latency_ms: self.unloaded_latency_us().and_then(ms),

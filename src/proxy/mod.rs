@@ -75,6 +75,7 @@ impl ProxySettings {
                 consecutive_failures: config.breaker.consecutive_failures,
                 base_ejection: config.breaker.base_ejection.get(),
                 max_ejection: config.breaker.max_ejection.get(),
+                consecutive_stalls: config.breaker.consecutive_stalls,
             },
             max_ejected_percent: config.breaker.max_ejected_percent,
             slow_start: config.balancer.slow_start.get(),
