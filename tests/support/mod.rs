@@ -1,8 +1,17 @@
-//! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients.
+//! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients,
+//! one accept loop for every test server, and the fakes that stand in for services that cannot run
+//! here: the Kubernetes API server ([`kube_api`]) and the SaladCloud public API ([`salad_api`]).
 //!
 //! Everything runs over real sockets on 127.0.0.1 (or [::1]); nothing is mocked in-process.
+//!
+//! Each test binary (`tests/<area>/main.rs`) includes this folder with
+//! `#[path = "../support/mod.rs"] mod support;`: Cargo compiles every test binary as a crate of its
+//! own, and a module shared between them needs either that one path or a crate of its own.
 
 #![allow(dead_code)]
+
+pub mod kube_api;
+pub mod salad_api;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -1,18 +1,16 @@
 //! Streaming through the proxy: Server-Sent Events reach the client chunk by chunk, a client that goes
 //! away cancels the endpoint's work, and HTTP/1.1 upgrades (WebSocket) pass through as a byte stream.
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;

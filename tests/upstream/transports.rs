@@ -7,19 +7,17 @@
 //! binds its outgoing connections to an address of its own (`-b` / `Bind`), so the node can tell from
 //! the peer address whether a request came through the proxy or straight from tongs.
 
-mod support;
-
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use support::*;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 

@@ -1,13 +1,11 @@
 //! The simulated GPU fleet behaves like the real nodes it stands for: each interruption kind shows up on
 //! the socket the way it does in production, capacity limits concurrency, and seeds replay runs.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tongs::config::HumanDuration;

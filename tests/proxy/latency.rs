@@ -1,12 +1,10 @@
 //! Expected-latency balancing on a simulated mixed fleet: fast nodes take most of the traffic, a node that
 //! turns slow loses its share and wins it back, a new endpoint is used at once.
 
-mod support;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::sync::Semaphore;
 use tongs::registry::EndpointSpec;
 use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};

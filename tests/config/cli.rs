@@ -1,8 +1,6 @@
 //! The `tongs` binary itself: config checking with exit code 64, and a SIGTERM drain that lets an
 //! in-flight stream run to its end while new connections are refused.
 
-mod support;
-
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -10,10 +8,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use http_body_util::channel::Channel;
-use support::*;
 
 const TONGS: &str = env!("CARGO_BIN_EXE_tongs");
 

@@ -1,8 +1,6 @@
 //! The admin listener: liveness and readiness probes on their own port.
 
-mod support;
-
-use support::*;
+use crate::support::*;
 
 #[tokio::test]
 async fn probes_answer_on_the_admin_port() {

@@ -1,15 +1,13 @@
 //! What operators read: `/metrics` (every name in the catalog, bounded cardinality as endpoints come
 //! and go) and `/debug/endpoints`, from a proxy serving real requests over loopback.
 
-mod support;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::Response;
 use http_body_util::{BodyExt, StreamBody};
-use support::*;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::{Config, EndpointUrl};

@@ -5,8 +5,6 @@
 //!
 //! Raw TCP is used wherever a well-behaved client would refuse to misbehave.
 
-mod support;
-
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -15,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame};
@@ -22,7 +21,6 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;

@@ -5,8 +5,6 @@
 //! against a real backend and a closed port. Not real: the backend is a small in-process HTTP server, and
 //! Chromium's virtual time budget stands in for a person watching the page for a few seconds.
 
-mod support;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Stdio;
@@ -14,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use support::*;
+use crate::support::*;
 
 /// Longest one Chromium run may take before it is killed and the test fails.
 const CHROMIUM_TIMEOUT: Duration = Duration::from_secs(60);

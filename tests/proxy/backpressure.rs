@@ -4,16 +4,14 @@
 //! Durations printed here are for reading; assertions on time only check what a wait proves (a refusal
 //! came long before the wait it would otherwise have sat out), never how fast this machine is.
 
-mod support;
-
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use support::*;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tongs::sim::{Fleet, FleetConfig, NodeSpec, ResponseKind};

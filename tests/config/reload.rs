@@ -2,15 +2,13 @@
 //! swapped to a new directory (the file tongs reads never changes itself). Real files, real inotify,
 //! real sockets; only the kubelet is played by the test.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use support::*;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::Config;
