@@ -165,10 +165,7 @@ async fn endpoint_series_leave_with_their_endpoints() {
 #[tokio::test]
 async fn debug_endpoints_shows_state_limit_and_heartbeats() {
     let ok = text_backend("ok").await;
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let config = "health: { interval: 200ms, fast_interval: 50ms }\n\
                   concurrency: { limit: adaptive }\n";
     let proxy = start_proxy(config_with(config, &[ok.url(), refused.clone()])).await;

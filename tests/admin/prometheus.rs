@@ -37,10 +37,7 @@ impl Prometheus {
             ),
         )
         .expect("prometheus.yml written");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let log = |name: &str| std::fs::File::create(dir.0.join(name)).expect("log file");
         let child = Command::new(binary)
             .arg(format!("--config.file={}", config.display()))

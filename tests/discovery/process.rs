@@ -25,13 +25,7 @@ async fn an_https_proxy_in_the_environment_does_not_stop_discovery() {
     let node = named("127.0.0.2", "node").await;
     serve_pod(&cluster.api, "llm-0", "127.0.0.2", node.port());
     // Fixed ports for the binary's listeners: free ones, taken and released.
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port")
-    };
-    let (listen, admin) = (port(), port());
+    let (listen, admin) = (free_port(), free_port());
     let config = cluster.file(
         "tongs.yaml",
         &format!(

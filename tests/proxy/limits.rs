@@ -22,7 +22,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// Longest any single exchange in this file may take before the test calls it hung.
@@ -434,11 +434,7 @@ async fn no_endpoint_gets_503_with_a_json_error() {
 
 #[tokio::test]
 async fn refused_connection_gets_502_with_a_json_error() {
-    let closed_port = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    };
-    let endpoint = format!("http://127.0.0.1:{closed_port}");
+    let endpoint = closed_url();
     let proxy = start_proxy(config_with("", &[endpoint])).await;
 
     let (status, request_id, body) = send(post(&proxy, "/v1/chat", full("hello"))).await;
@@ -450,17 +446,8 @@ async fn refused_connection_gets_502_with_a_json_error() {
 #[tokio::test]
 async fn endpoint_that_never_answers_gets_504_with_a_json_error() {
     // Accepts connections and holds them without ever reading or writing.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&accepted);
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            held.push(stream);
-        }
-    });
+    let silent = Silent::start().await;
+    let endpoint = format!("http://{}", silent.addr);
     let proxy = start_proxy(config_with(
         "timeouts: { response_headers: 500ms, total: 2s }\n",
         &[endpoint],
@@ -470,10 +457,6 @@ async fn endpoint_that_never_answers_gets_504_with_a_json_error() {
     let (status, request_id, body) = send(post(&proxy, "/v1/chat", full("hello"))).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
     assert_json_error(&body, request_id.as_deref());
-    assert!(
-        accepted.load(Ordering::SeqCst) >= 1,
-        "the endpoint was connected to"
-    );
+    assert!(silent.accepted() >= 1, "the endpoint was connected to");
     proxy.stop().await;
-    holder.abort();
 }

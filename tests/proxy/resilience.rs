@@ -21,6 +21,7 @@ use hyper::body::Incoming;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tongs::breaker::State;
 use tongs::endpoint::Endpoint;
 use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec, ResponseKind};
@@ -93,7 +94,7 @@ fn endpoint(proxy: &TestProxy, url: &str) -> Arc<Endpoint> {
 struct RawBackend {
     addr: SocketAddr,
     hits: Hits,
-    task: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
 }
 
 impl RawBackend {
@@ -102,23 +103,19 @@ impl RawBackend {
         let addr = listener.local_addr().unwrap();
         let hits = Hits::default();
         let count = Arc::clone(&hits);
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let count = Arc::clone(&count);
-                tokio::spawn(async move {
-                    if read_head(&mut stream).await {
-                        count.fetch_add(1, Ordering::SeqCst);
-                        let _ = stream.write_all(reply).await;
-                        let _ = stream.flush().await;
-                    }
-                    // Dropped here: the connection ends right after `reply`.
-                });
+        let stop = CancellationToken::new();
+        serve_connections(listener, stop.clone(), move |mut stream, _peer| {
+            let count = Arc::clone(&count);
+            async move {
+                if read_head(&mut stream).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let _ = stream.write_all(reply).await;
+                    let _ = stream.flush().await;
+                }
+                // Dropped here: the connection ends right after `reply`.
             }
         });
-        RawBackend { addr, hits, task }
+        RawBackend { addr, hits, stop }
     }
 
     fn url(&self) -> String {
@@ -128,7 +125,7 @@ impl RawBackend {
 
 impl Drop for RawBackend {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.cancel();
     }
 }
 
@@ -182,10 +179,7 @@ async fn retry_never_picks_an_endpoint_already_tried() {
 #[tokio::test]
 async fn connect_failure_is_retried_elsewhere() {
     // A port nobody listens on: connects are refused.
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let (good, good_hits) = answering(200, &[], "ok").await;
     let proxy = start_proxy(config_with(COIN_TOSS, &[refused.clone(), good.url()])).await;
 
@@ -371,10 +365,7 @@ async fn body_over_the_replay_limit_is_not_replayed() {
 
     // Over the limit but refused at connect: the endpoint got none of the body, so it may still go
     // elsewhere.
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let (b, b_hits, b_seen) = reading(200).await;
     let proxy = start_proxy(config_with(config, &[refused.clone(), b.url()])).await;
     for i in 0..20 {

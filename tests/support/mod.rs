@@ -28,7 +28,7 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::Config;
@@ -120,31 +120,125 @@ where
     let listener = TcpListener::bind(bind).await.expect("backend binds");
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    let stopped = stop.clone();
+    serve_connections(listener, stop.clone(), move |stream, _peer| {
+        serve_http(stream, Http::Auto, handler.clone())
+    });
+    Backend { addr, stop }
+}
+
+/// The accept loop of every test server: until `stop`, each connection accepted on `listener` goes,
+/// with its peer's address, to `serve`, and the future that returns runs on a task of its own until it
+/// ends or `stop`.
+pub fn serve_connections<S, Fut>(listener: TcpListener, stop: CancellationToken, mut serve: S)
+where
+    S: FnMut(TcpStream, SocketAddr) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     tokio::spawn(async move {
         loop {
-            let (stream, _) = tokio::select! {
-                () = stopped.cancelled() => return,
+            let (stream, peer) = tokio::select! {
+                () = stop.cancelled() => return,
                 accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
             };
-            let handler = handler.clone();
-            let stopped = stopped.clone();
+            let connection = serve(stream, peer);
+            let stop = stop.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |request| {
-                    let response = handler(request);
-                    async move { Ok::<_, Infallible>(response.await) }
-                });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                let connection =
-                    builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                 tokio::select! {
-                    _ = connection => {}
-                    () = stopped.cancelled() => {}
+                    () = connection => {}
+                    () = stop.cancelled() => {}
                 }
             });
         }
     });
-    Backend { addr, stop }
+}
+
+/// Which HTTP a test server speaks on a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Http {
+    /// HTTP/1.1 only, as the fakes of remote APIs.
+    One,
+    /// HTTP/2 only (after ALPN said `h2`).
+    Two,
+    /// HTTP/1.1 or h2c, whichever the client starts with; upgrades allowed.
+    Auto,
+}
+
+/// Serves one connection with hyper, each request answered by `handler`, until the client leaves.
+pub async fn serve_http<I, F, Fut, B>(io: I, http: Http, handler: F)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let service = service_fn(move |request| {
+        let response = handler(request);
+        async move { Ok::<_, Infallible>(response.await) }
+    });
+    let io = TokioIo::new(io);
+    let _ = match http {
+        Http::One => hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await
+            .map_err(BoxError::from),
+        Http::Two => hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(io, service)
+            .await
+            .map_err(BoxError::from),
+        Http::Auto => hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+            .serve_connection_with_upgrades(io, service)
+            .await,
+    };
+}
+
+/// A server that accepts connections and never reads or writes a byte: a peer that hangs. It holds
+/// every connection until dropped.
+pub struct Silent {
+    pub addr: SocketAddr,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl Silent {
+    pub async fn start() -> Silent {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = CancellationToken::new();
+        let counter = Arc::clone(&accepted);
+        serve_connections(listener, stop.clone(), move |stream, _peer| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            // Held open, unread, until the test ends.
+            async move { std::future::pending::<()>().await; drop(stream) }
+        });
+        Silent { addr, accepted, stop }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Silent {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A free loopback port (bound, then released for a server to take, or for nothing to listen on).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The URL of a loopback port nothing listens on: connections to it are refused.
+pub fn closed_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
 }
 
 /// Starts a backend on 127.0.0.1.

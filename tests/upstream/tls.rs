@@ -15,13 +15,11 @@ use crate::support::*;
 use http::{Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
 };
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -157,43 +155,29 @@ async fn tls_backend(pki: &Pki, alpn: &[&[u8]]) -> TlsBackend {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let stop = CancellationToken::new();
     for listener in std::iter::once(v4).chain(v6) {
-        tokio::spawn(accept_tls(
-            listener,
-            acceptor.clone(),
-            Arc::clone(&seen),
-            stop.clone(),
-        ));
+        let (acceptor, seen) = (acceptor.clone(), Arc::clone(&seen));
+        serve_connections(listener, stop.clone(), move |stream, _peer| {
+            serve_tls(stream, acceptor.clone(), Arc::clone(&seen))
+        });
     }
     TlsBackend { port, seen, stop }
 }
 
-async fn accept_tls(
-    listener: TcpListener,
-    acceptor: TlsAcceptor,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    stop: CancellationToken,
-) {
-    loop {
-        let stream = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
-        };
-        let acceptor = acceptor.clone();
-        let seen = Arc::clone(&seen);
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            // A refused handshake (the proxy distrusting the certificate) just ends the connection.
-            let Ok(tls) = acceptor.accept(stream).await else {
-                return;
-            };
-            let connection = tls.get_ref().1;
-            let sni = connection.server_name().map(str::to_owned);
-            let alpn = connection.alpn_protocol().map(<[u8]>::to_vec);
-            let h2 = alpn.as_deref() == Some(b"h2".as_slice());
-            let service = service_fn(move |request: Request<Incoming>| {
+/// One connection: the TLS handshake, then HTTP/2 if ALPN chose it, HTTP/1.1 otherwise.
+async fn serve_tls(stream: TcpStream, acceptor: TlsAcceptor, seen: Arc<Mutex<Vec<Seen>>>) {
+    // A refused handshake (the proxy distrusting the certificate) just ends the connection.
+    let Ok(tls) = acceptor.accept(stream).await else {
+        return;
+    };
+    let connection = tls.get_ref().1;
+    let sni = connection.server_name().map(str::to_owned);
+    let alpn = connection.alpn_protocol().map(<[u8]>::to_vec);
+    let http = if alpn.as_deref() == Some(b"h2".as_slice()) {
+        Http::Two
+    } else {
+        Http::One
+    };
+    serve_http(tls, http, move |request: Request<Incoming>| {
                 let header = |name: &str| {
                     request
                         .headers()
@@ -214,25 +198,9 @@ async fn accept_tls(
                     forwarded_for: header("x-forwarded-for"),
                     salad_api_key: header("salad-api-key"),
                 });
-                async { Ok::<_, std::convert::Infallible>(Response::new(full("over tls"))) }
-            });
-            let io = TokioIo::new(tls);
-            tokio::select! {
-                () = stop.cancelled() => {}
-                _ = async {
-                    if h2 {
-                        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                            .serve_connection(io, service)
-                            .await
-                    } else {
-                        hyper::server::conn::http1::Builder::new()
-                            .serve_connection(io, service)
-                            .await
-                    }
-                } => {}
-            }
-        });
-    }
+                async { Response::new(full("over tls")) }
+    })
+    .await;
 }
 
 /// Sends `GET path` to the proxy with the client-side `Host: api.internal`; returns status and body.

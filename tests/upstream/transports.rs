@@ -7,7 +7,6 @@
 //! binds its outgoing connections to an address of its own (`-b` / `Bind`), so the node can tell from
 //! the peer address whether a request came through the proxy or straight from tongs.
 
-use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -16,8 +15,6 @@ use std::time::Duration;
 use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -45,29 +42,16 @@ impl Node {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
-        let (recorded, stopped) = (Arc::clone(&seen), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let (stream, peer) = tokio::select! {
-                    () = stopped.cancelled() => return,
-                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
-                };
-                let recorded = Arc::clone(&recorded);
-                let service = service_fn(move |request: Request<Incoming>| {
-                    recorded.lock().unwrap().push(Seen {
-                        peer: peer.ip(),
-                        path: request.uri().path().to_owned(),
-                    });
-                    async { Ok::<_, Infallible>(Response::new(full("node"))) }
+        let recorded = Arc::clone(&seen);
+        serve_connections(listener, stop.clone(), move |stream, peer| {
+            let recorded = Arc::clone(&recorded);
+            serve_http(stream, Http::Auto, move |request: Request<Incoming>| {
+                recorded.lock().unwrap().push(Seen {
+                    peer: peer.ip(),
+                    path: request.uri().path().to_owned(),
                 });
-                tokio::spawn(async move {
-                    let builder =
-                        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                    let _ = builder
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+                async { Response::new(full("node")) }
+            })
         });
         Node { addr, seen, stop }
     }
@@ -100,14 +84,6 @@ impl Drop for ProxyProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// A free loopback port (bound, then released for the proxy to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
 }
 
 /// Waits until something accepts connections on `port`.
@@ -303,15 +279,8 @@ async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
 #[tokio::test]
 async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
     // Accepts TCP connections and never says a word of SOCKS.
-    let stalled = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = stalled.local_addr().unwrap().port();
-    let held = Arc::new(Mutex::new(Vec::new()));
-    let holder = Arc::clone(&held);
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = stalled.accept().await {
-            holder.lock().unwrap().push(stream);
-        }
-    });
+    let stalled = Silent::start().await;
+    let port = stalled.addr.port();
     let node = Node::start("127.0.0.2:0").await;
     let proxy = proxy_via(
         &format!("socks5://127.0.0.1:{port}"),
@@ -323,10 +292,7 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
     let (status, body) = get(&proxy.url("/")).await;
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("no connection within"), "{body}");
-    assert!(
-        !held.lock().unwrap().is_empty(),
-        "tongs did reach the proxy"
-    );
+    assert!(stalled.accepted() > 0, "tongs did reach the proxy");
     assert!(node.seen().is_empty());
     proxy.stop().await;
 }

@@ -163,11 +163,7 @@ impl FakeKubeApi {
             cluster: Mutex::new(Cluster::new()),
         });
         let stop = CancellationToken::new();
-        tokio::spawn(server::accept_loop(
-            listener,
-            Arc::clone(&shared),
-            stop.clone(),
-        ));
+        server::serve(listener, Arc::clone(&shared), stop.clone());
         FakeKubeApi { addr, shared, stop }
     }
 
