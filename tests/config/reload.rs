@@ -82,6 +82,8 @@ async fn start(path: &Path) -> (TestProxy, Arc<tongs::proxy::Proxy>) {
     (TestProxy { task, ..test }, proxy)
 }
 
+const TEN_SECONDS: Duration = Duration::from_secs(10);
+
 /// The value of one sample on the /metrics page.
 async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
     let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
@@ -89,21 +91,6 @@ async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
         let (name, value) = line.rsplit_once(' ')?;
         (name == series).then(|| value.parse().ok()).flatten()
     })
-}
-
-async fn eventually_async<F, Fut>(what: &str, check: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after 10 s waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 #[tokio::test]
@@ -172,7 +159,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
         &a.url(),
         "retry: { max_attempts: 99 }\nbalancer: { polcy: least-outstanding }\n",
     ));
-    eventually_async("the invalid reload counted", || async {
+    eventually_async("the invalid reload counted", TEN_SECONDS, || async {
         metric(&proxy, r#"tongs_config_reloads_total{result="invalid"}"#).await == Some(1.0)
     })
     .await;
@@ -182,7 +169,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
 
     // Fixed again: applied.
     volume.publish(&config_text(&a.url(), ""));
-    eventually_async("the fixed version applied", || async {
+    eventually_async("the fixed version applied", TEN_SECONDS, || async {
         metric(&proxy, r#"tongs_config_reloads_total{result="applied"}"#).await == Some(2.0)
     })
     .await;

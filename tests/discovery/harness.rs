@@ -22,7 +22,6 @@ pub const NS: &str = "gpu";
 pub const WAIT: Duration = Duration::from_secs(30);
 /// Idle endpoints are picked by a fair coin, so sequential requests reach every endpoint.
 pub const COIN_TOSS: &str = "balancer: { policy: least-outstanding }\n";
-pub const HOUR: Duration = Duration::from_secs(3600);
 
 /// A pod as a Virtual Kubelet reports it: by default Running and Ready, labelled `app=llm`, on node
 /// `vk-node`, with no podIP.
@@ -226,22 +225,21 @@ impl Cluster {
             "requests the fake API does not implement"
         );
     }
+
+    /// The end of a test: the fake was asked nothing it does not implement, and the proxy stops.
+    pub async fn finish(self, proxy: TestProxy) {
+        self.assert_faithful();
+        proxy.stop().await;
+    }
 }
 
 /// Polls the async `check` until it holds, failing with `what` after [`WAIT`].
-pub async fn until<F, Fut>(what: &str, mut check: F)
+pub async fn until<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + WAIT;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {WAIT:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_async(what, WAIT, check).await;
 }
 
 pub async fn admin_get(proxy: &TestProxy, path: &str) -> (u16, String) {
@@ -334,6 +332,26 @@ pub async fn settle(api: &FakeKubeApi, proxy: &TestProxy) {
 /// Creates pod `name`, Running and Ready at `ip:port` (its containerPort named `http`).
 pub fn serve_pod(api: &FakeKubeApi, name: &str, ip: &str, port: u16) {
     api.create(PodBuilder::new(name).ip(ip).http_port(port).json());
+}
+
+/// A [`named`] backend on `ip` and a ready pod of the same name pointing at it.
+pub async fn named_pod(api: &FakeKubeApi, ip: &str, name: &'static str) -> Named {
+    let node = named(ip, name).await;
+    serve_pod(api, name, ip, node.port());
+    node
+}
+
+/// Makes the open watch fail as a server-expired one does (410), so tongs lists again; returns once
+/// the list that makes `lists` in all is applied.
+pub async fn expire_the_watch(api: &FakeKubeApi, proxy: &TestProxy, lists: f64) {
+    api.atomically(|c| {
+        c.expire_next_watches(1);
+        c.drop_watches();
+    });
+    until("the re-list is applied", || async {
+        metric_or_zero(proxy, "tongs_discovery_lists_total").await == lists
+    })
+    .await;
 }
 
 /// A backend on `ip` answering its name, counting requests.

@@ -132,6 +132,5 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
             "{result}"
         );
     }
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

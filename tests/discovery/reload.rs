@@ -67,6 +67,5 @@ async fn a_reloaded_selector_restarts_the_watch() {
         .find(|r| r.is_list())
         .expect("a list request");
     assert_eq!(last_list.param("labelSelector"), Some("tier=two"));
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

@@ -108,8 +108,7 @@ async fn salad_pods_get_their_gateway_host_from_the_salad_api_and_write_it_back(
     }
     assert_eq!(salad.lookups_of("gpu-plain"), 0);
     assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
     replica.stop().await;
 }
 
@@ -160,8 +159,7 @@ async fn salad_api_failures_are_retried_and_never_guess_an_address() {
     );
     assert!(api.patches().is_empty(), "write_back is off");
     assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
     locked_out.stop().await;
 }
 
@@ -190,6 +188,5 @@ async fn a_salad_pod_with_a_pod_ip_serves_there_until_its_gateway_is_known() {
     .await;
     salad.set_group("gpu-llm-2", Some("plum-2.salad.cloud"), "running", 1);
     until_urls(&proxy, &["https://plum-2.salad.cloud"]).await;
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

@@ -10,13 +10,9 @@ use std::time::Duration;
 
 use crate::support::*;
 use http::{Request, Response};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
-use tongs::sim::{Fleet, FleetConfig, NodeSpec, ResponseKind};
-
-const HOUR: Duration = Duration::from_secs(3600);
 
 /// What a refusal (or any answer) carried.
 #[derive(Debug)]
@@ -36,34 +32,19 @@ async fn ask(url: &str, headers: &[(&str, &str)]) -> Answer {
     }
     let request = request.body(full("{}")).unwrap();
     let started = Instant::now();
-    let exchange = async {
-        let response = client().request(request).await.expect("the proxy answers");
-        let header = |name: &str| {
-            response
-                .headers()
-                .get(name)
-                .map(|v| v.to_str().unwrap().to_owned())
-        };
-        let reason = header("x-tongs-reject-reason");
-        let retry_after = header("retry-after").map(|v| v.parse().expect("whole seconds"));
-        let status = response.status().as_u16();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        Answer {
-            status,
-            reason,
-            retry_after,
-            body: String::from_utf8_lossy(&body).into_owned(),
-            took: started.elapsed(),
-        }
+    let (head, body) = exchange(request).await;
+    let header = |name: &str| {
+        head.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
     };
-    tokio::time::timeout(HANG, exchange)
-        .await
-        .unwrap_or_else(|_| panic!("{url}: no answer within {HANG:?}"))
+    Answer {
+        status: head.status.as_u16(),
+        reason: header("x-tongs-reject-reason"),
+        retry_after: header("retry-after").map(|v| v.parse().expect("whole seconds")),
+        body,
+        took: started.elapsed(),
+    }
 }
 
 /// A backend that answers only when the test adds a permit, recording each request's `x-tag` as it
@@ -106,19 +87,7 @@ async fn queued(proxy: &TestProxy, n: usize) {
 async fn a_static_limit_is_never_exceeded_at_the_node() {
     // Nodes that would take 40 requests at once (4 served, 36 waiting inside): only tongs' limit of 2
     // keeps the concurrency each node sees at 2.
-    let nodes = (0..2)
-        .map(|i| {
-            let mut spec = NodeSpec::new(&format!("node-{i}"), Duration::from_millis(40));
-            spec.service_time.spread = 0.3;
-            spec.capacity = 4;
-            spec.queue = 36;
-            spec.response = ResponseKind::Json;
-            spec
-        })
-        .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 5, nodes }, HOUR)
-        .await
-        .unwrap();
+    let fleet = sim_fleet(5, json_nodes(2, Duration::from_millis(40), 4, 36)).await;
     let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 2 }\n";
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
 

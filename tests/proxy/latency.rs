@@ -11,7 +11,7 @@ use std::time::Duration;
 use crate::support::*;
 use tokio::sync::Semaphore;
 use tongs::registry::EndpointSpec;
-use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};
+use tongs::sim::{Condition, Fleet, InterruptionKind, NodeSpec};
 
 fn node(name: &str, mean_ms: u64) -> NodeSpec {
     let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
@@ -22,9 +22,7 @@ fn node(name: &str, mean_ms: u64) -> NodeSpec {
 }
 
 async fn fleet(nodes: Vec<NodeSpec>) -> Fleet {
-    Fleet::start(&FleetConfig { seed: 5, nodes }, Duration::from_secs(3600))
-        .await
-        .unwrap()
+    sim_fleet(5, nodes).await
 }
 
 /// Sends `count` requests through the proxy, at most `concurrency` at a time; all must succeed.
@@ -68,7 +66,8 @@ async fn idle_for(proxy: &TestProxy, url: &str, idle: Duration) {
         idle * 3,
         || {
             let now_ms = endpoint.millis(tokio::time::Instant::now());
-            endpoint.latency_us() > 0 && endpoint.latency_estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
+            endpoint.latency_us() > 0
+                && endpoint.latency_estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
         },
     )
     .await;

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tongs::breaker::State;
 use tongs::endpoint::Endpoint;
-use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec, ResponseKind};
+use tongs::sim::{Condition, InterruptionKind};
 
 /// Heartbeats fast enough for a test to see verdicts within a second or two.
 const HEARTBEATS: &str = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms }\n";
@@ -35,8 +35,6 @@ const HEARTBEATS: &str = "health: { interval: 500ms, timeout: 300ms, fast_interv
 /// faster than the fleet average an unmeasured endpoint stands in with, so whether the other endpoint is
 /// ever tried in 20 requests is not something to build a test on.
 const COIN_TOSS: &str = "balancer: { policy: least-outstanding }\n";
-
-const HOUR: Duration = Duration::from_secs(3600);
 
 type Hits = Arc<AtomicUsize>;
 
@@ -460,19 +458,7 @@ struct LoadRun {
 async fn steady_load_with_interruption(kind: InterruptionKind, factor: f64) -> LoadRun {
     const PERIOD: Duration = Duration::from_millis(33);
     const REQUESTS: u32 = 120;
-    let nodes = (0..4)
-        .map(|i| {
-            let mut spec = NodeSpec::new(&format!("node-{i}"), Duration::from_millis(30));
-            spec.service_time.spread = 0.3;
-            spec.capacity = 8;
-            spec.queue = 32;
-            spec.response = ResponseKind::Json;
-            spec
-        })
-        .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 7, nodes }, HOUR)
-        .await
-        .unwrap();
+    let fleet = sim_fleet(7, json_nodes(4, Duration::from_millis(30), 8, 32)).await;
     let proxy = start_proxy(config_with(HEARTBEATS, &fleet.urls())).await;
     let interrupted = &fleet.nodes()[0];
     let client = client();
@@ -602,16 +588,10 @@ async fn each_interruption_kind_during_steady_load_gives_zero_client_visible_fai
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blackholed_in_flight_requests_complete_elsewhere_quickly() {
-    let nodes = (0..2)
-        .map(|i| {
-            let mut spec = NodeSpec::new(&format!("node-{i}"), Duration::from_millis(200));
-            spec.service_time.spread = 0.0;
-            spec
-        })
-        .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 3, nodes }, HOUR)
-        .await
-        .unwrap();
+    let nodes = sim_nodes(2, Duration::from_millis(200), |spec| {
+        spec.service_time.spread = 0.0;
+    });
+    let fleet = sim_fleet(3, nodes).await;
     let config = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms, unhealthy_threshold: 2 }\n\
                   timeouts: { response_headers: 60s }\n";
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
@@ -673,15 +653,7 @@ async fn blackholed_in_flight_requests_complete_elsewhere_quickly() {
 
 #[tokio::test]
 async fn heartbeats_mark_unhealthy_and_back() {
-    let fleet = Fleet::start(
-        &FleetConfig {
-            seed: 5,
-            nodes: vec![NodeSpec::new("node-0", Duration::from_millis(20))],
-        },
-        HOUR,
-    )
-    .await
-    .unwrap();
+    let fleet = sim_fleet(5, sim_nodes(1, Duration::from_millis(20), |_| {})).await;
     let node = &fleet.nodes()[0];
     let good = text_backend("good").await;
     let config = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms, unhealthy_threshold: 2 }\n";

@@ -127,14 +127,7 @@ async fn client_disconnect_mid_stream_cancels_the_endpoint_stream() {
         sent.load(Ordering::SeqCst) < 1000,
         "the endpoint stopped early"
     );
-    let registry = Arc::clone(&proxy.app_registry);
-    eventually(
-        "request no longer outstanding",
-        Duration::from_secs(5),
-        || registry.snapshot()[0].outstanding() == 0,
-    )
-    .await;
-    proxy.stop().await;
+    stop_once_idle(proxy, "request").await;
 }
 
 #[tokio::test]
@@ -174,9 +167,15 @@ async fn client_disconnect_before_headers_cancels_the_endpoint_request() {
         || cancelled.load(Ordering::SeqCst),
     )
     .await;
+    stop_once_idle(proxy, "request").await;
+}
+
+/// Waits until the only endpoint has nothing outstanding (the `what` the client left is released),
+/// then stops the proxy.
+async fn stop_once_idle(proxy: TestProxy, what: &str) {
     let registry = Arc::clone(&proxy.app_registry);
     eventually(
-        "request no longer outstanding",
+        &format!("{what} no longer outstanding"),
         Duration::from_secs(5),
         || registry.snapshot()[0].outstanding() == 0,
     )
@@ -271,11 +270,5 @@ async fn websocket_upgrade_passes_through_and_counts_as_outstanding() {
     );
 
     drop(stream);
-    eventually(
-        "upgrade no longer outstanding",
-        Duration::from_secs(5),
-        || registry.snapshot()[0].outstanding() == 0,
-    )
-    .await;
-    proxy.stop().await;
+    stop_once_idle(proxy, "upgrade").await;
 }

@@ -9,11 +9,7 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tongs::config::HumanDuration;
-use tongs::sim::{
-    Condition, Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, ResponseKind,
-};
-
-const HOUR: Duration = Duration::from_secs(3600);
+use tongs::sim::{Condition, Fleet, Interruption, InterruptionKind, NodeSpec, ResponseKind};
 
 fn exact(name: &str, mean_ms: u64) -> NodeSpec {
     let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
@@ -22,9 +18,7 @@ fn exact(name: &str, mean_ms: u64) -> NodeSpec {
 }
 
 async fn fleet(nodes: Vec<NodeSpec>, seed: u64) -> Fleet {
-    Fleet::start(&FleetConfig { seed, nodes }, HOUR)
-        .await
-        .unwrap()
+    sim_fleet(seed, nodes).await
 }
 
 fn interrupted(kind: InterruptionKind) -> Condition {

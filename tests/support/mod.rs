@@ -93,6 +93,46 @@ pub async fn start_proxy(config: Config) -> TestProxy {
     }
 }
 
+/// Starts simulated GPU nodes (`tongs::sim`, standing in for real ones): `nodes` on the given seed,
+/// with no interruption planned within the hour.
+pub async fn sim_fleet(seed: u64, nodes: Vec<tongs::sim::NodeSpec>) -> tongs::sim::Fleet {
+    let config = tongs::sim::FleetConfig { seed, nodes };
+    tongs::sim::Fleet::start(&config, Duration::from_secs(3600))
+        .await
+        .expect("simulated nodes start")
+}
+
+/// `count` simulated nodes `node-0`, `node-1`, ... serving in `mean` on average, each as `tune` sets.
+pub fn sim_nodes(
+    count: usize,
+    mean: Duration,
+    tune: impl Fn(&mut tongs::sim::NodeSpec),
+) -> Vec<tongs::sim::NodeSpec> {
+    (0..count)
+        .map(|i| {
+            let mut spec = tongs::sim::NodeSpec::new(&format!("node-{i}"), mean);
+            tune(&mut spec);
+            spec
+        })
+        .collect()
+}
+
+/// `count` simulated nodes answering JSON in `mean` on average with a realistic spread (0.3), serving
+/// `capacity` at once with up to `queue` more waiting inside, where only latency shows them.
+pub fn json_nodes(
+    count: usize,
+    mean: Duration,
+    capacity: usize,
+    queue: usize,
+) -> Vec<tongs::sim::NodeSpec> {
+    sim_nodes(count, mean, |spec| {
+        spec.service_time.spread = 0.3;
+        spec.capacity = capacity;
+        spec.queue = queue;
+        spec.response = tongs::sim::ResponseKind::Json;
+    })
+}
+
 /// A backend on a real socket whose behaviour is the given handler.
 pub struct Backend {
     pub addr: SocketAddr,
@@ -187,9 +227,11 @@ where
             .serve_connection(io, service)
             .await
             .map_err(BoxError::from),
-        Http::Auto => hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-            .serve_connection_with_upgrades(io, service)
-            .await,
+        Http::Auto => {
+            hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection_with_upgrades(io, service)
+                .await
+        }
     };
 }
 
@@ -211,9 +253,16 @@ impl Silent {
         serve_connections(listener, stop.clone(), move |stream, _peer| {
             counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             // Held open, unread, until the test ends.
-            async move { std::future::pending::<()>().await; drop(stream) }
+            async move {
+                std::future::pending::<()>().await;
+                drop(stream)
+            }
         });
-        Silent { addr, accepted, stop }
+        Silent {
+            addr,
+            accepted,
+            stop,
+        }
     }
 
     /// Connections accepted so far.
@@ -269,26 +318,39 @@ pub fn client() -> Client<HttpConnector, TestBody> {
 /// Longest any test exchange may take before the test fails instead of hanging.
 pub const HANG: Duration = Duration::from_secs(30);
 
-/// Sends `request` and returns status and body text; a broken body or no answer within [`HANG`] panics.
-pub async fn send(request: Request<TestBody>) -> (u16, String) {
+/// Sends `request` and returns the response's head and its body as text; a broken body or no answer
+/// within [`HANG`] panics.
+pub async fn exchange(request: Request<TestBody>) -> (http::response::Parts, String) {
     let target = request.uri().to_string();
     let exchange = async {
         let response = client()
             .request(request)
             .await
             .unwrap_or_else(|err| panic!("{target}: {err}"));
-        let status = response.status().as_u16();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
+        let (head, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        (head, String::from_utf8_lossy(&body).into_owned())
     };
     tokio::time::timeout(HANG, exchange)
         .await
         .unwrap_or_else(|_| panic!("{target}: no answer within {HANG:?}"))
+}
+
+/// Sends `request` and returns status and body text; a broken body or no answer within [`HANG`] panics.
+pub async fn send(request: Request<TestBody>) -> (u16, String) {
+    let (head, body) = exchange(request).await;
+    (head.status.as_u16(), body)
+}
+
+/// The proxy's own JSON error in `body`: its `error` text and `request_id`, both present and not empty.
+pub fn proxy_error(body: &str) -> (String, String) {
+    let json: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|err| panic!("not JSON ({err}): {body}"));
+    let error = json["error"].as_str().unwrap_or_default();
+    assert!(!error.is_empty(), "no error text in {body}");
+    let request_id = json["request_id"].as_str().unwrap_or_default();
+    assert!(!request_id.is_empty(), "no request_id in {body}");
+    (error.to_owned(), request_id.to_owned())
 }
 
 /// Sends a GET and returns status and body text.
@@ -304,6 +366,21 @@ pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> 
             panic!("timed out after {limit:?} waiting for: {what}");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Polls the async `check` until it returns true or `limit` passes; panics with `what` on timeout.
+pub async fn eventually_async<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check().await {
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

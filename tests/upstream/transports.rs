@@ -79,6 +79,28 @@ struct ProxyProcess {
     _dir: Option<TempDir>,
 }
 
+impl ProxyProcess {
+    /// Runs `command` (quietly) and waits until it listens on `port`; `dir` lives as long as it does.
+    async fn start(
+        mut command: Command,
+        what: &str,
+        port: u16,
+        dir: Option<TempDir>,
+    ) -> ProxyProcess {
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|err| panic!("{what} starts: {err}"));
+        wait_listening(port, what).await;
+        ProxyProcess {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+}
+
 impl Drop for ProxyProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -88,34 +110,25 @@ impl Drop for ProxyProcess {
 
 /// Waits until something accepts connections on `port`.
 async fn wait_listening(port: u16, what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} did not listen on port {port} within 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let listening = || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    };
+    eventually_async(
+        &format!("{what} listening on port {port}"),
+        Duration::from_secs(10),
+        listening,
+    )
+    .await;
 }
 
 /// Debian's microsocks on 127.0.0.1:`port`, its outgoing connections bound to [`SOCKS_OUT`].
 async fn microsocks(port: u16) -> ProxyProcess {
     let program = require("microsocks");
-    let child = Command::new(program)
-        .args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("microsocks starts");
-    wait_listening(port, "microsocks").await;
-    ProxyProcess {
-        child,
-        port,
-        _dir: None,
-    }
+    let mut command = Command::new(program);
+    command.args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT]);
+    ProxyProcess::start(command, "microsocks", port, None).await
 }
 
 /// Debian's tinyproxy (HTTP CONNECT) on 127.0.0.1, its outgoing connections bound to [`CONNECT_OUT`].
@@ -132,20 +145,9 @@ async fn tinyproxy() -> ProxyProcess {
         ),
     )
     .unwrap();
-    let child = Command::new(program)
-        .arg("-d")
-        .arg("-c")
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tinyproxy starts");
-    wait_listening(port, "tinyproxy").await;
-    ProxyProcess {
-        child,
-        port,
-        _dir: Some(dir),
-    }
+    let mut command = Command::new(program);
+    command.arg("-d").arg("-c").arg(&config);
+    ProxyProcess::start(command, "tinyproxy", port, Some(dir)).await
 }
 
 /// tongs with `proxy` for `node_range`, heartbeats as `health`, and these endpoints.
@@ -155,6 +157,13 @@ async fn proxy_via(proxy: &str, node_range: &str, health: &str, endpoints: &[Str
          timeouts: {{ connect: 500ms }}\n{health}"
     );
     start_proxy(config_with(&yaml, endpoints)).await
+}
+
+/// A Tailscale node on 127.0.0.2 and tongs reaching it through `proxy`, heartbeats as `health`.
+async fn one_node_via(proxy: &str, health: &str) -> (Node, TestProxy) {
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(proxy, "127.0.0.2/32", health, &[node.url()]).await;
+    (node, proxy)
 }
 
 #[tokio::test]
@@ -193,12 +202,9 @@ async fn tailscale_addresses_go_through_a_real_socks5_server_and_others_go_direc
 #[tokio::test]
 async fn heartbeats_take_the_endpoints_own_transport() {
     let socks = microsocks(free_port()).await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
+    let (node, proxy) = one_node_via(
         &format!("socks5://127.0.0.1:{}", socks.port),
-        "127.0.0.2/32",
         "health: { interval: 100ms, timeout: 1s }\n",
-        &[node.url()],
     )
     .await;
     eventually("a heartbeat reaches the node", HANG, || {
@@ -213,14 +219,7 @@ async fn heartbeats_take_the_endpoints_own_transport() {
 #[tokio::test]
 async fn http_connect_proxies_work_like_socks5() {
     let connect = tinyproxy().await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("http://127.0.0.1:{}", connect.port),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let (node, proxy) = one_node_via(&format!("http://127.0.0.1:{}", connect.port), "").await;
     for _ in 0..5 {
         assert_eq!(get(&proxy.url("/x")).await, (200, "node".into()));
     }
@@ -238,14 +237,7 @@ async fn http_connect_proxies_work_like_socks5() {
 async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
     let port = free_port();
     let socks = microsocks(port).await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("socks5://127.0.0.1:{port}"),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let (node, proxy) = one_node_via(&format!("socks5://127.0.0.1:{port}"), "").await;
     assert_eq!(get(&proxy.url("/")).await.0, 200);
     drop(socks);
     // Pooled connections to the node ran through the dead proxy: they are gone too, and new ones fail.
@@ -281,14 +273,7 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
     // Accepts TCP connections and never says a word of SOCKS.
     let stalled = Silent::start().await;
     let port = stalled.addr.port();
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("socks5://127.0.0.1:{port}"),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let (node, proxy) = one_node_via(&format!("socks5://127.0.0.1:{port}"), "").await;
     let (status, body) = get(&proxy.url("/")).await;
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("no connection within"), "{body}");
@@ -303,7 +288,7 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
 /// failure, and the node serves again once it is back. Heartbeats are off, so only requests can notice.
 #[tokio::test]
 async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
-    use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};
+    use tongs::sim::{Condition, InterruptionKind, NodeSpec};
     let socks = microsocks(free_port()).await;
     let nodes = ["127.0.0.2", "127.0.0.6"]
         .iter()
@@ -315,9 +300,7 @@ async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
             spec
         })
         .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 5, nodes }, Duration::from_secs(3600))
-        .await
-        .expect("fleet starts");
+    let fleet = sim_fleet(5, nodes).await;
     let proxy = proxy_via(
         &format!("socks5://127.0.0.1:{}", socks.port),
         "127.0.0.0/8",
