@@ -1,5 +1,7 @@
 //! What operators read: `/metrics` (every name in the catalog, bounded cardinality as endpoints come
 //! and go) and `/debug/endpoints`, from a proxy serving real requests over loopback.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::net::SocketAddr;
 use std::time::Duration;

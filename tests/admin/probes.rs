@@ -1,4 +1,6 @@
 //! The admin listener: liveness and readiness probes on their own port.
+//!
+//! The endpoint behind the proxy, where there is one, is an in-process backend standing in for a GPU node.
 
 use crate::support::*;
 

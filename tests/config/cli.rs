@@ -1,5 +1,7 @@
 //! The `tongs` binary itself: config checking with exit code 64, and a SIGTERM drain that lets an
 //! in-flight stream run to its end while new connections are refused.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;

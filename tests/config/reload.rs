@@ -95,10 +95,15 @@ async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
 
 #[tokio::test]
 async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
-    // A answers after 1.5 s; B at once.
-    let a = backend(|_request: Request<Incoming>| async {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        Response::new(full("A"))
+    // A answers only once the test lets it (after the swap); B at once.
+    let gate = Gate::default();
+    let held = gate.clone();
+    let a = backend(move |_request: Request<Incoming>| {
+        let gate = held.clone();
+        async move {
+            gate.pass().await;
+            Response::new(full("A"))
+        }
     })
     .await;
     let b = text_backend("B").await;
@@ -130,6 +135,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     })
     .await;
     assert_eq!(get(&url).await, (200, "B".to_owned()));
+    gate.release(1);
     assert_eq!(
         in_flight.await.unwrap(),
         (200, "A".to_owned()),

@@ -11,7 +11,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use crate::kube_api::{FakeKubeApi, RecordedRequest};
@@ -392,7 +391,7 @@ pub async fn named(ip: &str, name: &'static str) -> Named {
 pub struct Gated {
     backend: Backend,
     arrived: Arc<AtomicUsize>,
-    gate: Arc<Semaphore>,
+    gate: Gate,
 }
 
 impl Gated {
@@ -409,21 +408,19 @@ impl Gated {
     }
 
     pub fn release(&self, count: usize) {
-        self.gate.add_permits(count);
+        self.gate.release(count);
     }
 }
 
 pub async fn gated(ip: &str, name: &'static str) -> Gated {
     let arrived = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(0));
-    let (counted, held) = (Arc::clone(&arrived), Arc::clone(&gate));
+    let gate = Gate::default();
+    let (counted, held) = (Arc::clone(&arrived), gate.clone());
     let backend = backend_on(&format!("{ip}:0"), move |_request: Request<Incoming>| {
-        let (counted, held) = (Arc::clone(&counted), Arc::clone(&held));
+        let (counted, held) = (Arc::clone(&counted), held.clone());
         async move {
             counted.fetch_add(1, Ordering::SeqCst);
-            if let Ok(permit) = held.acquire().await {
-                permit.forget();
-            }
+            held.pass().await;
             Response::new(full(name))
         }
     })

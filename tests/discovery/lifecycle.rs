@@ -1,6 +1,9 @@
 //! Pods joining and leaving: Pending → Running → Ready, and every exit (NotReady, Pending again,
 //! terminating, deleted) with a request in flight that still completes; `/readyz` before the first
 //! list.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::collections::BTreeSet;
 

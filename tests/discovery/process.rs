@@ -1,6 +1,9 @@
 //! The `tongs` binary with discovery: an `HTTPS_PROXY` in its environment (set for other traffic)
 //! does not keep it from reaching the API server, which kube would otherwise route through that proxy
 //! and fail to build a client for.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::process::{Command, Stdio};
 

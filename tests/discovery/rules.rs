@@ -1,5 +1,8 @@
 //! How a pod becomes an endpoint: every address rule and their order, the weight and max-outstanding
 //! annotations, allowlist refusals, selectors and the namespace setting.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::collections::BTreeSet;
 

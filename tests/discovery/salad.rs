@@ -1,5 +1,9 @@
 //! The salad-api rule against a fake SaladCloud API: lookups with the key, retries, write-back, and
 //! the rule order with a podIP.
+//!
+//! Fakes: the SaladCloud API (`tests/support/salad_api.rs`) and the Kubernetes API server
+//! (`tests/support/kube_api/`); the Container Gateway and the GPU nodes behind it are in-process
+//! backends on loopback addresses.
 
 use std::collections::BTreeSet;
 use std::path::Path;

@@ -1,6 +1,10 @@
 //! Losing the watch: a cut connection resumes from its resourceVersion; a compacted history or a
 //! server-expired watch (410) makes tongs list again, with the endpoints in service while lists fail;
 //! bookmarks; and lists of thousands of pods in pages.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are `tongs::sim` nodes and in-process
+//! backends on loopback addresses.
 
 use std::collections::BTreeSet;
 use std::time::Duration;

@@ -1,5 +1,7 @@
 //! Back-pressure: per-endpoint concurrency limits, the queue, priorities, refusals and the adaptive
-//! limit, over real sockets against the simulator's nodes and scripted backends.
+//! limit, over real sockets against the simulator's nodes (`tongs::sim`, standing in for GPU nodes) and
+//! scripted in-process backends. How the adaptive limit settles near a node's capacity is checked in
+//! `src/limit.rs`, in synthetic time; here, what the request path feeds it and how it reacts.
 //!
 //! Durations printed here are for reading; assertions on time only check what a wait proves (a refusal
 //! came long before the wait it would otherwise have sat out), never how fast this machine is.
@@ -11,7 +13,6 @@ use std::time::Duration;
 use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 /// What a refusal (or any answer) carried.
@@ -49,12 +50,12 @@ async fn ask(url: &str, headers: &[(&str, &str)]) -> Answer {
 
 /// A backend that answers only when the test adds a permit, recording each request's `x-tag` as it
 /// arrives.
-async fn gated() -> (Backend, Arc<Semaphore>, Arc<Mutex<Vec<String>>>) {
-    let gate = Arc::new(Semaphore::new(0));
+async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
+    let gate = Gate::default();
     let arrivals = Arc::new(Mutex::new(Vec::new()));
-    let (g, a) = (Arc::clone(&gate), Arc::clone(&arrivals));
+    let (g, a) = (gate.clone(), Arc::clone(&arrivals));
     let backend = backend(move |request: Request<Incoming>| {
-        let (gate, arrivals) = (Arc::clone(&g), Arc::clone(&a));
+        let (gate, arrivals) = (g.clone(), Arc::clone(&a));
         async move {
             let tag = request
                 .headers()
@@ -62,9 +63,7 @@ async fn gated() -> (Backend, Arc<Semaphore>, Arc<Mutex<Vec<String>>>) {
                 .map(|v| v.to_str().unwrap().to_owned())
                 .unwrap_or_default();
             arrivals.lock().unwrap().push(tag.clone());
-            if let Ok(permit) = gate.acquire().await {
-                permit.forget();
-            }
+            gate.pass().await;
             Response::new(full(tag))
         }
     })
@@ -166,7 +165,7 @@ async fn the_queue_releases_by_priority_then_in_order_of_arrival() {
     // One answer at a time: each frees the slot for the next in line, which reaches the backend before
     // the next answer is let go.
     for released in 1..=order.len() {
-        gate.add_permits(1);
+        gate.release(1);
         if released < order.len() {
             eventually("the next in line at the backend", HANG, || {
                 arrivals.lock().unwrap().len() == released + 1
@@ -229,7 +228,7 @@ async fn waits_end_at_max_wait_or_the_clients_deadline_with_queue_timeout() {
     assert_eq!(bad.status, 400, "{bad:?}");
     assert!(bad.body.contains("x-tongs-timeout-ms"), "{bad:?}");
 
-    gate.add_permits(1);
+    gate.release(1);
     assert_eq!(busy.await.unwrap().status, 200);
     let stats = proxy.app_registry.queue().stats();
     assert_eq!(stats.rejected(tongs::admission::Reason::QueueTimeout), 2);
@@ -288,7 +287,7 @@ async fn a_full_queue_refuses_at_once_and_high_priority_displaces_the_newest_low
     let retry_after = refused.retry_after.expect("Retry-After");
     assert!((1..=30).contains(&retry_after), "{retry_after}");
 
-    gate.add_permits(3);
+    gate.release(3);
     for task in [busy, high, normal] {
         assert_eq!(task.await.unwrap().status, 200);
     }
@@ -519,7 +518,7 @@ async fn a_retry_waits_in_the_queue_for_a_full_endpoint_it_has_not_tried() {
         before + 1,
         "B was tried first"
     );
-    gate.add_permits(2);
+    gate.release(2);
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
     assert_eq!((first.status, first.body.as_str()), (200, "first"));
     assert_eq!(

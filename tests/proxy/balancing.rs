@@ -1,5 +1,7 @@
 //! Least-outstanding balancing (`balancer.policy: least-outstanding`) through the real proxy: requests held open on one endpoint (headers sent,
 //! body still streaming) push new requests to the idle one; weights shape how concurrent load spreads.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

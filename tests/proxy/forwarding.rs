@@ -1,5 +1,7 @@
 //! Forwarding: what the client sends reaches the endpoint, and what the endpoint answers reaches the
 //! client, with hop-by-hop headers stripped and forwarding headers added. Real sockets on loopback.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::{Arc, Mutex};
 

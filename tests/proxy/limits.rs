@@ -4,6 +4,8 @@
 //! 502 when the endpoint refuses, 504 when it never answers), each with its JSON body.
 //!
 //! Raw TCP is used wherever a well-behaved client would refuse to misbehave.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;

@@ -3,7 +3,7 @@
 //! back-pressured ones; a response is committed to the client only on its first body byte, and a
 //! stream that breaks afterwards reaches the client as an error; heartbeats fail waiting requests
 //! over and bring endpoints back; and under steady load every interruption kind of the simulated
-//! fleet stays invisible to clients.
+//! fleet (`tongs::sim`, standing in for GPU nodes) stays invisible to clients.
 //!
 //! Everything runs over real sockets on 127.0.0.1. Backends count what they receive (heartbeats are
 //! off unless a test is about them, so the counts are requests only).

@@ -1,5 +1,7 @@
 //! Streaming through the proxy: Server-Sent Events reach the client chunk by chunk, a client that goes
 //! away cancels the endpoint's work, and HTTP/1.1 upgrades (WebSocket) pass through as a byte stream.
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -133,6 +133,32 @@ pub fn json_nodes(
     })
 }
 
+/// Holds a backend's answers until the test lets them go: each waiter in [`Gate::pass`] needs one of
+/// the permits [`Gate::release`] adds. Clones share the gate.
+#[derive(Clone)]
+pub struct Gate(Arc<tokio::sync::Semaphore>);
+
+impl Default for Gate {
+    /// Closed: nothing passes until [`Gate::release`].
+    fn default() -> Gate {
+        Gate(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
+}
+
+impl Gate {
+    /// Waits for a permit and uses it up.
+    pub async fn pass(&self) {
+        if let Ok(permit) = self.0.acquire().await {
+            permit.forget();
+        }
+    }
+
+    /// Lets `count` more answers go.
+    pub fn release(&self, count: usize) {
+        self.0.add_permits(count);
+    }
+}
+
 /// A backend on a real socket whose behaviour is the given handler.
 pub struct Backend {
     pub addr: SocketAddr,

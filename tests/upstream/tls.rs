@@ -3,7 +3,8 @@
 //! the client's, and speaks HTTP/2 when the endpoint offers it by ALPN, HTTP/1.1 otherwise.
 //!
 //! Each test makes its own CA and leaf certificate with rcgen and runs a rustls backend on loopback
-//! that records what it saw of the handshake and of each request.
+//! that records what it saw of the handshake and of each request: it stands in for an HTTPS GPU node
+//! and for SaladCloud's Container Gateway.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

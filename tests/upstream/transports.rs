@@ -5,7 +5,8 @@
 //! `--socks5-server` and `tinyproxy` for `--outbound-http-proxy-listen` (HTTP CONNECT). A "Tailscale
 //! node" is a backend on another loopback address that `upstream.tailscale.ranges` names. Each proxy
 //! binds its outgoing connections to an address of its own (`-b` / `Bind`), so the node can tell from
-//! the peer address whether a request came through the proxy or straight from tongs.
+//! the peer address whether a request came through the proxy or straight from tongs. The nodes are
+//! in-process backends and `tongs::sim` nodes standing in for GPU nodes on the tailnet.
 
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
@@ -255,15 +256,12 @@ async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
         "the error names the proxy and the node: {body}"
     );
     let socks = microsocks(port).await;
-    let mut recovered = false;
-    for _ in 0..50 {
-        if get(&proxy.url("/")).await.0 == 200 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(recovered, "requests succeed again once the proxy is back");
+    eventually_async(
+        "requests succeed again once the proxy is back",
+        Duration::from_secs(30),
+        || async { get(&proxy.url("/")).await.0 == 200 },
+    )
+    .await;
     drop(socks);
     proxy.stop().await;
 }
@@ -341,17 +339,15 @@ async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
     );
     // Its breaker opened while it refused: it returns after the ejection (5 s) and a probe.
     let served_before = interrupted.stats().served;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut back = false;
-    while tokio::time::Instant::now() < deadline {
-        assert_eq!(get(&proxy.url("/v1/generate")).await.0, 200);
-        if interrupted.stats().served > served_before {
-            back = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(back, "the node serves again once it is back");
+    eventually_async(
+        "the node serves again once it is back",
+        Duration::from_secs(20),
+        || async {
+            assert_eq!(get(&proxy.url("/v1/generate")).await.0, 200);
+            interrupted.stats().served > served_before
+        },
+    )
+    .await;
     assert!(fleet.nodes()[1].stats().served > 0);
     proxy.stop().await;
 }
