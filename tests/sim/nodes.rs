@@ -9,7 +9,7 @@ use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tongs::config::HumanDuration;
-use tongs::sim::{Condition, Fleet, Interruption, InterruptionKind, NodeSpec, ResponseKind};
+use tongs::sim::{Condition, Fleet, Interruption, InterruptionKind, Node, NodeSpec, ResponseKind};
 
 fn exact(name: &str, mean_ms: u64) -> NodeSpec {
     let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
@@ -96,17 +96,25 @@ async fn a_healthy_node_serves_json_sse_and_health() {
     assert_eq!(node.stats().served, 2);
 }
 
+/// A [`raw_exchange`] with `node` (reading for `wait`), once the node has it in flight.
+async fn in_flight_at(
+    node: &Node,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Option<std::io::Result<Vec<u8>>>> {
+    let in_flight = tokio::spawn(raw_exchange(node.addr(), wait));
+    eventually("request in flight", Duration::from_secs(5), || {
+        node.stats().in_flight == 1
+    })
+    .await;
+    in_flight
+}
+
 #[tokio::test]
 async fn refuse_resets_in_flight_connections_and_refuses_new_ones() {
     let fleet = fleet(vec![exact("a", 5_000)], 1).await;
     let node = &fleet.nodes()[0];
     let addr = node.addr();
-    let in_flight = tokio::spawn(raw_exchange(addr, Duration::from_secs(20)));
-    let node_stats = || node.stats().in_flight;
-    eventually("request in flight", Duration::from_secs(5), || {
-        node_stats() == 1
-    })
-    .await;
+    let in_flight = in_flight_at(node, Duration::from_secs(20)).await;
 
     node.set_condition(interrupted(InterruptionKind::Refuse));
     let outcome = in_flight
@@ -185,13 +193,7 @@ async fn blackhole_accepts_but_never_answers_then_recovers() {
 async fn blackhole_freezes_requests_already_in_flight() {
     let fleet = fleet(vec![exact("a", 300)], 1).await;
     let node = &fleet.nodes()[0];
-    let addr = node.addr();
-    let in_flight = tokio::spawn(raw_exchange(addr, Duration::from_secs(2)));
-    let node_stats = || node.stats().in_flight;
-    eventually("request in flight", Duration::from_secs(5), || {
-        node_stats() == 1
-    })
-    .await;
+    let in_flight = in_flight_at(node, Duration::from_secs(2)).await;
     node.set_condition(interrupted(InterruptionKind::Blackhole));
     assert!(
         in_flight.await.unwrap().is_none(),
