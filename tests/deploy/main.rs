@@ -29,10 +29,12 @@ use crate::problems::{Problems, parse};
 use crate::render::{Kustomization, kustomizations, rendered};
 use crate::secrets::secret_references;
 
+// The one path: shared with the other test binaries (see `tests/support/mod.rs`).
+#[path = "../support/mod.rs"]
+mod support;
+
 /// The fake API server's selector parser: one reading of label selectors for the whole test suite.
-#[allow(dead_code)]
-#[path = "support/kube_api/selectors.rs"]
-mod selectors;
+use support::kube_api::selectors;
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -73,31 +75,18 @@ macro_rules! ensure {
     };
 }
 
-#[path = "deploy/config.rs"]
 mod config;
-#[path = "deploy/custom_resources.rs"]
 mod custom_resources;
-#[path = "deploy/dashboard.rs"]
 mod dashboard;
-#[path = "deploy/deployment.rs"]
 mod deployment;
-#[path = "deploy/fleet.rs"]
 mod fleet;
-#[path = "deploy/objects.rs"]
 mod objects;
-#[path = "deploy/pods.rs"]
 mod pods;
-#[path = "deploy/problems.rs"]
 mod problems;
-#[path = "deploy/rbac.rs"]
 mod rbac;
-#[path = "deploy/render.rs"]
 mod render;
-#[path = "deploy/secrets.rs"]
 mod secrets;
-#[path = "deploy/services.rs"]
 mod services;
-#[path = "deploy/tailscale.rs"]
 mod tailscale;
 
 // ---------------------------------------------------------------------------------------------------

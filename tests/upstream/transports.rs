@@ -5,21 +5,17 @@
 //! `--socks5-server` and `tinyproxy` for `--outbound-http-proxy-listen` (HTTP CONNECT). A "Tailscale
 //! node" is a backend on another loopback address that `upstream.tailscale.ranges` names. Each proxy
 //! binds its outgoing connections to an address of its own (`-b` / `Bind`), so the node can tell from
-//! the peer address whether a request came through the proxy or straight from tongs.
+//! the peer address whether a request came through the proxy or straight from tongs. The nodes are
+//! in-process backends and `tongs::sim` nodes standing in for GPU nodes on the tailnet.
 
-mod support;
-
-use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use support::*;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -47,29 +43,16 @@ impl Node {
         let addr = listener.local_addr().unwrap();
         let seen = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
-        let (recorded, stopped) = (Arc::clone(&seen), stop.clone());
-        tokio::spawn(async move {
-            loop {
-                let (stream, peer) = tokio::select! {
-                    () = stopped.cancelled() => return,
-                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
-                };
-                let recorded = Arc::clone(&recorded);
-                let service = service_fn(move |request: Request<Incoming>| {
-                    recorded.lock().unwrap().push(Seen {
-                        peer: peer.ip(),
-                        path: request.uri().path().to_owned(),
-                    });
-                    async { Ok::<_, Infallible>(Response::new(full("node"))) }
+        let recorded = Arc::clone(&seen);
+        serve_connections(listener, stop.clone(), move |stream, peer| {
+            let recorded = Arc::clone(&recorded);
+            serve_http(stream, Http::Auto, move |request: Request<Incoming>| {
+                recorded.lock().unwrap().push(Seen {
+                    peer: peer.ip(),
+                    path: request.uri().path().to_owned(),
                 });
-                tokio::spawn(async move {
-                    let builder =
-                        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                    let _ = builder
-                        .serve_connection(TokioIo::new(stream), service)
-                        .await;
-                });
-            }
+                async { Response::new(full("node")) }
+            })
         });
         Node { addr, seen, stop }
     }
@@ -97,6 +80,28 @@ struct ProxyProcess {
     _dir: Option<TempDir>,
 }
 
+impl ProxyProcess {
+    /// Runs `command` (quietly) and waits until it listens on `port`; `dir` lives as long as it does.
+    async fn start(
+        mut command: Command,
+        what: &str,
+        port: u16,
+        dir: Option<TempDir>,
+    ) -> ProxyProcess {
+        let child = command
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|err| panic!("{what} starts: {err}"));
+        wait_listening(port, what).await;
+        ProxyProcess {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+}
+
 impl Drop for ProxyProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -104,44 +109,27 @@ impl Drop for ProxyProcess {
     }
 }
 
-/// A free loopback port (bound, then released for the proxy to take).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// Waits until something accepts connections on `port`.
 async fn wait_listening(port: u16, what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{what} did not listen on port {port} within 10 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let listening = || async {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_ok()
+    };
+    eventually_async(
+        &format!("{what} listening on port {port}"),
+        Duration::from_secs(10),
+        listening,
+    )
+    .await;
 }
 
 /// Debian's microsocks on 127.0.0.1:`port`, its outgoing connections bound to [`SOCKS_OUT`].
 async fn microsocks(port: u16) -> ProxyProcess {
     let program = require("microsocks");
-    let child = Command::new(program)
-        .args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("microsocks starts");
-    wait_listening(port, "microsocks").await;
-    ProxyProcess {
-        child,
-        port,
-        _dir: None,
-    }
+    let mut command = Command::new(program);
+    command.args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT]);
+    ProxyProcess::start(command, "microsocks", port, None).await
 }
 
 /// Debian's tinyproxy (HTTP CONNECT) on 127.0.0.1, its outgoing connections bound to [`CONNECT_OUT`].
@@ -158,20 +146,9 @@ async fn tinyproxy() -> ProxyProcess {
         ),
     )
     .unwrap();
-    let child = Command::new(program)
-        .arg("-d")
-        .arg("-c")
-        .arg(&config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("tinyproxy starts");
-    wait_listening(port, "tinyproxy").await;
-    ProxyProcess {
-        child,
-        port,
-        _dir: Some(dir),
-    }
+    let mut command = Command::new(program);
+    command.arg("-d").arg("-c").arg(&config);
+    ProxyProcess::start(command, "tinyproxy", port, Some(dir)).await
 }
 
 /// tongs with `proxy` for `node_range`, heartbeats as `health`, and these endpoints.
@@ -181,6 +158,13 @@ async fn proxy_via(proxy: &str, node_range: &str, health: &str, endpoints: &[Str
          timeouts: {{ connect: 500ms }}\n{health}"
     );
     start_proxy(config_with(&yaml, endpoints)).await
+}
+
+/// A Tailscale node on 127.0.0.2 and tongs reaching it through `proxy`, heartbeats as `health`.
+async fn one_node_via(proxy: &str, health: &str) -> (Node, TestProxy) {
+    let node = Node::start("127.0.0.2:0").await;
+    let proxy = proxy_via(proxy, "127.0.0.2/32", health, &[node.url()]).await;
+    (node, proxy)
 }
 
 #[tokio::test]
@@ -219,12 +203,9 @@ async fn tailscale_addresses_go_through_a_real_socks5_server_and_others_go_direc
 #[tokio::test]
 async fn heartbeats_take_the_endpoints_own_transport() {
     let socks = microsocks(free_port()).await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
+    let (node, proxy) = one_node_via(
         &format!("socks5://127.0.0.1:{}", socks.port),
-        "127.0.0.2/32",
         "health: { interval: 100ms, timeout: 1s }\n",
-        &[node.url()],
     )
     .await;
     eventually("a heartbeat reaches the node", HANG, || {
@@ -239,14 +220,7 @@ async fn heartbeats_take_the_endpoints_own_transport() {
 #[tokio::test]
 async fn http_connect_proxies_work_like_socks5() {
     let connect = tinyproxy().await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("http://127.0.0.1:{}", connect.port),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let (node, proxy) = one_node_via(&format!("http://127.0.0.1:{}", connect.port), "").await;
     for _ in 0..5 {
         assert_eq!(get(&proxy.url("/x")).await, (200, "node".into()));
     }
@@ -264,14 +238,7 @@ async fn http_connect_proxies_work_like_socks5() {
 async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
     let port = free_port();
     let socks = microsocks(port).await;
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("socks5://127.0.0.1:{port}"),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let (node, proxy) = one_node_via(&format!("socks5://127.0.0.1:{port}"), "").await;
     assert_eq!(get(&proxy.url("/")).await.0, 200);
     drop(socks);
     // Pooled connections to the node ran through the dead proxy: they are gone too, and new ones fail.
@@ -289,15 +256,12 @@ async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
         "the error names the proxy and the node: {body}"
     );
     let socks = microsocks(port).await;
-    let mut recovered = false;
-    for _ in 0..50 {
-        if get(&proxy.url("/")).await.0 == 200 {
-            recovered = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(recovered, "requests succeed again once the proxy is back");
+    eventually_async(
+        "requests succeed again once the proxy is back",
+        Duration::from_secs(30),
+        || async { get(&proxy.url("/")).await.0 == 200 },
+    )
+    .await;
     drop(socks);
     proxy.stop().await;
 }
@@ -305,30 +269,13 @@ async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
 #[tokio::test]
 async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
     // Accepts TCP connections and never says a word of SOCKS.
-    let stalled = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = stalled.local_addr().unwrap().port();
-    let held = Arc::new(Mutex::new(Vec::new()));
-    let holder = Arc::clone(&held);
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = stalled.accept().await {
-            holder.lock().unwrap().push(stream);
-        }
-    });
-    let node = Node::start("127.0.0.2:0").await;
-    let proxy = proxy_via(
-        &format!("socks5://127.0.0.1:{port}"),
-        "127.0.0.2/32",
-        "",
-        &[node.url()],
-    )
-    .await;
+    let stalled = Silent::start().await;
+    let port = stalled.addr.port();
+    let (node, proxy) = one_node_via(&format!("socks5://127.0.0.1:{port}"), "").await;
     let (status, body) = get(&proxy.url("/")).await;
     assert_eq!(status, 502, "{body}");
     assert!(body.contains("no connection within"), "{body}");
-    assert!(
-        !held.lock().unwrap().is_empty(),
-        "tongs did reach the proxy"
-    );
+    assert!(stalled.accepted() > 0, "tongs did reach the proxy");
     assert!(node.seen().is_empty());
     proxy.stop().await;
 }
@@ -339,7 +286,7 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
 /// failure, and the node serves again once it is back. Heartbeats are off, so only requests can notice.
 #[tokio::test]
 async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
-    use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};
+    use tongs::sim::{Condition, InterruptionKind, NodeSpec};
     let socks = microsocks(free_port()).await;
     let nodes = ["127.0.0.2", "127.0.0.6"]
         .iter()
@@ -351,9 +298,7 @@ async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
             spec
         })
         .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 5, nodes }, Duration::from_secs(3600))
-        .await
-        .expect("fleet starts");
+    let fleet = sim_fleet(5, nodes).await;
     let proxy = proxy_via(
         &format!("socks5://127.0.0.1:{}", socks.port),
         "127.0.0.0/8",
@@ -394,17 +339,15 @@ async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
     );
     // Its breaker opened while it refused: it returns after the ejection (5 s) and a probe.
     let served_before = interrupted.stats().served;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    let mut back = false;
-    while tokio::time::Instant::now() < deadline {
-        assert_eq!(get(&proxy.url("/v1/generate")).await.0, 200);
-        if interrupted.stats().served > served_before {
-            back = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(back, "the node serves again once it is back");
+    eventually_async(
+        "the node serves again once it is back",
+        Duration::from_secs(20),
+        || async {
+            assert_eq!(get(&proxy.url("/v1/generate")).await.0, 200);
+            interrupted.stats().served > served_before
+        },
+    )
+    .await;
     assert!(fleet.nodes()[1].stats().served > 0);
     proxy.stop().await;
 }

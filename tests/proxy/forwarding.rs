@@ -1,14 +1,14 @@
 //! Forwarding: what the client sends reaches the endpoint, and what the endpoint answers reaches the
 //! client, with hop-by-hop headers stripped and forwarding headers added. Real sockets on loopback.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::{Arc, Mutex};
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use support::*;
 
 /// What the backend saw of one request.
 #[derive(Clone, Debug, Default)]

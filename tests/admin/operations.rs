@@ -1,15 +1,15 @@
 //! What operators read: `/metrics` (every name in the catalog, bounded cardinality as endpoints come
 //! and go) and `/debug/endpoints`, from a proxy serving real requests over loopback.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::Response;
 use http_body_util::{BodyExt, StreamBody};
-use support::*;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::{Config, EndpointUrl};
@@ -167,10 +167,7 @@ async fn endpoint_series_leave_with_their_endpoints() {
 #[tokio::test]
 async fn debug_endpoints_shows_state_limit_and_heartbeats() {
     let ok = text_backend("ok").await;
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let config = "health: { interval: 200ms, fast_interval: 50ms }\n\
                   concurrency: { limit: adaptive }\n";
     let proxy = start_proxy(config_with(config, &[ok.url(), refused.clone()])).await;

@@ -47,15 +47,11 @@
 
 #![allow(dead_code)]
 
-// Explicit paths: this file is also included by path from benches/, where the default lookup of
-// child modules would start elsewhere.
-#[path = "kube_api/cluster.rs"]
 mod cluster;
-#[path = "kube_api/pod.rs"]
 mod pod;
-#[path = "kube_api/selectors.rs"]
-mod selectors;
-#[path = "kube_api/server.rs"]
+/// Label and field selectors as the API server reads them; `tests/deploy` checks the manifests' selectors
+/// with the same reading.
+pub mod selectors;
 mod server;
 
 use std::net::SocketAddr;
@@ -167,11 +163,7 @@ impl FakeKubeApi {
             cluster: Mutex::new(Cluster::new()),
         });
         let stop = CancellationToken::new();
-        tokio::spawn(server::accept_loop(
-            listener,
-            Arc::clone(&shared),
-            stop.clone(),
-        ));
+        server::serve(listener, Arc::clone(&shared), stop.clone());
         FakeKubeApi { addr, shared, stop }
     }
 

@@ -5,8 +5,6 @@
 //! against a real backend and a closed port. Not real: the backend is a small in-process HTTP server, and
 //! Chromium's virtual time budget stands in for a person watching the page for a few seconds.
 
-mod support;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Stdio;
@@ -14,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use support::*;
+use crate::support::*;
 
 /// Longest one Chromium run may take before it is killed and the test fails.
 const CHROMIUM_TIMEOUT: Duration = Duration::from_secs(60);
@@ -104,10 +102,7 @@ fn start_tags(html: &str, tag: &str) -> Vec<HashMap<String, String>> {
 /// second (a closed port) unhealthy.
 async fn proxy_with_a_good_and_a_dead_endpoint() -> (TestProxy, Backend, String) {
     let ok = text_backend("ok").await;
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let config = "health: { interval: 200ms, fast_interval: 50ms }\n\
                   concurrency: { limit: static, max_outstanding_per_endpoint: 4 }\n";
     let proxy = start_proxy(config_with(config, &[ok.url(), refused.clone()])).await;

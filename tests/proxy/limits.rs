@@ -4,8 +4,8 @@
 //! 502 when the endpoint refuses, 504 when it never answers), each with its JSON body.
 //!
 //! Raw TCP is used wherever a well-behaved client would refuse to misbehave.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame};
@@ -22,9 +23,8 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// Longest any single exchange in this file may take before the test calls it hung.
@@ -142,13 +142,8 @@ fn post(proxy: &TestProxy, path: &str, body: TestBody) -> Request<TestBody> {
 
 /// Asserts `body` is the proxy's JSON error whose `request_id` matches the response header.
 fn assert_json_error(body: &str, header_request_id: Option<&str>) {
-    let json: serde_json::Value =
-        serde_json::from_str(body).unwrap_or_else(|err| panic!("not JSON ({err}): {body}"));
-    let error = json["error"].as_str().unwrap_or_default();
-    assert!(!error.is_empty(), "no error text in {body}");
-    let request_id = json["request_id"].as_str().unwrap_or_default();
-    assert!(!request_id.is_empty(), "no request_id in {body}");
-    assert_eq!(Some(request_id), header_request_id, "{body}");
+    let (_, request_id) = proxy_error(body);
+    assert_eq!(Some(request_id.as_str()), header_request_id, "{body}");
 }
 
 /// Writes `bytes` on a fresh connection (a write the proxy cuts short is not an error), then reads
@@ -436,11 +431,7 @@ async fn no_endpoint_gets_503_with_a_json_error() {
 
 #[tokio::test]
 async fn refused_connection_gets_502_with_a_json_error() {
-    let closed_port = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.local_addr().unwrap().port()
-    };
-    let endpoint = format!("http://127.0.0.1:{closed_port}");
+    let endpoint = closed_url();
     let proxy = start_proxy(config_with("", &[endpoint])).await;
 
     let (status, request_id, body) = send(post(&proxy, "/v1/chat", full("hello"))).await;
@@ -452,17 +443,8 @@ async fn refused_connection_gets_502_with_a_json_error() {
 #[tokio::test]
 async fn endpoint_that_never_answers_gets_504_with_a_json_error() {
     // Accepts connections and holds them without ever reading or writing.
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let endpoint = format!("http://{}", listener.local_addr().unwrap());
-    let accepted = Arc::new(AtomicUsize::new(0));
-    let counter = Arc::clone(&accepted);
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((stream, _)) = listener.accept().await {
-            counter.fetch_add(1, Ordering::SeqCst);
-            held.push(stream);
-        }
-    });
+    let silent = Silent::start().await;
+    let endpoint = format!("http://{}", silent.addr);
     let proxy = start_proxy(config_with(
         "timeouts: { response_headers: 500ms, total: 2s }\n",
         &[endpoint],
@@ -472,10 +454,6 @@ async fn endpoint_that_never_answers_gets_504_with_a_json_error() {
     let (status, request_id, body) = send(post(&proxy, "/v1/chat", full("hello"))).await;
     assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{body}");
     assert_json_error(&body, request_id.as_deref());
-    assert!(
-        accepted.load(Ordering::SeqCst) >= 1,
-        "the endpoint was connected to"
-    );
+    assert!(silent.accepted() >= 1, "the endpoint was connected to");
     proxy.stop().await;
-    holder.abort();
 }

@@ -1,21 +1,15 @@
 //! The simulated GPU fleet behaves like the real nodes it stands for: each interruption kind shows up on
 //! the socket the way it does in production, capacity limits concurrency, and seeds replay runs.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, StatusCode};
 use http_body_util::BodyExt;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tongs::config::HumanDuration;
-use tongs::sim::{
-    Condition, Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, ResponseKind,
-};
-
-const HOUR: Duration = Duration::from_secs(3600);
+use tongs::sim::{Condition, Fleet, Interruption, InterruptionKind, Node, NodeSpec, ResponseKind};
 
 fn exact(name: &str, mean_ms: u64) -> NodeSpec {
     let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
@@ -24,9 +18,7 @@ fn exact(name: &str, mean_ms: u64) -> NodeSpec {
 }
 
 async fn fleet(nodes: Vec<NodeSpec>, seed: u64) -> Fleet {
-    Fleet::start(&FleetConfig { seed, nodes }, HOUR)
-        .await
-        .unwrap()
+    sim_fleet(seed, nodes).await
 }
 
 fn interrupted(kind: InterruptionKind) -> Condition {
@@ -104,17 +96,25 @@ async fn a_healthy_node_serves_json_sse_and_health() {
     assert_eq!(node.stats().served, 2);
 }
 
+/// A [`raw_exchange`] with `node` (reading for `wait`), once the node has it in flight.
+async fn in_flight_at(
+    node: &Node,
+    wait: Duration,
+) -> tokio::task::JoinHandle<Option<std::io::Result<Vec<u8>>>> {
+    let in_flight = tokio::spawn(raw_exchange(node.addr(), wait));
+    eventually("request in flight", Duration::from_secs(5), || {
+        node.stats().in_flight == 1
+    })
+    .await;
+    in_flight
+}
+
 #[tokio::test]
 async fn refuse_resets_in_flight_connections_and_refuses_new_ones() {
     let fleet = fleet(vec![exact("a", 5_000)], 1).await;
     let node = &fleet.nodes()[0];
     let addr = node.addr();
-    let in_flight = tokio::spawn(raw_exchange(addr, Duration::from_secs(20)));
-    let node_stats = || node.stats().in_flight;
-    eventually("request in flight", Duration::from_secs(5), || {
-        node_stats() == 1
-    })
-    .await;
+    let in_flight = in_flight_at(node, Duration::from_secs(20)).await;
 
     node.set_condition(interrupted(InterruptionKind::Refuse));
     let outcome = in_flight
@@ -193,13 +193,7 @@ async fn blackhole_accepts_but_never_answers_then_recovers() {
 async fn blackhole_freezes_requests_already_in_flight() {
     let fleet = fleet(vec![exact("a", 300)], 1).await;
     let node = &fleet.nodes()[0];
-    let addr = node.addr();
-    let in_flight = tokio::spawn(raw_exchange(addr, Duration::from_secs(2)));
-    let node_stats = || node.stats().in_flight;
-    eventually("request in flight", Duration::from_secs(5), || {
-        node_stats() == 1
-    })
-    .await;
+    let in_flight = in_flight_at(node, Duration::from_secs(2)).await;
     node.set_condition(interrupted(InterruptionKind::Blackhole));
     assert!(
         in_flight.await.unwrap().is_none(),

@@ -3,9 +3,8 @@
 //! the client's, and speaks HTTP/2 when the endpoint offers it by ALPN, HTTP/1.1 otherwise.
 //!
 //! Each test makes its own CA and leaf certificate with rcgen and runs a rustls backend on loopback
-//! that records what it saw of the handshake and of each request.
-
-mod support;
+//! that records what it saw of the handshake and of each request: it stands in for an HTTPS GPU node
+//! and for SaladCloud's Container Gateway.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,17 +12,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
 };
-use support::*;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
@@ -159,82 +156,52 @@ async fn tls_backend(pki: &Pki, alpn: &[&[u8]]) -> TlsBackend {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let stop = CancellationToken::new();
     for listener in std::iter::once(v4).chain(v6) {
-        tokio::spawn(accept_tls(
-            listener,
-            acceptor.clone(),
-            Arc::clone(&seen),
-            stop.clone(),
-        ));
+        let (acceptor, seen) = (acceptor.clone(), Arc::clone(&seen));
+        serve_connections(listener, stop.clone(), move |stream, _peer| {
+            serve_tls(stream, acceptor.clone(), Arc::clone(&seen))
+        });
     }
     TlsBackend { port, seen, stop }
 }
 
-async fn accept_tls(
-    listener: TcpListener,
-    acceptor: TlsAcceptor,
-    seen: Arc<Mutex<Vec<Seen>>>,
-    stop: CancellationToken,
-) {
-    loop {
-        let stream = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
+/// One connection: the TLS handshake, then HTTP/2 if ALPN chose it, HTTP/1.1 otherwise.
+async fn serve_tls(stream: TcpStream, acceptor: TlsAcceptor, seen: Arc<Mutex<Vec<Seen>>>) {
+    // A refused handshake (the proxy distrusting the certificate) just ends the connection.
+    let Ok(tls) = acceptor.accept(stream).await else {
+        return;
+    };
+    let connection = tls.get_ref().1;
+    let sni = connection.server_name().map(str::to_owned);
+    let alpn = connection.alpn_protocol().map(<[u8]>::to_vec);
+    let http = if alpn.as_deref() == Some(b"h2".as_slice()) {
+        Http::Two
+    } else {
+        Http::One
+    };
+    serve_http(tls, http, move |request: Request<Incoming>| {
+        let header = |name: &str| {
+            request
+                .headers()
+                .get(name)
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         };
-        let acceptor = acceptor.clone();
-        let seen = Arc::clone(&seen);
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            // A refused handshake (the proxy distrusting the certificate) just ends the connection.
-            let Ok(tls) = acceptor.accept(stream).await else {
-                return;
-            };
-            let connection = tls.get_ref().1;
-            let sni = connection.server_name().map(str::to_owned);
-            let alpn = connection.alpn_protocol().map(<[u8]>::to_vec);
-            let h2 = alpn.as_deref() == Some(b"h2".as_slice());
-            let service = service_fn(move |request: Request<Incoming>| {
-                let header = |name: &str| {
-                    request
-                        .headers()
-                        .get(name)
-                        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-                };
-                seen.lock().unwrap().push(Seen {
-                    sni: sni.clone(),
-                    alpn: alpn.clone(),
-                    version: request.version(),
-                    host: header("host"),
-                    authority: request.uri().authority().map(|a| a.to_string()),
-                    path_and_query: request
-                        .uri()
-                        .path_and_query()
-                        .map_or_else(String::new, |p| p.to_string()),
-                    forwarded_host: header("x-forwarded-host"),
-                    forwarded_for: header("x-forwarded-for"),
-                    salad_api_key: header("salad-api-key"),
-                });
-                async { Ok::<_, std::convert::Infallible>(Response::new(full("over tls"))) }
-            });
-            let io = TokioIo::new(tls);
-            tokio::select! {
-                () = stop.cancelled() => {}
-                _ = async {
-                    if h2 {
-                        hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-                            .serve_connection(io, service)
-                            .await
-                    } else {
-                        hyper::server::conn::http1::Builder::new()
-                            .serve_connection(io, service)
-                            .await
-                    }
-                } => {}
-            }
+        seen.lock().unwrap().push(Seen {
+            sni: sni.clone(),
+            alpn: alpn.clone(),
+            version: request.version(),
+            host: header("host"),
+            authority: request.uri().authority().map(|a| a.to_string()),
+            path_and_query: request
+                .uri()
+                .path_and_query()
+                .map_or_else(String::new, |p| p.to_string()),
+            forwarded_host: header("x-forwarded-host"),
+            forwarded_for: header("x-forwarded-for"),
+            salad_api_key: header("salad-api-key"),
         });
-    }
+        async { Response::new(full("over tls")) }
+    })
+    .await;
 }
 
 /// Sends `GET path` to the proxy with the client-side `Host: api.internal`; returns status and body.
@@ -251,17 +218,6 @@ async fn get_as_api_internal(proxy: &TestProxy, path: &str) -> (StatusCode, Stri
     let status = response.status();
     let body = response.into_body().collect().await.unwrap().to_bytes();
     (status, String::from_utf8_lossy(&body).into_owned())
-}
-
-/// Asserts `body` is the proxy's JSON error and returns its `error` text.
-fn json_error(body: &str) -> String {
-    let json: serde_json::Value =
-        serde_json::from_str(body).unwrap_or_else(|err| panic!("not JSON ({err}): {body}"));
-    let request_id = json["request_id"].as_str().unwrap_or_default();
-    assert!(!request_id.is_empty(), "no request_id in {body}");
-    let error = json["error"].as_str().unwrap_or_default();
-    assert!(!error.is_empty(), "no error text in {body}");
-    error.to_owned()
 }
 
 #[tokio::test]
@@ -336,7 +292,7 @@ async fn https_endpoint_with_an_untrusted_ca_gets_502() {
 
     let (status, body) = get_as_api_internal(&proxy, "/v1/models").await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
-    let error = json_error(&body);
+    let (error, _) = proxy_error(&body);
     assert!(
         error.to_lowercase().contains("certificate"),
         "the error should say the certificate was refused: {error}"
@@ -359,7 +315,7 @@ async fn https_endpoint_whose_certificate_names_another_host_gets_502() {
 
     let (status, body) = get_as_api_internal(&proxy, "/v1/models").await;
     assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
-    json_error(&body);
+    proxy_error(&body);
     assert!(
         backend.seen().is_empty(),
         "no request may pass a failed handshake"

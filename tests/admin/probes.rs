@@ -1,8 +1,8 @@
 //! The admin listener: liveness and readiness probes on their own port.
+//!
+//! The endpoint behind the proxy, where there is one, is an in-process backend standing in for a GPU node.
 
-mod support;
-
-use support::*;
+use crate::support::*;
 
 #[tokio::test]
 async fn probes_answer_on_the_admin_port() {

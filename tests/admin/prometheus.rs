@@ -5,13 +5,11 @@
 //! over its HTTP API; tongs proxying real requests to a backend. Not real: the backend is a small
 //! in-process HTTP server, and Prometheus runs from a throwaway directory instead of a cluster.
 
-mod support;
-
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::support::*;
 use http_body_util::BodyExt;
-use support::*;
 
 /// How long Prometheus gets to start, scrape and answer with the expected values.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -39,10 +37,7 @@ impl Prometheus {
             ),
         )
         .expect("prometheus.yml written");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let log = |name: &str| std::fs::File::create(dir.0.join(name)).expect("log file");
         let child = Command::new(binary)
             .arg(format!("--config.file={}", config.display()))

@@ -3,29 +3,28 @@
 //! back-pressured ones; a response is committed to the client only on its first body byte, and a
 //! stream that breaks afterwards reaches the client as an error; heartbeats fail waiting requests
 //! over and bring endpoints back; and under steady load every interruption kind of the simulated
-//! fleet stays invisible to clients.
+//! fleet (`tongs::sim`, standing in for GPU nodes) stays invisible to clients.
 //!
 //! Everything runs over real sockets on 127.0.0.1. Backends count what they receive (heartbeats are
 //! off unless a test is about them, so the counts are requests only).
-
-mod support;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tongs::breaker::State;
 use tongs::endpoint::Endpoint;
-use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec, ResponseKind};
+use tongs::sim::{Condition, InterruptionKind};
 
 /// Heartbeats fast enough for a test to see verdicts within a second or two.
 const HEARTBEATS: &str = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms }\n";
@@ -36,8 +35,6 @@ const HEARTBEATS: &str = "health: { interval: 500ms, timeout: 300ms, fast_interv
 /// faster than the fleet average an unmeasured endpoint stands in with, so whether the other endpoint is
 /// ever tried in 20 requests is not something to build a test on.
 const COIN_TOSS: &str = "balancer: { policy: least-outstanding }\n";
-
-const HOUR: Duration = Duration::from_secs(3600);
 
 type Hits = Arc<AtomicUsize>;
 
@@ -95,7 +92,7 @@ fn endpoint(proxy: &TestProxy, url: &str) -> Arc<Endpoint> {
 struct RawBackend {
     addr: SocketAddr,
     hits: Hits,
-    task: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
 }
 
 impl RawBackend {
@@ -104,23 +101,19 @@ impl RawBackend {
         let addr = listener.local_addr().unwrap();
         let hits = Hits::default();
         let count = Arc::clone(&hits);
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((mut stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let count = Arc::clone(&count);
-                tokio::spawn(async move {
-                    if read_head(&mut stream).await {
-                        count.fetch_add(1, Ordering::SeqCst);
-                        let _ = stream.write_all(reply).await;
-                        let _ = stream.flush().await;
-                    }
-                    // Dropped here: the connection ends right after `reply`.
-                });
+        let stop = CancellationToken::new();
+        serve_connections(listener, stop.clone(), move |mut stream, _peer| {
+            let count = Arc::clone(&count);
+            async move {
+                if read_head(&mut stream).await {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let _ = stream.write_all(reply).await;
+                    let _ = stream.flush().await;
+                }
+                // Dropped here: the connection ends right after `reply`.
             }
         });
-        RawBackend { addr, hits, task }
+        RawBackend { addr, hits, stop }
     }
 
     fn url(&self) -> String {
@@ -130,7 +123,7 @@ impl RawBackend {
 
 impl Drop for RawBackend {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.cancel();
     }
 }
 
@@ -184,10 +177,7 @@ async fn retry_never_picks_an_endpoint_already_tried() {
 #[tokio::test]
 async fn connect_failure_is_retried_elsewhere() {
     // A port nobody listens on: connects are refused.
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let (good, good_hits) = answering(200, &[], "ok").await;
     let proxy = start_proxy(config_with(COIN_TOSS, &[refused.clone(), good.url()])).await;
 
@@ -373,10 +363,7 @@ async fn body_over_the_replay_limit_is_not_replayed() {
 
     // Over the limit but refused at connect: the endpoint got none of the body, so it may still go
     // elsewhere.
-    let refused = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let refused = closed_url();
     let (b, b_hits, b_seen) = reading(200).await;
     let proxy = start_proxy(config_with(config, &[refused.clone(), b.url()])).await;
     for i in 0..20 {
@@ -471,19 +458,7 @@ struct LoadRun {
 async fn steady_load_with_interruption(kind: InterruptionKind, factor: f64) -> LoadRun {
     const PERIOD: Duration = Duration::from_millis(33);
     const REQUESTS: u32 = 120;
-    let nodes = (0..4)
-        .map(|i| {
-            let mut spec = NodeSpec::new(&format!("node-{i}"), Duration::from_millis(30));
-            spec.service_time.spread = 0.3;
-            spec.capacity = 8;
-            spec.queue = 32;
-            spec.response = ResponseKind::Json;
-            spec
-        })
-        .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 7, nodes }, HOUR)
-        .await
-        .unwrap();
+    let fleet = sim_fleet(7, json_nodes(4, Duration::from_millis(30), 8, 32)).await;
     let proxy = start_proxy(config_with(HEARTBEATS, &fleet.urls())).await;
     let interrupted = &fleet.nodes()[0];
     let client = client();
@@ -613,16 +588,10 @@ async fn each_interruption_kind_during_steady_load_gives_zero_client_visible_fai
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blackholed_in_flight_requests_complete_elsewhere_quickly() {
-    let nodes = (0..2)
-        .map(|i| {
-            let mut spec = NodeSpec::new(&format!("node-{i}"), Duration::from_millis(200));
-            spec.service_time.spread = 0.0;
-            spec
-        })
-        .collect();
-    let fleet = Fleet::start(&FleetConfig { seed: 3, nodes }, HOUR)
-        .await
-        .unwrap();
+    let nodes = sim_nodes(2, Duration::from_millis(200), |spec| {
+        spec.service_time.spread = 0.0;
+    });
+    let fleet = sim_fleet(3, nodes).await;
     let config = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms, unhealthy_threshold: 2 }\n\
                   timeouts: { response_headers: 60s }\n";
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
@@ -684,15 +653,7 @@ async fn blackholed_in_flight_requests_complete_elsewhere_quickly() {
 
 #[tokio::test]
 async fn heartbeats_mark_unhealthy_and_back() {
-    let fleet = Fleet::start(
-        &FleetConfig {
-            seed: 5,
-            nodes: vec![NodeSpec::new("node-0", Duration::from_millis(20))],
-        },
-        HOUR,
-    )
-    .await
-    .unwrap();
+    let fleet = sim_fleet(5, sim_nodes(1, Duration::from_millis(20), |_| {})).await;
     let node = &fleet.nodes()[0];
     let good = text_backend("good").await;
     let config = "health: { interval: 500ms, timeout: 300ms, fast_interval: 100ms, unhealthy_threshold: 2 }\n";

@@ -2,15 +2,13 @@
 //! swapped to a new directory (the file tongs reads never changes itself). Real files, real inotify,
 //! real sockets; only the kubelet is played by the test.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::support::*;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use support::*;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::Config;
@@ -85,6 +83,8 @@ async fn start(path: &Path) -> (TestProxy, Arc<tongs::proxy::Proxy>) {
     (TestProxy { task, ..test }, proxy)
 }
 
+const TEN_SECONDS: Duration = Duration::from_secs(10);
+
 /// The value of one sample on the /metrics page.
 async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
     let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
@@ -94,27 +94,17 @@ async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
     })
 }
 
-async fn eventually_async<F, Fut>(what: &str, check: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out after 10 s waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test]
 async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
-    // A answers after 1.5 s; B at once.
-    let a = backend(|_request: Request<Incoming>| async {
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        Response::new(full("A"))
+    // A answers only once the test lets it (after the swap); B at once.
+    let gate = Gate::default();
+    let held = gate.clone();
+    let a = backend(move |_request: Request<Incoming>| {
+        let gate = held.clone();
+        async move {
+            gate.pass().await;
+            Response::new(full("A"))
+        }
     })
     .await;
     let b = text_backend("B").await;
@@ -146,6 +136,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     })
     .await;
     assert_eq!(get(&url).await, (200, "B".to_owned()));
+    gate.release(1);
     assert_eq!(
         in_flight.await.unwrap(),
         (200, "A".to_owned()),
@@ -175,7 +166,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
         &a.url(),
         "retry: { max_attempts: 99 }\nbalancer: { polcy: least-outstanding }\n",
     ));
-    eventually_async("the invalid reload counted", || async {
+    eventually_async("the invalid reload counted", TEN_SECONDS, || async {
         metric(&proxy, r#"tongs_config_reloads_total{result="invalid"}"#).await == Some(1.0)
     })
     .await;
@@ -185,7 +176,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
 
     // Fixed again: applied.
     volume.publish(&config_text(&a.url(), ""));
-    eventually_async("the fixed version applied", || async {
+    eventually_async("the fixed version applied", TEN_SECONDS, || async {
         metric(&proxy, r#"tongs_config_reloads_total{result="applied"}"#).await == Some(2.0)
     })
     .await;

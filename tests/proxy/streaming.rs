@@ -1,18 +1,18 @@
 //! Streaming through the proxy: Server-Sent Events reach the client chunk by chunk, a client that goes
 //! away cancels the endpoint's work, and HTTP/1.1 upgrades (WebSocket) pass through as a byte stream.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::TokioIo;
-use support::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
@@ -129,14 +129,7 @@ async fn client_disconnect_mid_stream_cancels_the_endpoint_stream() {
         sent.load(Ordering::SeqCst) < 1000,
         "the endpoint stopped early"
     );
-    let registry = Arc::clone(&proxy.app_registry);
-    eventually(
-        "request no longer outstanding",
-        Duration::from_secs(5),
-        || registry.snapshot()[0].outstanding() == 0,
-    )
-    .await;
-    proxy.stop().await;
+    stop_once_idle(proxy, "request").await;
 }
 
 #[tokio::test]
@@ -176,9 +169,15 @@ async fn client_disconnect_before_headers_cancels_the_endpoint_request() {
         || cancelled.load(Ordering::SeqCst),
     )
     .await;
+    stop_once_idle(proxy, "request").await;
+}
+
+/// Waits until the only endpoint has nothing outstanding (the `what` the client left is released),
+/// then stops the proxy.
+async fn stop_once_idle(proxy: TestProxy, what: &str) {
     let registry = Arc::clone(&proxy.app_registry);
     eventually(
-        "request no longer outstanding",
+        &format!("{what} no longer outstanding"),
         Duration::from_secs(5),
         || registry.snapshot()[0].outstanding() == 0,
     )
@@ -273,11 +272,5 @@ async fn websocket_upgrade_passes_through_and_counts_as_outstanding() {
     );
 
     drop(stream);
-    eventually(
-        "upgrade no longer outstanding",
-        Duration::from_secs(5),
-        || registry.snapshot()[0].outstanding() == 0,
-    )
-    .await;
-    proxy.stop().await;
+    stop_once_idle(proxy, "upgrade").await;
 }

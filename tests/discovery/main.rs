@@ -1,5 +1,5 @@
 //! Kubernetes pod discovery end to end: tongs' pod watcher (kube-rs's client and runtime watcher,
-//! unchanged) against a fake API server on a real socket (`support/kube_api.rs`), reached through a
+//! unchanged) against a fake API server on a real socket (`tests/support/kube_api/`), reached through a
 //! kubeconfig file; the endpoints it finds are real backends and simulated GPU nodes on loopback
 //! addresses other than 127.0.0.1 (which tongs refuses as interLink's placeholder podIP). Linux routes
 //! all of 127.0.0.0/8 to `lo`, so 127.0.0.2, 127.0.0.3, ... are distinct hosts to bind.
@@ -10,32 +10,25 @@
 //! pod leaves; `/readyz` before the first list; a dropped watch (resumed from its resourceVersion), a
 //! compacted history and a server-expired watch (410 → re-list) with the endpoints in service while
 //! lists fail; bookmarks; paged lists of thousands of pods; node self-registration; and the SaladCloud
-//! API rule with write-back (`support/salad_api.rs`).
+//! API rule with write-back (`tests/support/salad_api.rs`), a fake of SaladCloud's public API.
 //!
 //! Nothing sleeps to wait: every wait polls a real outcome with a deadline.
 
-#[path = "support/kube_api.rs"]
-mod kube_api;
-#[path = "support/salad_api.rs"]
-mod salad_api;
+#![forbid(unsafe_code)]
+
+// The one path: shared with the other test binaries (see `tests/support/mod.rs`).
+#[path = "../support/mod.rs"]
 mod support;
 
-#[path = "discovery/harness.rs"]
+use support::{kube_api, salad_api};
+
 mod harness;
 
-#[path = "discovery/fake.rs"]
 mod fake;
-#[path = "discovery/lifecycle.rs"]
 mod lifecycle;
-#[path = "discovery/process.rs"]
 mod process;
-#[path = "discovery/registration.rs"]
 mod registration;
-#[path = "discovery/reload.rs"]
 mod reload;
-#[path = "discovery/rules.rs"]
 mod rules;
-#[path = "discovery/salad.rs"]
 mod salad;
-#[path = "discovery/watch_loss.rs"]
 mod watch_loss;

@@ -1,17 +1,17 @@
 //! Least-outstanding balancing (`balancer.policy: least-outstanding`) through the real proxy: requests held open on one endpoint (headers sent,
 //! body still streaming) push new requests to the idle one; weights shape how concurrent load spreads.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use http_body_util::channel::Channel;
-use support::*;
 use tokio::sync::Notify;
 
 /// The plain count policy these tests are about (expected latency is tested in tests/latency.rs).

@@ -1,7 +1,7 @@
 //! The `tongs` binary itself: config checking with exit code 64, and a SIGTERM drain that lets an
 //! in-flight stream run to its end while new connections are refused.
-
-mod support;
+//!
+//! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -10,10 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
+use crate::support::*;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use http_body_util::channel::Channel;
-use support::*;
 
 const TONGS: &str = env!("CARGO_BIN_EXE_tongs");
 
@@ -221,14 +221,12 @@ async fn sigterm_drains_an_in_flight_stream_then_exits_zero() {
     // While draining, the pod reports unready so the Service stops sending it clients.
     assert_eq!(get(&format!("http://{admin}/readyz")).await.0, 503);
     // New connections are refused while the stream goes on (every worker closes its listener).
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while tokio::net::TcpStream::connect(&listen).await.is_ok() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "listener still accepting after SIGTERM"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually_async(
+        "the listener refusing connections after SIGTERM",
+        Duration::from_secs(5),
+        || async { tokio::net::TcpStream::connect(&listen).await.is_err() },
+    )
+    .await;
 
     let mut rest = Vec::new();
     while let Some(frame) = tokio::time::timeout(Duration::from_secs(10), body.frame())
@@ -305,13 +303,12 @@ async fn sighup_reloads_the_configuration() {
 
 /// Polls `url` until it answers `text` (10 s at most).
 async fn eventually_answer(url: &str, text: &str) {
-    for _ in 0..200 {
-        if get(url).await.1 == text {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    panic!("{url} never answered {text:?}");
+    eventually_async(
+        &format!("{url} answering {text:?}"),
+        Duration::from_secs(10),
+        || async { get(url).await.1 == text },
+    )
+    .await;
 }
 
 /// The SaladCloud key reaches the gateway, yet no log line carries it, not even with every crate

@@ -1,15 +1,17 @@
 //! Expected-latency balancing on a simulated mixed fleet: fast nodes take most of the traffic, a node that
 //! turns slow loses its share and wins it back, a new endpoint is used at once.
-
-mod support;
+//!
+//! The simulated nodes (`tongs::sim`) stand in for GPU nodes. The proxy keeps real time (its workers run
+//! runtimes of their own, and the nodes answer over real sockets), so where a test needs time to pass
+//! it polls the proxy's state for the moment it has, with a deadline, instead of sleeping.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use support::*;
+use crate::support::*;
 use tokio::sync::Semaphore;
 use tongs::registry::EndpointSpec;
-use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec};
+use tongs::sim::{Condition, Fleet, InterruptionKind, NodeSpec};
 
 fn node(name: &str, mean_ms: u64) -> NodeSpec {
     let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
@@ -20,9 +22,7 @@ fn node(name: &str, mean_ms: u64) -> NodeSpec {
 }
 
 async fn fleet(nodes: Vec<NodeSpec>) -> Fleet {
-    Fleet::start(&FleetConfig { seed: 5, nodes }, Duration::from_secs(3600))
-        .await
-        .unwrap()
+    sim_fleet(5, nodes).await
 }
 
 /// Sends `count` requests through the proxy, at most `concurrency` at a time; all must succeed.
@@ -41,6 +41,36 @@ async fn load(url: &str, count: usize, concurrency: usize) {
     for task in tasks {
         task.await.unwrap();
     }
+}
+
+/// Waits until the endpoint for `url` has had no answer for `idle`: polls the proxy's own latency state (no
+/// request is sent meanwhile, so nothing else changes).
+///
+/// An estimate ranks at the fleet's latency once idle for `latency_decay`, but the first answer after
+/// that replaces only `1 − e^(−idle ÷ latency_decay)` of the old estimate: twice the decay lets a node
+/// that was 20× slower come back with one answer, as a node idle that long should.
+async fn idle_for(proxy: &TestProxy, url: &str, idle: Duration) {
+    let endpoint = proxy
+        .app_registry
+        .snapshot()
+        .iter()
+        .find(|e| e.url() == url)
+        .map(Arc::clone)
+        .unwrap_or_else(|| panic!("no endpoint {url}"));
+    let idle_ms = idle.as_millis() as u64;
+    // `latency_estimate` answers the neutral value it is given exactly when the endpoint has been idle
+    // for the decay it is given (or never answered, which a node that served in this test has).
+    const NEUTRAL: u64 = 7;
+    eventually(
+        &format!("{} idle for {idle:?}", endpoint.url()),
+        idle * 3,
+        || {
+            let now_ms = endpoint.millis(tokio::time::Instant::now());
+            endpoint.latency_us() > 0
+                && endpoint.latency_estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
+        },
+    )
+    .await;
 }
 
 fn served(fleet: &Fleet) -> Vec<u64> {
@@ -116,7 +146,7 @@ async fn a_node_that_turns_slow_loses_its_share_and_wins_it_back() {
 
     fleet.nodes()[0].set_condition(Condition::Up);
     // Idle estimates drift back to the fleet's over latency_decay; then the node earns its share again.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    idle_for(&proxy, &fleet.urls()[0], 2 * Duration::from_secs(2)).await;
     load(&url, 100, 4).await;
     let after = served(&fleet);
     let back = after[0] - slow_phase[0];
