@@ -1,4 +1,4 @@
-//! The admin listener (`src/admin.rs`, `src/metrics.rs`, `src/status.html`): probes, `/metrics` and
+//! The admin listener (`src/admin/`, `src/metrics/`, `src/admin/status.html`): probes, `/metrics` and
 //! `/debug/endpoints`, the status page in a real headless Chromium, and a real Prometheus scraping it.
 //!
 //! The endpoints behind the proxy are small in-process HTTP servers standing in for GPU nodes.

@@ -1,4 +1,4 @@
-//! The admin status page (`/`, `src/status.html`) rendered by a real headless Chromium.
+//! The admin status page (`/`, `src/admin/status.html`) rendered by a real headless Chromium.
 //!
 //! Real: Debian's `chromium` binary loading the page from tongs' admin port over loopback, running its
 //! JavaScript, polling `/debug/endpoints` and laying the page out; tongs itself with real heartbeats

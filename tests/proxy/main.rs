@@ -1,5 +1,5 @@
-//! The request path (`src/proxy.rs`, `src/balance.rs`, `src/limit.rs`, `src/admission.rs`,
-//! `src/retry.rs`, `src/breaker.rs`, `src/body.rs`): forwarding, streaming, resilience, back-pressure,
+//! The request path (`src/proxy/`, `src/balance.rs`, `src/limit.rs`, `src/admission.rs`,
+//! `src/retry/`, `src/breaker.rs`, `src/http/`): forwarding, streaming, resilience, back-pressure,
 //! inbound limits and balancing, through a real proxy over loopback sockets.
 //!
 //! The endpoints are scripted in-process backends and the simulator's GPU nodes (`tongs::sim`), which
