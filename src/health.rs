@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Uri, header};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -184,32 +184,20 @@ async fn probe_loop(
     }
 }
 
-/// One heartbeat: true when the endpoint answered 2xx within the timeout.
+/// One heartbeat: true when the endpoint answered within the timeout with a passing status (any 2xx,
+/// or the deep heartbeat's `expected_status`).
 async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClient) -> bool {
-    let path = format!("{}{}", endpoint.path_prefix(), config.path);
-    let uri = Uri::builder()
-        .scheme(endpoint.scheme().clone())
-        .authority(endpoint.authority().clone())
-        .path_and_query(path)
-        .build();
-    let Ok(uri) = uri else {
+    let Some(request) = heartbeat_request(endpoint, config) else {
         return false;
     };
-    let body: UpstreamBody = Empty::<Bytes>::new()
-        .map_err(|never| match never {})
-        .boxed_unsync();
-    let mut request = Request::new(body);
-    *request.uri_mut() = uri;
-    request
-        .headers_mut()
-        .insert(header::HOST, endpoint.host_header().clone());
-    request.headers_mut().insert(
-        header::USER_AGENT,
-        header::HeaderValue::from_static("tongs-heartbeat"),
-    );
+    let expected = config.request.as_ref().and_then(|r| r.expected_status);
     let exchange = async {
         let response = client.request(request).await.ok()?;
-        let passed = response.status().is_success();
+        let status = response.status();
+        let passed = match expected {
+            Some(expected) => status.as_u16() == expected,
+            None => status.is_success(),
+        };
         // Read the (small) body so the connection can be reused for the next heartbeat.
         response.into_body().collect().await.ok()?;
         Some(passed)
@@ -218,6 +206,42 @@ async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClie
         tokio::time::timeout(config.timeout.get(), exchange).await,
         Ok(Some(true))
     )
+}
+
+/// The heartbeat request for `endpoint`: `GET health.path`, or the deep heartbeat `health.request`.
+/// `None` only for a configuration built in code that validation would have refused.
+fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Request<UpstreamBody>> {
+    let deep = config.request.as_ref();
+    let path = deep.map_or(config.path.as_str(), |r| r.path.as_str());
+    let uri = Uri::builder()
+        .scheme(endpoint.scheme().clone())
+        .authority(endpoint.authority().clone())
+        .path_and_query(format!("{}{}", endpoint.path_prefix(), path))
+        .build()
+        .ok()?;
+    let content = deep.map_or_else(Bytes::new, |r| Bytes::from(r.body.clone()));
+    let body: UpstreamBody = Full::new(content)
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut request = Request::new(body);
+    *request.uri_mut() = uri;
+    if let Some(deep) = deep {
+        *request.method_mut() = http::Method::from_bytes(deep.method.as_bytes()).ok()?;
+        for (name, value) in &deep.headers {
+            request.headers_mut().insert(
+                header::HeaderName::from_bytes(name.as_bytes()).ok()?,
+                header::HeaderValue::from_str(value).ok()?,
+            );
+        }
+    }
+    request
+        .headers_mut()
+        .insert(header::HOST, endpoint.host_header().clone());
+    request.headers_mut().insert(
+        header::USER_AGENT,
+        header::HeaderValue::from_static("tongs-heartbeat"),
+    );
+    Some(request)
 }
 
 #[cfg(test)]

@@ -67,6 +67,16 @@ impl Endpoint {
         stalled
     }
 
+    /// Claims the endpoint's one background attempt that finds out whether it is slow or hung (see
+    /// `proxy::hedge`); false when one is already under way.
+    pub fn begin_investigation(&self) -> bool {
+        !self.investigating.swap(true, Ordering::Relaxed)
+    }
+
+    pub fn end_investigation(&self) {
+        self.investigating.store(false, Ordering::Relaxed);
+    }
+
     /// Whether the breaker keeps the endpoint out because its requests stalled (a gray failure).
     pub fn is_stalled(&self) -> bool {
         self.stalled.load(Ordering::Relaxed)

@@ -115,6 +115,8 @@ pub struct Endpoint {
     stalled: AtomicBool,
     /// Attempts that stalled here.
     stall_events: AtomicU64,
+    /// A beaten attempt goes on in the background to tell slow from hung.
+    investigating: AtomicBool,
     /// Typical gap between a streamed answer's chunks: an EWMA in microseconds (0: none seen yet).
     chunk_gap_us: AtomicU64,
     ejections: AtomicU64,
@@ -208,6 +210,7 @@ impl Endpoint {
             gone: watch::channel(0).0,
             stalled: AtomicBool::new(false),
             stall_events: AtomicU64::new(0),
+            investigating: AtomicBool::new(false),
             chunk_gap_us: AtomicU64::new(0),
             ejections: AtomicU64::new(0),
             unhealthy_marks: AtomicU64::new(0),

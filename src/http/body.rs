@@ -5,7 +5,11 @@
 //! request's metrics), so the endpoint counts the request as in flight until the body has ended, failed,
 //! hit the overall deadline, or was dropped because the client went away — and dropping it drops the
 //! endpoint's body too, which closes that upstream stream and so frees the GPU.
+//!
+//! A stream that stalls after commit — silent past its idle limit, or its endpoint declared gone — is
+//! ended by tongs as an error the client can see, and the request path is told why ([`StreamGuard`]).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,7 +18,7 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use pin_project_lite::pin_project;
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 
 /// Any error a body or a connection can carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -23,6 +27,45 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// fails or hits its deadline, or when the client goes away. Opaque here, so the HTTP layer depends on
 /// nothing above it.
 pub type Guard = Box<dyn Send>;
+
+/// What the request path holds while an endpoint's answer streams (dropped when it ends), and is told
+/// as the stream goes.
+pub trait StreamGuard: Send {
+    /// A chunk arrived `gap` after the one before (the first: after the commit). Returns how long the
+    /// stream may now stay silent before its node is taken for failed (`None`: no limit).
+    fn chunk(&mut self, gap: Duration) -> Option<Duration>;
+    /// tongs is ending the stream with an error: it was silent past its limit, or its endpoint was
+    /// declared gone.
+    fn cut(&mut self, why: Cut);
+}
+
+/// Why tongs ended a committed stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// Nothing arrived for this long, the stream's idle limit.
+    Idle(Duration),
+    /// The endpoint was declared gone (heartbeats) or stalled while the stream ran.
+    Gone,
+}
+
+/// Resolves when the stream's endpoint is declared gone.
+pub type GoneSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// How a committed stream is watched: its idle limit so far, and the signal that its endpoint is gone.
+pub struct Watch {
+    pub guard: Box<dyn StreamGuard>,
+    pub idle: Option<Duration>,
+    pub gone: Option<GoneSignal>,
+}
+
+/// The error a client's stream ends with when tongs cuts it.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamCut {
+    #[error("the endpoint sent nothing for {} and is taken for failed", humantime::format_duration(*.0))]
+    Idle(Duration),
+    #[error("the endpoint was declared gone while the response streamed")]
+    Gone,
+}
 
 pin_project! {
     /// A body sent to a client: an endpoint's streamed body, or a small one tongs made itself.
@@ -44,8 +87,16 @@ pin_project! {
             #[pin]
             deadline: Sleep,
             total: Duration,
+            // Fires when the stream has been silent past its idle limit.
+            #[pin]
+            idle: Sleep,
+            idle_limit: Option<Duration>,
+            // When the last chunk (or the commit) was.
+            last: Instant,
+            // Resolves when the endpoint is declared gone.
+            gone: Option<GoneSignal>,
             // `None` once the stream has ended: what it holds (the endpoint's in-flight count) goes right there.
-            held: Option<Guard>,
+            held: Option<Box<dyn StreamGuard>>,
             // Counts the request in the metrics when the body goes.
             finish: Option<Guard>,
         },
@@ -61,21 +112,27 @@ pin_project! {
 pub struct TotalTimeout(pub Duration);
 
 impl ProxyBody {
-    /// Streams an endpoint's body (after `first`, a frame already read), holding `held` until it ends.
+    /// Streams an endpoint's body (after `first`, a frame already read), watched by `watch` until it
+    /// ends.
     pub fn upstream(
         first: Option<Frame<Bytes>>,
         body: Incoming,
-        held: Guard,
+        watch: Watch,
         deadline: Sleep,
         total: Duration,
     ) -> Self {
+        let last = Instant::now();
         ProxyBody {
             kind: Kind::Upstream {
                 first,
                 body,
                 deadline,
                 total,
-                held: Some(held),
+                idle: tokio::time::sleep_until(idle_until(last, watch.idle)),
+                idle_limit: watch.idle,
+                last,
+                gone: watch.gone,
+                held: Some(watch.guard),
                 finish: None,
             },
         }
@@ -108,6 +165,11 @@ impl ProxyBody {
     }
 }
 
+/// When a stream last heard from at `from` becomes idle (far in the future without a limit).
+fn idle_until(from: Instant, limit: Option<Duration>) -> Instant {
+    from + limit.unwrap_or(Duration::from_secs(86_400 * 365))
+}
+
 impl Body for ProxyBody {
     type Data = Bytes;
     type Error = BoxError;
@@ -122,35 +184,66 @@ impl Body for ProxyBody {
                 body,
                 deadline,
                 total,
+                mut idle,
+                idle_limit,
+                last,
+                gone,
                 held,
                 finish,
             } => {
                 if let Some(frame) = first.take() {
                     return Poll::Ready(Some(Ok(frame)));
                 }
-                if held.is_none() {
+                let Some(guard) = held.as_mut() else {
                     return Poll::Ready(None);
-                }
+                };
+                let ended = |held: &mut Option<Box<dyn StreamGuard>>,
+                             finish: &mut Option<Guard>| {
+                    *held = None;
+                    *finish = None;
+                };
                 match body.poll_frame(cx) {
-                    Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Ok(frame))) => {
+                        let now = Instant::now();
+                        if frame.is_data() {
+                            *idle_limit = guard.chunk(now.saturating_duration_since(*last));
+                            *last = now;
+                            idle.as_mut().reset(idle_until(now, *idle_limit));
+                        }
+                        return Poll::Ready(Some(Ok(frame)));
+                    }
                     Poll::Ready(Some(Err(err))) => {
-                        *held = None;
-                        *finish = None;
-                        Poll::Ready(Some(Err(err.into())))
+                        ended(held, finish);
+                        return Poll::Ready(Some(Err(err.into())));
                     }
                     Poll::Ready(None) => {
-                        *held = None;
-                        *finish = None;
-                        Poll::Ready(None)
+                        ended(held, finish);
+                        return Poll::Ready(None);
                     }
-                    Poll::Pending => match deadline.poll(cx) {
-                        Poll::Ready(()) => {
-                            *held = None;
-                            *finish = None;
-                            Poll::Ready(Some(Err(TotalTimeout(*total).into())))
-                        }
-                        Poll::Pending => Poll::Pending,
-                    },
+                    Poll::Pending => {}
+                }
+                if deadline.poll(cx).is_ready() {
+                    ended(held, finish);
+                    return Poll::Ready(Some(Err(TotalTimeout(*total).into())));
+                }
+                let cut = if let Some(limit) = *idle_limit
+                    && idle.as_mut().poll(cx).is_ready()
+                {
+                    Some((Cut::Idle(limit), StreamCut::Idle(limit)))
+                } else if let Some(signal) = gone.as_mut()
+                    && signal.as_mut().poll(cx).is_ready()
+                {
+                    Some((Cut::Gone, StreamCut::Gone))
+                } else {
+                    None
+                };
+                match cut {
+                    Some((why, error)) => {
+                        guard.cut(why);
+                        ended(held, finish);
+                        Poll::Ready(Some(Err(error.into())))
+                    }
+                    None => Poll::Pending,
                 }
             }
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),

@@ -97,6 +97,26 @@ pub const ENDPOINT_FAILURES: Spec = spec(
     "counter",
     "Attempts that failed at the endpoint (connect, reset, timeout, gateway error).",
 );
+pub const HEDGES: Spec = spec(
+    "tongs_hedges_total",
+    "counter",
+    "Hedged attempts sent: a second attempt on another endpoint for an attempt with no answer in time.",
+);
+pub const HEDGES_WON: Spec = spec(
+    "tongs_hedges_won_total",
+    "counter",
+    "Hedged attempts that answered first (the attempt they hedged was cancelled).",
+);
+pub const STREAMS_CUT: Spec = spec(
+    "tongs_streams_cut_total",
+    "counter",
+    "Committed streams tongs ended because they stalled or their endpoint was declared gone.",
+);
+pub const ENDPOINT_STALLS: Spec = spec(
+    "tongs_endpoint_stalls_total",
+    "counter",
+    "Attempts that stalled at the endpoint while its heartbeats passed (lost to a hedge, or waited far past its expected latency).",
+);
 pub const ENDPOINT_EJECTIONS: Spec = spec(
     "tongs_endpoint_ejections_total",
     "counter",
@@ -175,7 +195,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 33] = [
+pub const CATALOG: [&Spec; 37] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -187,6 +207,9 @@ pub const CATALOG: [&Spec; 33] = [
     &RETRIES,
     &RETRY_BUDGET_EXHAUSTED,
     &ATTEMPTS,
+    &HEDGES,
+    &HEDGES_WON,
+    &STREAMS_CUT,
     &ENDPOINTS,
     &ENDPOINT_STATE,
     &ENDPOINT_OUTSTANDING,
@@ -194,6 +217,7 @@ pub const CATALOG: [&Spec; 33] = [
     &ENDPOINT_REQUESTS,
     &ENDPOINT_FAILURES,
     &ENDPOINT_EJECTIONS,
+    &ENDPOINT_STALLS,
     &ENDPOINT_COOLDOWNS,
     &ENDPOINT_LATENCY,
     &ENDPOINT_HEARTBEAT,

@@ -8,9 +8,10 @@ use super::{
     DISCOVERY_PODS, DISCOVERY_REJECTIONS, DISCOVERY_SYNCED, DISCOVERY_WATCH_ERRORS,
     ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES, ENDPOINT_HEARTBEAT,
     ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT, ENDPOINT_OUTSTANDING,
-    ENDPOINT_REQUESTS, ENDPOINT_STATE, ENDPOINTS, FIRST_BYTE, Metrics, Outcome, ProxyStats,
-    QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REQUEST_DURATION, REQUESTS, RETRIES,
-    RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS, Spec, UPTIME,
+    ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS, FIRST_BYTE, HEDGES, HEDGES_WON,
+    Metrics, Outcome, ProxyStats, QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS,
+    REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
+    STREAMS_CUT, Spec, UPTIME,
 };
 use crate::endpoint::{EndpointState, EndpointView};
 
@@ -151,6 +152,14 @@ fn render_state(out: &mut String, scrape: &Scrape) {
     sample(out, RETRY_BUDGET_EXHAUSTED.name, &[], exhausted);
     header(out, &ATTEMPTS);
     sample(out, ATTEMPTS.name, &[], load(&stats.attempts));
+    for (spec, counter) in [
+        (&HEDGES, &stats.hedges),
+        (&HEDGES_WON, &stats.hedges_won),
+        (&STREAMS_CUT, &stats.streams_cut),
+    ] {
+        header(out, spec);
+        sample(out, spec.name, &[], load(counter));
+    }
 
     render_discovery(out, &scrape.discovery);
 
@@ -188,12 +197,13 @@ fn render_state(out: &mut String, scrape: &Scrape) {
             );
         }
     }
-    let per_endpoint: [(&Spec, ReadView); 9] = [
+    let per_endpoint: [(&Spec, ReadView); 10] = [
         (&ENDPOINT_OUTSTANDING, |v| Some(v.outstanding as f64)),
         (&ENDPOINT_LIMIT, |v| v.limit.map(|l| l as f64)),
         (&ENDPOINT_REQUESTS, |v| Some(v.requests as f64)),
         (&ENDPOINT_FAILURES, |v| Some(v.failures as f64)),
         (&ENDPOINT_EJECTIONS, |v| Some(v.ejections as f64)),
+        (&ENDPOINT_STALLS, |v| Some(v.stalls as f64)),
         (&ENDPOINT_COOLDOWNS, |v| Some(v.cooldowns as f64)),
         (&ENDPOINT_LATENCY, |v| v.latency_ms.map(|ms| ms / 1000.0)),
         (&ENDPOINT_HEARTBEAT, |v| {

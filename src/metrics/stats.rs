@@ -18,6 +18,11 @@ pub struct ProxyStats {
     pub failed: AtomicU64,
     /// Retries, by reason, and retries the budget refused.
     pub retries: RetryStats,
+    /// Hedged attempts sent, and those that answered first.
+    pub hedges: AtomicU64,
+    pub hedges_won: AtomicU64,
+    /// Committed streams ended because they stalled or their endpoint was declared gone.
+    pub streams_cut: AtomicU64,
 }
 
 /// Counters of retries, by reason.

@@ -34,7 +34,7 @@ impl Tried {
 }
 
 /// What a pick found.
-enum Pick {
+pub(super) enum Pick {
     Slot(Slot),
     /// Nothing now; capacity may come free.
     Wait,
@@ -130,7 +130,7 @@ impl Proxy {
     }
 
     /// A slot on an eligible endpoint not yet tried, or whether waiting may give one.
-    fn pick(&self, settings: &ProxySettings, tried: &Tried) -> Pick {
+    pub(super) fn pick(&self, settings: &ProxySettings, tried: &Tried) -> Pick {
         let now = Instant::now();
         let snapshot = self.registry.snapshot();
         let mut ctx = PickContext {

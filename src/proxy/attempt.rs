@@ -22,6 +22,19 @@ use crate::upstream::{UpstreamBody, UpstreamClient};
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
 const MAX_COOLDOWN: Duration = Duration::from_secs(30);
 
+/// What every attempt of a request is sent with, owned (cheap to clone: `Arc`s and `Bytes`).
+#[derive(Clone)]
+pub(super) struct Sending {
+    /// The request's settings snapshot.
+    pub settings: Arc<ProxySettings>,
+    /// The worker's pooled client.
+    pub upstream: UpstreamClient,
+    /// The request's overall deadline.
+    pub deadline: Instant,
+    /// The request body (a handle on it: attempts take their own copy to send).
+    pub body: ReplayBody,
+}
+
 /// A slot taken on an endpoint for one attempt, and whether the attempt is its breaker's probe.
 pub(super) struct Slot {
     pub outstanding: Outstanding,
@@ -42,6 +55,8 @@ pub(super) struct Committed {
     pub response: Response<Incoming>,
     pub first: Option<Frame<Bytes>>,
     pub outstanding: Outstanding,
+    /// How long the answer took to start (headers and first bytes).
+    pub first_byte: Option<Duration>,
 }
 
 /// What one attempt came to.
@@ -67,15 +82,22 @@ impl Drop for ProbeGuard<'_> {
 
 impl Proxy {
     /// Sends one attempt and waits for the endpoint's headers and first body bytes.
+    ///
+    /// The future owns all it needs, so an attempt beaten by a hedge can go on by itself (see `hedge`).
     pub(super) async fn attempt(
-        &self,
-        settings: &ProxySettings,
-        upstream: &UpstreamClient,
+        self: Arc<Self>,
+        sending: Sending,
         request: Request<UpstreamBody>,
         slot: Slot,
-        deadline: Instant,
-        body: &ReplayBody,
     ) -> Attempt {
+        let Sending {
+            settings,
+            upstream,
+            deadline,
+            body,
+        } = sending;
+        let settings = &*settings;
+        let body = &body;
         let Slot { outstanding, probe } = slot;
         let endpoint = &Arc::clone(outstanding.endpoint());
         // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
@@ -192,6 +214,7 @@ impl Proxy {
             response,
             first,
             outstanding,
+            first_byte: Some(first_byte),
         })
     }
 
@@ -228,13 +251,20 @@ impl Proxy {
         self.fleet_latency.store(next.to_bits(), Ordering::Relaxed);
     }
 
-    /// The failure of an attempt whose endpoint heartbeats declared gone while it waited.
-    fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
+    /// The failure of an attempt whose endpoint was declared gone (by heartbeats) or stalled while it
+    /// waited.
+    pub(super) fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
         Failure {
             kind: FailureKind::Unhealthy,
             error: ProxyError::Upstream {
                 endpoint: endpoint.url().to_owned(),
-                detail: "endpoint stopped answering heartbeats while the request waited".into(),
+                detail: if endpoint.is_stalled() {
+                    "endpoint stalled (its requests hang while its heartbeats pass) while the request \
+                     waited"
+                        .into()
+                } else {
+                    "endpoint stopped answering heartbeats while the request waited".into()
+                },
             },
             response: None,
             endpoint: Arc::clone(endpoint),
@@ -254,10 +284,8 @@ impl Proxy {
     }
 
     /// Whether one more endpoint may be ejected without exceeding `breaker.max_ejected_percent`.
-    fn may_eject(&self, settings: &ProxySettings) -> bool {
-        let ejected = self.registry.counts().ejected();
-        let endpoints = self.registry.snapshot().len();
-        (ejected + 1) * 100 <= endpoints * settings.max_ejected_percent as usize
+    pub(super) fn may_eject(&self, settings: &ProxySettings) -> bool {
+        super::may_eject(&self.registry, settings.max_ejected_percent)
     }
 
     fn classify(
@@ -292,7 +320,7 @@ impl Proxy {
     }
 }
 
-/// Resolves when heartbeats say an attempt should move elsewhere: its endpoint was declared unhealthy,
+/// Resolves when an attempt should move elsewhere: its endpoint was declared unhealthy or stalled,
 /// or went suspect (a heartbeat failed) while the attempt had already waited longer than `grace` (a
 /// heartbeat timeout) — silent to heartbeats and to this request alike.
 async fn wait_gone(
@@ -304,7 +332,7 @@ async fn wait_gone(
     let mut signalled = false;
     loop {
         if signalled {
-            if !endpoint.is_healthy() {
+            if !endpoint.is_healthy() || endpoint.is_stalled() {
                 return;
             }
             if endpoint.is_suspect() {

@@ -19,8 +19,10 @@
 
 mod acquire;
 mod attempt;
+mod hedge;
 mod request;
 mod respond;
+mod stream;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -34,7 +36,8 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use self::acquire::{Stop, Tried};
-use self::attempt::{Attempt, Failure};
+use self::attempt::{Attempt, Failure, Sending};
+use self::hedge::{HedgeBudget, Race};
 use self::request::ClientRequest;
 use crate::admission::{Queue, Refusal};
 use crate::breaker::BreakerSettings;
@@ -59,6 +62,16 @@ pub struct ProxySettings {
     pub suspect_grace: Duration,
     pub policy: BalancePolicy,
     pub latency_decay: Duration,
+    pub hedge_enabled: bool,
+    pub hedge_after_multiplier: f64,
+    pub hedge_min_delay: Duration,
+    pub hedge_max_extra_percent: u32,
+    /// An attempt waiting this many times its endpoint's expected latency counts as stalled.
+    pub stall_multiplier: f64,
+    /// A committed stream idle this many times its endpoint's typical chunk gap, and at least
+    /// `stream_idle_min`, has stalled.
+    pub stream_idle_multiplier: f64,
+    pub stream_idle_min: Duration,
     /// Header carrying a request's priority.
     pub priority_header: http::HeaderName,
     /// Header carrying a client's own deadline in milliseconds.
@@ -83,6 +96,13 @@ impl ProxySettings {
             suspect_grace: config.health.timeout.get(),
             policy: config.balancer.policy,
             latency_decay: config.balancer.latency_decay.get(),
+            hedge_enabled: config.hedge.enabled,
+            hedge_after_multiplier: config.hedge.after_multiplier,
+            hedge_min_delay: config.hedge.min_delay.get(),
+            hedge_max_extra_percent: config.hedge.max_extra_percent,
+            stall_multiplier: config.breaker.stall_multiplier,
+            stream_idle_multiplier: config.stream.idle_multiplier,
+            stream_idle_min: config.stream.idle_min.get(),
             priority_header: config.queue.priority_header.name().clone(),
             deadline_header: config.queue.deadline_header.name().clone(),
         }
@@ -102,16 +122,18 @@ pub struct Proxy {
     /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
     /// estimate of endpoints that have none of their own yet.
     fleet_latency: AtomicU64,
-    stats: ProxyStats,
+    stats: Arc<ProxyStats>,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
     metrics: Arc<Metrics>,
 }
 
-/// What one worker thread owns on the request path: its pooled connections and its retry budget.
+/// What one worker thread owns on the request path: its pooled connections, its retry budget and its
+/// hedge budget.
 pub struct WorkerPath {
     upstream: UpstreamClient,
     budget: RetryBudget,
+    hedges: HedgeBudget,
 }
 
 /// Counts a request in the metrics when dropped: with its answer's body, so a stream counts when it
@@ -142,7 +164,7 @@ impl Proxy {
             queue,
             fleet_latency: AtomicU64::new(0),
             settings: ArcSwap::from_pointee(settings),
-            stats: ProxyStats::default(),
+            stats: Arc::default(),
             upgrades: TaskTracker::new(),
             metrics,
         }
@@ -172,6 +194,7 @@ impl Proxy {
         WorkerPath {
             upstream,
             budget: self.settings().retry.budget(workers),
+            hedges: HedgeBudget::default(),
         }
     }
 
@@ -187,7 +210,7 @@ impl Proxy {
 
     /// Handles one client request; always produces a response.
     pub async fn handle(
-        &self,
+        self: &Arc<Self>,
         worker: &WorkerPath,
         request: Request<Incoming>,
         client: SocketAddr,
@@ -211,8 +234,8 @@ impl Proxy {
     }
 
     async fn answer(
-        &self,
-        settings: &ProxySettings,
+        self: &Arc<Self>,
+        settings: &Arc<ProxySettings>,
         worker: &WorkerPath,
         request: Request<Incoming>,
         client: SocketAddr,
@@ -220,6 +243,7 @@ impl Proxy {
     ) -> (Response<ProxyBody>, Outcome) {
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
         worker.budget.deposit();
+        worker.hedges.deposit(settings.hedge_max_extra_percent);
         let (request, body) = match ClientRequest::read(settings, request, client, started) {
             Ok(read) => read,
             Err((error, request_id)) => return (self.reject(error, &request_id), Outcome::Invalid),
@@ -262,6 +286,13 @@ impl Proxy {
             }
         };
 
+        let sending = Sending {
+            settings: Arc::clone(settings),
+            upstream: worker.upstream.clone(),
+            deadline,
+            body,
+        };
+        let body = &sending.body;
         let mut tried = Tried::default();
         let mut last_failure: Option<Failure> = None;
         // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
@@ -298,9 +329,13 @@ impl Proxy {
             // really under way; until then it is the answer.
             drop(last_failure.take());
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
-            let request = template.build(&endpoint, attempt_body);
-            let sent = self.attempt(settings, &worker.upstream, request, slot, deadline, &body);
-            let failure = match sent.await {
+            let race = Race {
+                request: template.build(&endpoint, attempt_body),
+                slot,
+                template: &template,
+                hedgeable: retries_wanted,
+            };
+            let failure = match self.race(&sending, worker, &mut tried, race).await {
                 Attempt::Committed(committed) => {
                     self.metrics.first_byte(started.elapsed());
                     let response = self.commit(settings, committed, upgrade, &request_id, deadline);
@@ -310,7 +345,7 @@ impl Proxy {
             };
             tracing::debug!(
                 request_id = request_id.to_str().unwrap_or_default(),
-                endpoint = endpoint.url(),
+                endpoint = failure.endpoint.url(),
                 attempt,
                 reason = failure.kind.as_str(),
                 error = %failure.error,
@@ -352,6 +387,13 @@ impl Proxy {
             ),
         }
     }
+}
+
+/// Whether one more endpoint of `registry` may be ejected without exceeding `max_ejected_percent`.
+fn may_eject(registry: &Registry, max_ejected_percent: u32) -> bool {
+    let ejected = registry.counts().ejected();
+    let endpoints = registry.snapshot().len();
+    (ejected + 1) * 100 <= endpoints * max_ejected_percent as usize
 }
 
 fn millis_of(duration: Duration) -> u64 {

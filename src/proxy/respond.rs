@@ -28,6 +28,7 @@ impl Proxy {
             mut response,
             first,
             outstanding,
+            first_byte,
         } = committed;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
@@ -46,7 +47,13 @@ impl Proxy {
         let body = ProxyBody::upstream(
             first,
             body,
-            Box::new(outstanding),
+            super::stream::watch(
+                settings,
+                outstanding,
+                first_byte,
+                &self.registry,
+                &self.stats,
+            ),
             deadline_timer,
             settings.total_timeout,
         );
@@ -75,6 +82,7 @@ impl Proxy {
                     response,
                     first: None,
                     outstanding,
+                    first_byte: None,
                 };
                 self.commit(settings, committed, None, request_id, deadline)
             }

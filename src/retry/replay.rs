@@ -14,6 +14,7 @@ use crate::http::BoxError;
 use crate::upstream::UpstreamBody;
 
 /// A request body, prepared so that failed attempts can be replayed on another endpoint.
+#[derive(Clone)]
 pub enum ReplayBody {
     /// Small enough to keep: every attempt sends a copy.
     Buffered(Bytes),
@@ -93,6 +94,11 @@ impl ReplayBody {
         }
     }
 
+    /// Whether the body is kept whole in memory, so any number of attempts can send it at once.
+    pub fn is_buffered(&self) -> bool {
+        matches!(self, ReplayBody::Buffered(_))
+    }
+
     /// Whether the streamed body crossed the request body limit.
     pub fn exceeded_limit(&self) -> bool {
         match self {
@@ -104,6 +110,7 @@ impl ReplayBody {
 
 /// A streamed body shared between attempts: it stays in the slot until an attempt first polls it, so
 /// an attempt that failed before sending any of it (a connect failure) leaves it for the next one.
+#[derive(Clone)]
 pub struct StreamingSlot {
     inner: Arc<Mutex<Option<Streamed>>>,
     started: Arc<AtomicBool>,

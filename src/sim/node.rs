@@ -8,6 +8,8 @@
 //!   they are; on recovery those connections are reset, as a reallocated node would.
 //! - `gateway-503`: every request, `/health` included, gets the gateway's HTML 503.
 //! - `slow`: service times are multiplied by the interruption's factor.
+//! - `gray`: `/health` answers and connections are accepted, but a request hangs before its answer and a
+//!   stream stalls after its first chunk, until the node recovers (then they go on where they stopped).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -483,6 +485,7 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
         stream_tokens(Arc::clone(&shared), serving, service_time)
     } else {
         tokio::time::sleep(service_time).await;
+        while_gray(&shared).await;
         serving.finish();
         let body = format!(
             r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
@@ -509,6 +512,16 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
     response
 }
 
+/// Waits while the node is in a gray failure (returns at once otherwise).
+async fn while_gray(shared: &Shared) {
+    let mut conditions = shared.condition.subscribe();
+    while conditions.borrow_and_update().is(InterruptionKind::Gray) {
+        if conditions.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
 /// An SSE token stream: the first token after a tenth of the service time, the rest spread evenly.
 fn stream_tokens(
     shared: Arc<Shared>,
@@ -524,6 +537,8 @@ fn stream_tokens(
         for token in 0..tokens {
             if token > 0 {
                 tokio::time::sleep(gap).await;
+                // A wedged worker has sent what it had; the rest waits for the node to recover.
+                while_gray(&shared).await;
             }
             let event = format!(
                 "data: {{\"node\":\"{}\",\"token\":{token}}}\n\n",

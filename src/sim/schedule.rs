@@ -22,14 +22,18 @@ pub enum InterruptionKind {
     Gateway503,
     /// Degraded node: service time multiplied by a factor.
     Slow,
+    /// Gray failure: the node's HTTP layer lives — health answers, connections are accepted — but its
+    /// worker is wedged: requests hang, and streams stall after their first chunk, until it recovers.
+    Gray,
 }
 
 impl InterruptionKind {
-    pub const ALL: [InterruptionKind; 4] = [
+    pub const ALL: [InterruptionKind; 5] = [
         InterruptionKind::Refuse,
         InterruptionKind::Blackhole,
         InterruptionKind::Gateway503,
         InterruptionKind::Slow,
+        InterruptionKind::Gray,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -38,6 +42,7 @@ impl InterruptionKind {
             InterruptionKind::Blackhole => "blackhole",
             InterruptionKind::Gateway503 => "gateway-503",
             InterruptionKind::Slow => "slow",
+            InterruptionKind::Gray => "gray",
         }
     }
 }

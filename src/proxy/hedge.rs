@@ -1,0 +1,307 @@
+//! Hedged attempts and stall detection: an attempt that has no answer by its hedge delay gets a
+//! second attempt on another endpoint, and the first to commit wins (the other is dropped, which closes
+//! its connection so its GPU stops). An attempt that loses to a hedge, or waits far past its
+//! endpoint's expected time to first byte, counts as stalled there; stalls in a row while heartbeats
+//! pass mark the endpoint stalled (see `breaker`), which moves its waiting requests elsewhere at once.
+//!
+//! tower's hedge middleware fires at a latency percentile of the whole service; here the delay is per
+//! endpoint, from the same expected-latency estimate the balancer ranks by, so a fleet of fast and slow
+//! GPUs is hedged fairly. Hedges are bounded twice: by their own budget (`hedge.max_extra_percent` of
+//! the request rate) and by the retry budget they share with retries.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use http::Request;
+use tokio::time::Instant;
+
+use super::acquire::{Pick, Tried};
+use super::attempt::{Attempt, Sending, Slot};
+use super::request::Template;
+use super::{Proxy, ProxySettings, WorkerPath};
+use crate::endpoint::Endpoint;
+use crate::retry::ReplayBody;
+use crate::upstream::UpstreamBody;
+
+/// One worker's allowance of hedges: every request deposits `hedge.max_extra_percent` hundredths of a
+/// hedge, every hedge withdraws a whole one. Atomics, because the worker's requests run as separate
+/// tasks on its thread.
+#[derive(Debug, Default)]
+pub struct HedgeBudget {
+    /// Thousandths of a hedge.
+    balance: AtomicU64,
+}
+
+/// What one hedge costs, in thousandths.
+const HEDGE: u64 = 1000;
+/// Hedges a quiet spell can save up for a burst.
+const BURST: u64 = 10 * HEDGE;
+
+impl HedgeBudget {
+    /// A request arrived: `percent` of a hedge more may be spent.
+    pub fn deposit(&self, percent: u32) {
+        let add = u64::from(percent) * HEDGE / 100;
+        let _ = self
+            .balance
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |balance| {
+                Some((balance + add).min(BURST))
+            });
+    }
+
+    /// Takes one hedge, if the balance allows.
+    pub fn withdraw(&self) -> bool {
+        self.balance
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |balance| {
+                balance.checked_sub(HEDGE)
+            })
+            .is_ok()
+    }
+
+    /// Gives back a hedge taken but not sent.
+    fn refund(&self) {
+        self.balance.fetch_add(HEDGE, Ordering::Relaxed);
+    }
+}
+
+/// When an attempt started at `started` on an endpoint expected to answer in `expected` is hedged, and
+/// when it counts as stalled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Timing {
+    pub hedge_at: Instant,
+    pub stall_at: Instant,
+}
+
+impl Timing {
+    pub fn new(settings: &ProxySettings, started: Instant, expected: Duration) -> Timing {
+        let hedge_after = expected
+            .mul_f64(settings.hedge_after_multiplier)
+            .max(settings.hedge_min_delay);
+        // Never before twice the hedge delay: an attempt a hedge could still beat in time is not
+        // judged yet.
+        let stall_after = expected
+            .mul_f64(settings.stall_multiplier)
+            .max(hedge_after * 2);
+        Timing {
+            hedge_at: started + hedge_after,
+            stall_at: started + stall_after,
+        }
+    }
+}
+
+/// The attempt to run: its slot, its request, and whether it may be hedged.
+pub(super) struct Race<'a> {
+    pub slot: Slot,
+    pub request: Request<UpstreamBody>,
+    pub template: &'a Template,
+    pub hedgeable: bool,
+}
+
+impl Proxy {
+    /// The endpoint's expected time to first byte (the fleet's while it has no estimate of its own).
+    fn expected_first_byte(
+        &self,
+        settings: &ProxySettings,
+        endpoint: &Endpoint,
+        now: Instant,
+    ) -> Duration {
+        let micros = endpoint.latency_estimate(
+            crate::endpoint::millis(now),
+            self.fleet_latency_us(),
+            super::millis_of(settings.latency_decay),
+        );
+        Duration::from_micros(micros)
+    }
+
+    /// Counts a stalled attempt at `endpoint`.
+    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint) {
+        let may_eject = self.may_eject(settings);
+        endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
+    }
+
+    /// Runs an attempt, hedged if it has no answer in time: the first to commit wins; when both fail,
+    /// the later failure is the answer. A hedge's endpoint joins `tried`.
+    pub(super) async fn race(
+        self: &Arc<Self>,
+        sending: &Sending,
+        worker: &WorkerPath,
+        tried: &mut Tried,
+        race: Race<'_>,
+    ) -> Attempt {
+        let Race {
+            slot,
+            request,
+            template,
+            hedgeable,
+        } = race;
+        let settings = &*sending.settings;
+        let first_endpoint = Arc::clone(slot.outstanding.endpoint());
+        let started = Instant::now();
+        let timing = Timing::new(
+            settings,
+            started,
+            self.expected_first_byte(settings, &first_endpoint, started),
+        );
+        let mut may_hedge = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
+        let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
+        let mut first_stalled = false;
+        let hedge = loop {
+            tokio::select! {
+                outcome = &mut first => return outcome,
+                () = tokio::time::sleep_until(timing.hedge_at.min(sending.deadline)), if may_hedge => {
+                    may_hedge = false;
+                    if let Some(hedge) = self.start_hedge(settings, worker, tried, template, &sending.body) {
+                        break hedge;
+                    }
+                }
+                () = tokio::time::sleep_until(timing.stall_at), if !first_stalled => {
+                    first_stalled = true;
+                    self.stalled(settings, &first_endpoint);
+                }
+            }
+        };
+        let (slot, request) = hedge;
+        let mut second = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
+        let (mut first_done, mut second_done) = (false, false);
+        loop {
+            tokio::select! {
+                outcome = &mut first, if !first_done => match outcome {
+                    Attempt::Committed(committed) => return Attempt::Committed(committed),
+                    Attempt::Failed(failure) if second_done => return Attempt::Failed(failure),
+                    Attempt::Failed(_) => first_done = true,
+                },
+                outcome = &mut second, if !second_done => match outcome {
+                    Attempt::Committed(committed) => {
+                        self.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+                        if !first_done {
+                            self.beaten(settings, first, &first_endpoint, timing, first_stalled);
+                        }
+                        return Attempt::Committed(committed);
+                    }
+                    Attempt::Failed(failure) if first_done => return Attempt::Failed(failure),
+                    Attempt::Failed(_) => second_done = true,
+                },
+                () = tokio::time::sleep_until(timing.stall_at), if !first_stalled && !first_done => {
+                    first_stalled = true;
+                    self.stalled(settings, &first_endpoint);
+                }
+            }
+        }
+    }
+
+    /// An attempt a hedge beat. Cancelled (its connection closed, so its GPU stops) — unless nothing
+    /// else is finding out whether its endpoint is slow or hung: then it goes on by itself until it
+    /// answers (slow: its latency teaches the endpoint's estimate, and the answer is dropped) or until
+    /// its stall point (hung: a stall is counted), whichever comes first. Cancelling every beaten
+    /// attempt would leave a node that merely slowed down no way to show it still works, and it would
+    /// be taken for stalled. At most one such attempt runs per endpoint.
+    fn beaten(
+        &self,
+        settings: &ProxySettings,
+        attempt: impl Future<Output = Attempt> + Send + 'static,
+        endpoint: &Arc<Endpoint>,
+        timing: Timing,
+        stall_counted: bool,
+    ) {
+        if stall_counted || !endpoint.begin_investigation() {
+            return;
+        }
+        let endpoint = Arc::clone(endpoint);
+        let breaker = settings.breaker.clone();
+        let registry = Arc::clone(&self.registry);
+        let max_ejected_percent = settings.max_ejected_percent;
+        tokio::spawn(async move {
+            tokio::select! {
+                outcome = attempt => drop(outcome),
+                () = tokio::time::sleep_until(timing.stall_at) => {
+                    let may_eject = super::may_eject(&registry, max_ejected_percent);
+                    endpoint.record_stall(&breaker, Instant::now(), may_eject);
+                }
+            }
+            endpoint.end_investigation();
+        });
+    }
+
+    /// A second attempt on an endpoint not yet tried, if one has room now, no request is queued
+    /// for a slot, and both budgets allow.
+    fn start_hedge(
+        &self,
+        settings: &ProxySettings,
+        worker: &WorkerPath,
+        tried: &mut Tried,
+        template: &Template,
+        body: &ReplayBody,
+    ) -> Option<(Slot, Request<UpstreamBody>)> {
+        if !self.queue.is_empty() || !worker.hedges.withdraw() {
+            return None;
+        }
+        let Pick::Slot(slot) = self.pick(settings, tried) else {
+            worker.hedges.refund();
+            return None;
+        };
+        // The retry budget is asked last: its withdrawal cannot be given back.
+        let Some(attempt_body) = body.for_attempt().filter(|_| worker.budget.withdraw()) else {
+            worker.hedges.refund();
+            if slot.probe {
+                slot.outstanding.endpoint().release_probe(Instant::now());
+            }
+            return None;
+        };
+        let endpoint = Arc::clone(slot.outstanding.endpoint());
+        tried.push(endpoint.id());
+        self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+        self.stats.hedges.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
+        Some((slot, template.build(&endpoint, attempt_body)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn the_budget_allows_its_share_of_requests_and_a_small_burst() {
+        let budget = HedgeBudget::default();
+        assert!(!budget.withdraw(), "nothing saved yet");
+        for _ in 0..1000 {
+            budget.deposit(10);
+        }
+        let burst = (0..100).filter(|_| budget.withdraw()).count();
+        assert_eq!(burst, 10, "a quiet spell saves at most ten hedges");
+        let mut hedged = 0;
+        for _ in 0..1000 {
+            budget.deposit(10);
+            hedged += usize::from(budget.withdraw());
+        }
+        assert_eq!(hedged, 100, "one hedge per ten requests at 10 %");
+        budget.deposit(0);
+        assert!(!budget.withdraw());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedges_fire_at_a_multiple_of_the_expected_latency_and_never_before_the_floor() {
+        let settings = ProxySettings::from_config(&Config::default());
+        let now = Instant::now();
+        let fast = Timing::new(&settings, now, Duration::from_millis(10));
+        assert_eq!(fast.hedge_at - now, Duration::from_millis(250), "the floor");
+        assert_eq!(
+            fast.stall_at - now,
+            Duration::from_millis(500),
+            "twice the hedge delay"
+        );
+        let slow = Timing::new(&settings, now, Duration::from_millis(400));
+        assert_eq!(
+            slow.hedge_at - now,
+            Duration::from_millis(1200),
+            "3 x 400 ms"
+        );
+        assert_eq!(
+            slow.stall_at - now,
+            Duration::from_millis(3200),
+            "8 x 400 ms"
+        );
+    }
+}

@@ -1,0 +1,145 @@
+//! Watching a committed stream: its idle limit, from its endpoint's typical gap between chunks, and
+//! what a stall or a gone endpoint teaches the endpoint.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::ProxySettings;
+use crate::breaker::BreakerSettings;
+use crate::endpoint::{Endpoint, Outstanding};
+use crate::http::body::{Cut, GoneSignal, StreamGuard, Watch};
+use crate::metrics::ProxyStats;
+use crate::registry::Registry;
+
+/// The idle limit a stream gets: `stream.idle_multiplier` × its typical gap between chunks, and at
+/// least `stream.idle_min`. The typical gap is the endpoint's, or, before it has streamed anything, the
+/// time its answer took to start (a first chunk comes after the prompt is read, so it is no shorter
+/// than a gap between tokens).
+pub fn idle_limit(settings: &IdleSettings, typical_gap: Option<Duration>) -> Duration {
+    typical_gap
+        .map_or(Duration::ZERO, |gap| gap.mul_f64(settings.multiplier))
+        .max(settings.min)
+}
+
+/// `stream.*` as a stream reads it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IdleSettings {
+    pub multiplier: f64,
+    pub min: Duration,
+}
+
+impl IdleSettings {
+    pub fn from(settings: &ProxySettings) -> IdleSettings {
+        IdleSettings {
+            multiplier: settings.stream_idle_multiplier,
+            min: settings.stream_idle_min,
+        }
+    }
+}
+
+/// What a committed stream holds: the endpoint's slot, and what it needs to judge a stall.
+struct Streamed {
+    outstanding: Outstanding,
+    registry: Arc<Registry>,
+    stats: Arc<ProxyStats>,
+    idle: IdleSettings,
+    breaker: BreakerSettings,
+    max_ejected_percent: u32,
+}
+
+impl StreamGuard for Streamed {
+    fn chunk(&mut self, gap: Duration) -> Option<Duration> {
+        let endpoint = self.outstanding.endpoint();
+        endpoint.observe_chunk_gap(gap);
+        Some(idle_limit(&self.idle, endpoint.chunk_gap()))
+    }
+
+    fn cut(&mut self, why: Cut) {
+        self.stats.streams_cut.fetch_add(1, Ordering::Relaxed);
+        let endpoint = self.outstanding.endpoint();
+        match why {
+            Cut::Idle(limit) => {
+                tracing::warn!(
+                    endpoint = endpoint.url(),
+                    idle_ms = limit.as_millis() as u64,
+                    "stream stalled after it started; ended as an error and counted as a failure"
+                );
+                let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
+                endpoint.record_failure(&self.breaker, Instant::now(), may_eject);
+            }
+            Cut::Gone => {
+                tracing::warn!(
+                    endpoint = endpoint.url(),
+                    "endpoint declared gone while a stream ran; the stream ends as an error"
+                );
+            }
+        }
+    }
+}
+
+/// Resolves when `endpoint` is declared unhealthy by heartbeats, or stalled.
+fn gone(endpoint: &Arc<Endpoint>) -> GoneSignal {
+    let mut signal = endpoint.gone_signal();
+    let endpoint = Arc::clone(endpoint);
+    Box::pin(async move {
+        loop {
+            if !endpoint.is_healthy() || endpoint.is_stalled() {
+                return;
+            }
+            if signal.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
+    })
+}
+
+/// How the stream of a committed answer on `outstanding`'s endpoint is watched; `first_byte` is how long
+/// that answer took to start (none for a failure's own answer).
+pub fn watch(
+    settings: &ProxySettings,
+    outstanding: Outstanding,
+    first_byte: Option<Duration>,
+    registry: &Arc<Registry>,
+    stats: &Arc<ProxyStats>,
+) -> Watch {
+    let endpoint = Arc::clone(outstanding.endpoint());
+    let idle = IdleSettings::from(settings);
+    let limit = idle_limit(&idle, endpoint.chunk_gap().or(first_byte));
+    Watch {
+        guard: Box::new(Streamed {
+            outstanding,
+            registry: Arc::clone(registry),
+            stats: Arc::clone(stats),
+            idle,
+            breaker: settings.breaker.clone(),
+            max_ejected_percent: settings.max_ejected_percent,
+        }),
+        idle: Some(limit),
+        gone: Some(gone(&endpoint)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_idle_limit_is_a_multiple_of_the_typical_gap_and_never_below_the_floor() {
+        let idle = IdleSettings {
+            multiplier: 10.0,
+            min: Duration::from_secs(2),
+        };
+        assert_eq!(idle_limit(&idle, None), Duration::from_secs(2));
+        assert_eq!(
+            idle_limit(&idle, Some(Duration::from_millis(30))),
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            idle_limit(&idle, Some(Duration::from_millis(500))),
+            Duration::from_secs(5)
+        );
+    }
+}
