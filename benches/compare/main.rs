@@ -2,7 +2,7 @@
 //! interruptible GPU nodes, one after another in one run; prints one table and writes it to
 //! `benches/RESULTS.md` (or `RESULTS`).
 //!
-//!     bash benches/compare                       # installs the peers, then runs this
+//!     bash benches/compare/run                   # installs the peers, then runs this
 //!     SCENARIOS="steady churn" PROXIES="tongs nginx" DURATION=20s cargo bench --bench compare
 //!
 //! Scenarios (each proxy gets a fresh fleet with the same seed, and the same load):
@@ -30,12 +30,10 @@
 //! proxy, two seconds of steady load, checking that each configuration starts and serves.
 #![forbid(unsafe_code)]
 
-#[path = "support/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
-#[path = "compare_parts/load.rs"]
 mod load;
-#[path = "compare_parts/peers.rs"]
 mod peers;
 
 use std::collections::BTreeMap;
@@ -429,7 +427,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
 async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     let need = |name: &str| {
         find_program(name).with_context(|| {
-            format!("`{name}` is not installed: `bash benches/compare` installs it")
+            format!("`{name}` is not installed: `bash benches/compare/run` installs it")
         })
     };
     let (nginx, wrk_path) = (need("nginx")?, need("wrk")?);
@@ -592,7 +590,7 @@ async fn run(settings: Settings) -> Result<()> {
     if let Some(path) = &settings.results {
         let header: String = header.lines().map(|line| format!("- {line}\n")).collect();
         let text = format!(
-            "# tongs against the peers\n\nWritten by `bash benches/compare` (`benches/compare.rs`); what the \
+            "# tongs against the peers\n\nWritten by `bash benches/compare/run` (`benches/compare/`); what the \
              figures mean and where tongs loses: `benches/README.md`.\n\n{header}\n{table}\n{verdicts}"
         );
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;

@@ -50,7 +50,7 @@ pub async fn start_proxy(
 ) -> Result<Running> {
     let program = |name: &str| {
         find_program(name).with_context(|| {
-            format!("`{name}` is not installed: `bash benches/compare` installs it (apt-get install {name})")
+            format!("`{name}` is not installed: `bash benches/compare/run` installs it (apt-get install {name})")
         })
     };
     if proxy.is_tongs() {
