@@ -23,11 +23,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio_util::sync::CancellationToken;
-use tongs::App;
-use tongs::config::Config;
 use tongs::demo::{LoadGenerator, LoadPlan, Outcome};
 use tongs::sim::{Fleet, FleetConfig, ResponseKind};
 
+use support::in_process::InProcessTongs;
 use support::{Process, TempDir, env_duration, env_list, fleet, stats};
 
 /// The fleet, fastest first: name and mean service time in milliseconds.
@@ -280,25 +279,11 @@ async fn run_tongs(
         Contender::LeastOutstanding => "least-outstanding",
         _ => "expected-latency",
     };
-    let text = format!(
-        "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n\
-         balancer: {{ policy: {policy} }}\nconcurrency: {{ limit: none }}\n{}",
-        support::static_discovery(fleet.urls())
-    );
-    let config = Config::parse(&text, "mixed bench").context("the tongs configuration")?;
-    let app = App::bind(&config).await.context("starting tongs")?;
-    let target = format!("http://{}", app.proxy_addr());
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(app.run(shutdown.clone()));
+    let yaml = format!("balancer: {{ policy: {policy} }}\nconcurrency: {{ limit: none }}\n");
+    let tongs = InProcessTongs::start(&yaml, fleet.urls()).await?;
     let label = format!("tongs, {policy}");
-    let run = measure(label, contender, &target, fleet, rate, settings).await;
-    shutdown.cancel();
-    if tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .is_err()
-    {
-        eprintln!("mixed: tongs did not finish draining within 30 s");
-    }
+    let run = measure(label, contender, &tongs.url, fleet, rate, settings).await;
+    tongs.stop("mixed").await;
     Ok(run)
 }
 

@@ -18,7 +18,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
 use http::{Request, StatusCode};
@@ -29,11 +29,11 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tongs::config::Config;
 use tongs::demo::build_request;
 use tongs::registry::Registry;
 use tongs::sim::{Fleet, FleetConfig, NodeStats, ResponseKind};
 
+use support::in_process::InProcessTongs;
 use support::stats::{self, latency_histogram, micros, quantile_ms};
 use support::{Process, TempDir, env_duration, env_list, env_number, fleet, lock};
 
@@ -427,15 +427,8 @@ async fn run_tongs(
     rate: f64,
     duration: Duration,
 ) -> Result<(Tally, Samples)> {
-    let mut yaml = format!("listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n{extra_yaml}");
-    yaml.push_str(&support::static_discovery(fleet.urls()));
-    let config = Config::parse(&yaml, "benches/overload.rs")
-        .map_err(|err| anyhow!("the bench's tongs configuration is invalid: {err}\n{yaml}"))?;
-    let app = tongs::App::bind(&config).await.context("starting tongs")?;
-    let target = format!("http://{}", app.proxy_addr());
-    let registry = Arc::clone(app.registry());
-    let token = CancellationToken::new();
-    let server = tokio::spawn(app.run(token.clone()));
+    let tongs = InProcessTongs::start(extra_yaml, fleet.urls()).await?;
+    let registry = Arc::clone(&tongs.registry);
 
     let authorities: Vec<String> = fleet
         .nodes()
@@ -448,7 +441,7 @@ async fn run_tongs(
         authorities.clone(),
         sampling.clone(),
     ));
-    let tally = offer(&target, rate, duration).await;
+    let tally = offer(&tongs.url, rate, duration).await;
     sampling.cancel();
     let points = sampler.await.context("the limit sampler")?;
     let unloaded_us = by_node(&registry, &authorities, |endpoint| {
@@ -457,13 +450,7 @@ async fn run_tongs(
     let cooldowns = by_node(&registry, &authorities, |endpoint| {
         Some(endpoint.cooldowns())
     });
-    token.cancel();
-    if tokio::time::timeout(Duration::from_secs(30), server)
-        .await
-        .is_err()
-    {
-        eprintln!("overload: tongs did not finish draining within 30 s");
-    }
+    tongs.stop("overload").await;
     Ok((
         tally?,
         Samples {

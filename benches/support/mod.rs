@@ -2,14 +2,15 @@
 //! free loopback ports, processes started and stopped cleanly (tongs' release binary, nginx, HAProxy,
 //! Caddy), and their resource use read from `/proc` (CPU time, RSS, open file descriptors, threads).
 //!
-//! The simulated fleets they build (`fleet`) and the figures they compute (`stats`) are in this
-//! folder's modules.
+//! The simulated fleets they build (`fleet`), tongs started in their own process (`in_process`) and the
+//! figures they compute (`stats`) are in this folder's modules.
 //!
 //! Included by each benchmark with `#[path = "support/mod.rs"] mod support;` (`"../support/mod.rs"` from
 //! a benchmark's own folder); not every benchmark uses every helper.
 #![allow(dead_code)]
 
 pub mod fleet;
+pub mod in_process;
 pub mod stats;
 
 use std::fmt::Display;
