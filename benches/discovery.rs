@@ -2,7 +2,7 @@
 //! and how soon one watch event reaches the balancer.
 //!
 //! The Kubernetes API server cannot run here: tongs (the release binary, a process of its own) watches
-//! the fake API server of `tests/support/kube_api.rs`, which speaks the real wire protocol (paginated
+//! the fake API server of `tests/support/kube_api/`, which speaks the real wire protocol (paginated
 //! lists, chunked watch streams) to kube-rs' own client through a kubeconfig. Each pod is a realistic
 //! object (labels, annotations, two containers with env and resources, status with conditions), so
 //! the list is as heavy on the wire and in kube's deserializer as a real one.
@@ -19,18 +19,19 @@
 //!     cargo bench --bench discovery
 //!     PODS=10000 EVENTS=500 cargo bench --bench discovery
 
-#[path = "../tests/support/kube_api.rs"]
-mod kube_api;
 #[path = "support/mod.rs"]
 mod support;
+// The tests' support module, for its fake Kubernetes API server (and the accept loop that serves it).
+#[path = "../tests/support/mod.rs"]
+mod test_support;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kube_api::FakeKubeApi;
 use serde_json::{Value, json};
 use support::stats::percentile;
+use test_support::kube_api::FakeKubeApi;
 
 const TONGS: &str = env!("CARGO_BIN_EXE_tongs");
 const NAMESPACE: &str = "gpu";

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio_util::sync::CancellationToken;
-use tongs::demo::{LoadGenerator, LoadPlan, Outcome};
+use tongs::demo::{ClientOutcome, LoadGenerator, LoadPlan};
 use tongs::sim::{Fleet, FleetConfig, ResponseKind};
 
 use support::in_process::InProcessTongs;
@@ -245,9 +245,9 @@ async fn measure(
     };
     let ((), served) = tokio::join!(warm, recorded);
     measured.with(|recorder| {
-        let succeeded = recorder.count(Outcome::Succeeded);
+        let succeeded = recorder.count(ClientOutcome::Succeeded);
         let mut errors = recorder.failures();
-        let rejected = recorder.count(Outcome::Rejected);
+        let rejected = recorder.count(ClientOutcome::Rejected);
         if rejected > 0 {
             errors.insert("rejected".to_owned(), rejected);
         }

@@ -429,6 +429,7 @@ async fn run_tongs(
 ) -> Result<(Tally, Samples)> {
     let tongs = InProcessTongs::start(extra_yaml, fleet.urls()).await?;
     let registry = Arc::clone(&tongs.registry);
+    let queue = Arc::clone(&tongs.queue);
 
     let authorities: Vec<String> = fleet
         .nodes()
@@ -438,6 +439,7 @@ async fn run_tongs(
     let sampling = CancellationToken::new();
     let sampler = tokio::spawn(sample(
         Arc::clone(&registry),
+        queue,
         authorities.clone(),
         sampling.clone(),
     ));
@@ -481,6 +483,7 @@ fn by_node<T>(
 
 async fn sample(
     registry: Arc<Registry>,
+    queue: Arc<tongs::admission::Queue>,
     authorities: Vec<String>,
     stop: CancellationToken,
 ) -> Vec<Point> {
@@ -503,7 +506,7 @@ async fn sample(
         .into_iter()
         .map(Option::unwrap_or_default)
         .collect();
-        points.push((start.elapsed(), endpoints, registry.queue().len()));
+        points.push((start.elapsed(), endpoints, queue.len()));
     }
 }
 

@@ -30,7 +30,7 @@ use anyhow::{Context, Result, bail};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tongs::config::HumanDuration;
-use tongs::demo::{DemoOptions, LoadGenerator, LoadPlan, Outcome, demo_fleet};
+use tongs::demo::{ClientOutcome, DemoOptions, LoadGenerator, LoadPlan, demo_fleet};
 use tongs::metrics::RUNTIME_TASKS;
 use tongs::sim::{Fleet, FleetConfig, InterruptionKind, RandomInterruptions};
 
@@ -171,7 +171,7 @@ async fn sample(
     let tasks = tongs.metric(RUNTIME_TASKS.name).await;
     let usage = tongs.process.usage();
     let (sent, succeeded, completed) =
-        generator.with(|r| (r.sent(), r.count(Outcome::Succeeded), r.completed()));
+        generator.with(|r| (r.sent(), r.count(ClientOutcome::Succeeded), r.completed()));
     Sample {
         elapsed,
         phase,
@@ -345,8 +345,8 @@ async fn run(settings: Settings) -> Result<()> {
     let (sent, succeeded, rejected, failures) = generator.with(|r| {
         (
             r.sent(),
-            r.count(Outcome::Succeeded),
-            r.count(Outcome::Rejected),
+            r.count(ClientOutcome::Succeeded),
+            r.count(ClientOutcome::Rejected),
             r.failures(),
         )
     });

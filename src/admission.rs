@@ -54,7 +54,7 @@ impl Priority {
 
 /// Why tongs refused a request itself (the `x-tongs-reject-reason` header and the JSON body say it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Reason {
+pub enum Refusal {
     /// The queue was full and the request could not displace anyone.
     QueueFull,
     /// The request waited `queue.max_wait`, or until its own deadline, without an endpoint freeing up.
@@ -66,20 +66,20 @@ pub enum Reason {
     ShedLowPriority,
 }
 
-impl Reason {
-    pub const ALL: [Reason; 4] = [
-        Reason::QueueFull,
-        Reason::QueueTimeout,
-        Reason::NoEndpoints,
-        Reason::ShedLowPriority,
+impl Refusal {
+    pub const ALL: [Refusal; 4] = [
+        Refusal::QueueFull,
+        Refusal::QueueTimeout,
+        Refusal::NoEndpoints,
+        Refusal::ShedLowPriority,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
-            Reason::QueueFull => "queue-full",
-            Reason::QueueTimeout => "queue-timeout",
-            Reason::NoEndpoints => "no-endpoints",
-            Reason::ShedLowPriority => "shed-low-priority",
+            Refusal::QueueFull => "queue-full",
+            Refusal::QueueTimeout => "queue-timeout",
+            Refusal::NoEndpoints => "no-endpoints",
+            Refusal::ShedLowPriority => "shed-low-priority",
         }
     }
 }
@@ -117,12 +117,12 @@ pub struct QueueStats {
     pub admitted: AtomicU64,
     /// Total time admitted requests waited, in microseconds.
     pub wait_us: AtomicU64,
-    /// Refusals by reason, in [`Reason::ALL`] order.
+    /// Refusals by reason, in [`Refusal::ALL`] order.
     pub rejected: [AtomicU64; 4],
 }
 
 impl QueueStats {
-    pub fn rejected(&self, reason: Reason) -> u64 {
+    pub fn rejected(&self, reason: Refusal) -> u64 {
         self.rejected[reason as usize].load(Ordering::Relaxed)
     }
 }
@@ -262,23 +262,23 @@ impl Queue {
     }
 
     /// Counts a refusal.
-    pub fn count_rejection(&self, reason: Reason) {
+    pub fn count_rejection(&self, reason: Refusal) {
         self.stats.rejected[reason as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Joins the queue, or says at once why not.
-    pub fn join(&self, priority: Priority) -> Result<Ticket<'_>, Reason> {
+    pub fn join(&self, priority: Priority) -> Result<Ticket<'_>, Refusal> {
         let now = Instant::now();
         let mut state = self.lock();
         let max_length = state.settings.max_length;
         if max_length == 0 {
-            return Err(Reason::QueueFull);
+            return Err(Refusal::QueueFull);
         }
         if priority == Priority::Low
             && let Some(oldest) = state.entries.values().map(|e| e.since).min()
             && now.saturating_duration_since(oldest) > state.settings.shed_after
         {
-            return Err(Reason::ShedLowPriority);
+            return Err(Refusal::ShedLowPriority);
         }
         if state.entries.len() >= max_length {
             // The newest waiter of the lowest priority present makes room, if that is below ours.
@@ -289,7 +289,7 @@ impl Queue {
                         let _ = victim.wake.send(Wake::Shed);
                     }
                 }
-                _ => return Err(Reason::QueueFull),
+                _ => return Err(Refusal::QueueFull),
             }
         }
         let key = (priority, state.next_seq);
@@ -584,7 +584,7 @@ mod tests {
         let q = queue(2);
         let mut low_old = q.join(Priority::Low).unwrap();
         let mut low_new = q.join(Priority::Low).unwrap();
-        assert_eq!(q.join(Priority::Low).err(), Some(Reason::QueueFull));
+        assert_eq!(q.join(Priority::Low).err(), Some(Refusal::QueueFull));
         let _high = q.join(Priority::High).unwrap();
         assert_eq!(q.len(), 2);
         let soon = Instant::now() + Duration::from_millis(50);
@@ -594,7 +594,7 @@ mod tests {
         // A normal arrival displaces the remaining low one; then the queue holds high and normal only.
         let _normal = q.join(Priority::Normal).unwrap();
         assert_eq!(low_old.wait(soon).await, Waited::Shed);
-        assert_eq!(q.join(Priority::Normal).err(), Some(Reason::QueueFull));
+        assert_eq!(q.join(Priority::Normal).err(), Some(Refusal::QueueFull));
     }
 
     #[tokio::test(start_paused = true)]
@@ -603,7 +603,7 @@ mod tests {
         let _waiting = q.join(Priority::Normal).unwrap();
         assert!(q.join(Priority::Low).is_ok(), "not congested yet");
         tokio::time::advance(Duration::from_millis(1500)).await;
-        assert_eq!(q.join(Priority::Low).err(), Some(Reason::ShedLowPriority));
+        assert_eq!(q.join(Priority::Low).err(), Some(Refusal::ShedLowPriority));
         assert!(q.join(Priority::Normal).is_ok());
     }
 

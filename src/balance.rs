@@ -1,19 +1,24 @@
-//! Least-outstanding-requests balancing over a registry snapshot.
+//! Picking an endpoint over a registry snapshot: by expected latency (`balancer.policy:
+//! expected-latency`, the default) or by outstanding requests alone (`least-outstanding`).
 //!
-//! The load of an endpoint is `(outstanding + 1) / weight`: the share of its capacity it would be using
-//! if it got this request. Comparing `(o+1)/w` rather than `o/w` makes weights matter even when every
-//! endpoint is idle, and spreads concurrent load in proportion to weight (weight 3 takes three requests
-//! for every one a weight-1 endpoint takes). Ratios are compared by cross-multiplication, so no floats.
+//! The load of an endpoint is `(outstanding + 1) × expected latency / weight`: the time a new request
+//! would wait behind those already there, per unit of the endpoint's capacity (linkerd's and Finagle's
+//! peak-EWMA cost). Under `least-outstanding` the latency factor is 1, leaving `(outstanding + 1) /
+//! weight`. Comparing `o + 1` rather than `o` makes weights matter even when every endpoint is idle,
+//! and spreads concurrent load in proportion to weight (weight 3 takes three requests for every one a
+//! weight-1 endpoint takes). Ratios are compared by cross-multiplication, so no floats. An endpoint
+//! without an estimate of its own is ranked by the fleet's.
 //!
 //! Small sets (up to [`FULL_SCAN_MAX`]) are scanned fully with a random tie-break, which is exact and
 //! cheap. Larger sets use the power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized
 //! Load Balancing", 2001): two random eligible endpoints, keep the less loaded. That is O(1) at 10,000
 //! endpoints and avoids the herd behaviour of an exact scan across many proxy replicas whose views lag.
 //!
-//! Only eligible endpoints are picked: not draining, healthy by heartbeats (unless the caller is in panic
-//! mode), not cooling down after back-pressure (unless every endpoint is), breaker closed — or half-open with its one probe slot
-//! free, which the caller must then claim. Slow start scales a new or recovered endpoint's weight from
-//! 10 % to 100 % over the configured window.
+//! Only eligible endpoints are picked: below their limit, not draining, healthy and not suspect by
+//! heartbeats (unless the caller is in panic mode), not cooling down after back-pressure, breaker closed
+//! — or half-open with its one probe slot free, which the caller must then claim. When every endpoint is
+//! cooling down the pick finds none and the request waits in the queue. Slow start scales a new or
+//! recovered endpoint's weight from 10 % to 100 % over the configured window.
 //!
 //! A pick never allocates: the exclusion set is a caller-owned slice (the endpoints a retry already tried).
 
@@ -32,8 +37,6 @@ pub struct PickContext {
     pub slow_start_ms: u64,
     /// Panic mode: every endpoint failed its heartbeats, so heartbeats are ignored.
     pub ignore_health: bool,
-    /// Every eligible endpoint asked for back-off: pick among them anyway rather than turn clients away.
-    pub ignore_cooldown: bool,
     /// Rank by expected latency (`Some`: the fleet's estimate in microseconds, for endpoints without
     /// one) or by outstanding count alone (`None`).
     pub neutral_latency_us: Option<u64>,
@@ -47,7 +50,6 @@ impl PickContext {
             now,
             slow_start_ms: 0,
             ignore_health: false,
-            ignore_cooldown: false,
             neutral_latency_us: None,
             latency_decay_ms: 10_000,
         }
@@ -64,8 +66,8 @@ pub const FULL_SCAN_MAX: usize = 32;
 /// excluded or unavailable, sampling alone could miss the few eligible ones).
 const MAX_SAMPLES: usize = 8;
 
-/// Picks the eligible endpoint with the least outstanding requests per unit of weight, skipping those in
-/// `exclude`. `None` when no endpoint is eligible.
+/// Picks the eligible endpoint with the least load per unit of weight (see the module's doc), skipping
+/// those in `exclude`. `None` when no endpoint is eligible.
 pub fn pick<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
@@ -97,7 +99,7 @@ fn candidate<'a>(
     if exclude.contains(&endpoint.id()) {
         return None;
     }
-    let eligibility = endpoint.eligibility(now_ms, ctx.ignore_health, ctx.ignore_cooldown);
+    let eligibility = endpoint.eligibility(now_ms, ctx.ignore_health);
     if eligibility == Eligibility::No {
         return None;
     }
@@ -295,7 +297,7 @@ mod tests {
     }
 
     #[test]
-    fn unhealthy_suspect_and_cooling_endpoints_are_skipped_unless_all_are() {
+    fn unhealthy_suspect_and_cooling_endpoints_are_skipped_and_health_only_in_panic_mode() {
         let endpoints = fleet(&[1, 1, 1, 1]);
         let now = Instant::now();
         endpoints[0].set_healthy(false, now);
@@ -305,11 +307,6 @@ mod tests {
             assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 3);
         }
         assert!(pick(&endpoints, &[3], &ctx()).is_none());
-        let cooling_ok = PickContext {
-            ignore_cooldown: true,
-            ..ctx()
-        };
-        assert_eq!(pick(&endpoints, &[3], &cooling_ok).unwrap().0.id(), 2);
         let panic = PickContext {
             ignore_health: true,
             ..ctx()

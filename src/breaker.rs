@@ -5,6 +5,10 @@
 //! half-open ──probe succeeds (or a heartbeat passes)──► closed
 //! half-open ──probe fails──► open again, for longer
 //!
+//! A gray failure — the node passes its heartbeats but its requests stall — opens it too:
+//! closed ──M consecutive stalled attempts──► open, *stalled*: only a real request, the half-open probe,
+//! can close it again (heartbeats pass on such a node, so neither they nor a recovery they see count).
+//!
 //! It never reads a clock: every call takes `now`, so tests drive it with made-up instants and the
 //! endpoint drives it with tokio time. It never decides whether ejecting is allowed fleet-wide; the caller
 //! asks [`Breaker::on_failure`] with `may_eject` (see `max_ejected_percent`).
@@ -22,6 +26,9 @@ pub struct BreakerSettings {
     pub base_ejection: Duration,
     /// Longest ejection time.
     pub max_ejection: Duration,
+    /// Consecutive stalled attempts (lost hedges, attempts far past the expected latency) that open
+    /// the breaker as stalled.
+    pub consecutive_stalls: u32,
 }
 
 impl Default for BreakerSettings {
@@ -30,6 +37,7 @@ impl Default for BreakerSettings {
             consecutive_failures: 3,
             base_ejection: Duration::from_secs(5),
             max_ejection: Duration::from_secs(60),
+            consecutive_stalls: 2,
         }
     }
 }
@@ -68,6 +76,10 @@ pub struct Breaker {
     /// Ejections in a row (k in base × 2^k); reset once the endpoint stays closed long enough.
     ejections: u32,
     closed_at: Option<Instant>,
+    /// Stalled attempts in a row since the last success.
+    stalls: u32,
+    /// Opened for stalling: only a real probe request closes it.
+    stalled: bool,
 }
 
 impl Default for Breaker {
@@ -76,6 +88,8 @@ impl Default for Breaker {
             state: State::Closed { failures: 0 },
             ejections: 0,
             closed_at: None,
+            stalls: 0,
+            stalled: false,
         }
     }
 }
@@ -83,6 +97,11 @@ impl Default for Breaker {
 impl Breaker {
     pub fn state(&self) -> State {
         self.state
+    }
+
+    /// Whether the breaker is open (or half-open) because attempts stalled while heartbeats passed.
+    pub fn is_stalled(&self) -> bool {
+        self.stalled
     }
 
     /// Asks to send a request now. Opens the half-open window when the ejection time is over.
@@ -121,6 +140,7 @@ impl Breaker {
 
     /// A request (or the half-open probe) succeeded.
     pub fn on_success(&mut self, now: Instant) -> Option<Transition> {
+        self.stalls = 0;
         match self.state {
             State::Closed { .. } => {
                 self.state = State::Closed { failures: 0 };
@@ -134,6 +154,9 @@ impl Breaker {
 
     /// A passing heartbeat: closes a breaker whose ejection time is over (it counts as the probe).
     pub fn on_heartbeat_success(&mut self, now: Instant) -> Option<Transition> {
+        if self.stalled {
+            return None;
+        }
         match self.state {
             State::HalfOpen { .. } => self.close(now),
             State::Open { until } if now >= until => self.close(now),
@@ -145,6 +168,9 @@ impl Breaker {
     /// the breaker are explained and over, so it closes without waiting out the ejection time. (A node
     /// that fails requests while its health checks pass gets no such shortcut.)
     pub fn on_recovery(&mut self, now: Instant) -> Option<Transition> {
+        if self.stalled {
+            return None;
+        }
         match self.state {
             State::Closed { .. } => None,
             State::Open { .. } | State::HalfOpen { .. } => self.close(now),
@@ -174,6 +200,29 @@ impl Breaker {
             State::HalfOpen { .. } => Some(self.open(settings, now, jitter)),
             State::Open { .. } => None,
         }
+    }
+
+    /// An attempt here stalled: it lost to a hedge, or waited far past the endpoint's expected latency,
+    /// while heartbeats pass. `consecutive_stalls` in a row open the breaker as stalled; a stalled
+    /// probe opens it again, for longer.
+    pub fn on_stall(
+        &mut self,
+        settings: &BreakerSettings,
+        now: Instant,
+        may_eject: bool,
+        jitter: f64,
+    ) -> Option<Transition> {
+        self.stalls = self.stalls.saturating_add(1);
+        let open = match self.state {
+            State::Closed { .. } => self.stalls >= settings.consecutive_stalls.max(1) && may_eject,
+            State::HalfOpen { .. } => true,
+            State::Open { .. } => false,
+        };
+        if !open {
+            return None;
+        }
+        self.stalled = true;
+        Some(self.open(settings, now, jitter))
     }
 
     /// The half-open probe was abandoned (e.g. the client went away): let another request probe.
@@ -209,6 +258,8 @@ impl Breaker {
 
     fn close(&mut self, now: Instant) -> Option<Transition> {
         self.state = State::Closed { failures: 0 };
+        self.stalled = false;
+        self.stalls = 0;
         self.closed_at = Some(now);
         Some(Transition::Closed)
     }
@@ -223,6 +274,7 @@ mod tests {
             consecutive_failures: 3,
             base_ejection: Duration::from_secs(5),
             max_ejection: Duration::from_secs(30),
+            consecutive_stalls: 2,
         }
     }
 
@@ -364,5 +416,39 @@ mod tests {
                 for_: Duration::from_millis(5250)
             })
         );
+    }
+
+    #[test]
+    fn stalls_open_it_and_only_a_real_probe_closes_it() {
+        let now = Instant::now();
+        let mut breaker = Breaker::default();
+        assert_eq!(breaker.on_stall(&settings(), now, true, 0.0), None);
+        breaker.on_success(now); // an answer in between: the node is not wedged
+        assert_eq!(breaker.on_stall(&settings(), now, true, 0.0), None);
+        assert_eq!(
+            breaker.on_stall(&settings(), now, false, 0.0),
+            None,
+            "fleet cap"
+        );
+        assert!(matches!(
+            breaker.on_stall(&settings(), now, true, 0.0),
+            Some(Transition::Opened { .. })
+        ));
+        assert!(breaker.is_stalled());
+        let later = now + Duration::from_secs(60);
+        // Heartbeats pass on a stalled node: neither they nor a recovery they see close it.
+        assert_eq!(breaker.on_heartbeat_success(later), None);
+        assert_eq!(breaker.on_recovery(later), None);
+        assert_eq!(breaker.admit(later).0, Admission::Probe);
+        // A probe that stalls too opens it again, for longer.
+        let Some(Transition::Opened { for_ }) = breaker.on_stall(&settings(), later, true, 0.0)
+        else {
+            panic!("a stalled probe reopens");
+        };
+        assert_eq!(for_, Duration::from_secs(10));
+        let again = later + for_;
+        assert_eq!(breaker.admit(again).0, Admission::Probe);
+        assert_eq!(breaker.on_success(again), Some(Transition::Closed));
+        assert!(!breaker.is_stalled());
     }
 }

@@ -12,7 +12,7 @@
 //!
 //! The loops follow the registry: new endpoints get a loop, removed ones lose theirs.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -44,12 +44,13 @@ pub async fn run(
     let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
     loop {
         let snapshot = registry.snapshot_full();
+        let live: HashSet<EndpointId> = snapshot.iter().map(|e| e.id()).collect();
         loops.retain(|id, stop| {
-            let live = snapshot.iter().any(|e| e.id() == *id);
-            if !live {
+            let keep = live.contains(id);
+            if !keep {
                 stop.cancel();
             }
-            live
+            keep
         });
         for endpoint in snapshot.iter() {
             if loops.contains_key(&endpoint.id()) {

@@ -13,9 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-use crate::admission::Queue;
 use crate::config::{Config, EndpointUrl};
-use crate::endpoint::{Endpoint, Origin};
+use crate::endpoint::{Endpoint, FleetCounts, Origin, SlotFreed};
 use crate::limit::LimitSettings;
 
 /// What discovery says an endpoint should be.
@@ -84,33 +83,33 @@ pub struct Registry {
     writer: Mutex<BTreeMap<&'static str, Vec<EndpointSpec>>>,
     /// Concurrency limits every endpoint gets.
     limits: Mutex<LimitSettings>,
-    /// Where requests wait for an endpoint's slot; endpoints wake it when one comes free.
-    queue: Arc<Queue>,
-    /// What discovery is doing (for readiness, metrics and registration).
-    discovery: Arc<crate::discovery::Status>,
+    /// Handed to every endpoint: wakes whoever waits for this registry's slots.
+    slot_freed: SlotFreed,
+    /// Ejected, healthy and up endpoints in the set, kept by the endpoints as they change.
+    counts: Arc<FleetCounts>,
 }
 
 impl Default for Registry {
     fn default() -> Self {
-        Self::new()
+        Self::new(SlotFreed::nobody())
     }
 }
 
 impl Registry {
-    pub fn new() -> Registry {
+    pub fn new(slot_freed: SlotFreed) -> Registry {
         Registry {
             snapshot: ArcSwap::from_pointee(Vec::new()),
             changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
             writer: Mutex::new(BTreeMap::new()),
             limits: Mutex::new(LimitSettings::none()),
-            queue: Arc::new(Queue::default()),
-            discovery: Arc::default(),
+            slot_freed,
+            counts: Arc::default(),
         }
     }
 
-    /// Queued plus outstanding requests, and the capacity the limits allow.
-    pub fn demand(&self) -> Demand {
+    /// `queued` requests plus those outstanding here, and the capacity the limits allow.
+    pub fn demand(&self, queued: usize) -> Demand {
         let snapshot = self.snapshot.load();
         let mut outstanding = 0u64;
         let mut capacity = Some(0u64);
@@ -124,7 +123,7 @@ impl Registry {
                     .map(|(sum, limit)| sum.saturating_add(limit));
             }
         }
-        let queued = self.queue.len() as u64;
+        let queued = queued as u64;
         Demand {
             queued,
             outstanding,
@@ -132,16 +131,6 @@ impl Registry {
             capacity,
             endpoints,
         }
-    }
-
-    /// What discovery is doing.
-    pub fn discovery(&self) -> &Arc<crate::discovery::Status> {
-        &self.discovery
-    }
-
-    /// The queue of requests waiting for a slot.
-    pub fn queue(&self) -> &Arc<Queue> {
-        &self.queue
     }
 
     /// The concurrency limits endpoints get.
@@ -160,7 +149,12 @@ impl Registry {
         for endpoint in self.snapshot.load().iter() {
             endpoint.apply_limit(&settings, now);
         }
-        self.queue.wake_one();
+        self.slot_freed.call();
+    }
+
+    /// How many endpoints in the set are ejected, healthy and up, without a scan.
+    pub fn counts(&self) -> &FleetCounts {
+        &self.counts
     }
 
     /// The endpoints right now. Cheap; drop it soon (do not hold it across an await).
@@ -253,7 +247,8 @@ impl Registry {
                     if !current.is_empty() {
                         endpoint.start_slow_start(now);
                     }
-                    endpoint.set_queue(Arc::clone(&self.queue));
+                    endpoint.set_slot_freed(self.slot_freed.clone());
+                    endpoint.count_in(Arc::clone(&self.counts));
                     tracing::debug!(
                         endpoint = endpoint.url(),
                         weight = endpoint.weight(),
@@ -274,7 +269,7 @@ impl Registry {
         self.snapshot.store(Arc::new(next));
         self.changes.send_modify(|version| *version += 1);
         // New endpoints may have room for whoever waits.
-        self.queue.wake_one();
+        self.slot_freed.call();
     }
 }
 
@@ -288,7 +283,7 @@ mod tests {
 
     #[test]
     fn unchanged_endpoints_keep_their_state() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         let a = Arc::clone(&registry.snapshot()[0]);
         let held = a.start_request();
@@ -303,7 +298,7 @@ mod tests {
 
     #[test]
     fn updates_change_one_source_by_a_few_endpoints() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://shared:1", 1)]);
         registry.set_source("pods", vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         // Sources in name order: "pods" before "static".
@@ -340,7 +335,7 @@ mod tests {
 
     #[test]
     fn endpoints_joining_a_serving_set_ramp_in_and_the_first_set_does_not() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1)]);
         registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
         let snapshot = registry.snapshot();
@@ -351,7 +346,7 @@ mod tests {
 
     #[test]
     fn removed_endpoints_drain_and_new_weights_make_new_endpoints() {
-        let registry = Registry::new();
+        let registry = Registry::default();
         registry.replace(vec![spec("http://a:1", 1)]);
         let old = Arc::clone(&registry.snapshot()[0]);
         registry.replace(vec![spec("http://a:1", 5)]);
@@ -359,5 +354,39 @@ mod tests {
         let new = &registry.snapshot()[0];
         assert_eq!(new.weight(), 5);
         assert_ne!(new.id(), old.id());
+    }
+
+    #[test]
+    fn counts_follow_breakers_health_and_removal_without_a_scan() {
+        let registry = Registry::default();
+        registry.replace(vec![
+            spec("http://a:1", 1),
+            spec("http://b:1", 1),
+            spec("http://c:1", 1),
+        ]);
+        let counts = registry.counts();
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 3, 3));
+        let now = tokio::time::Instant::now();
+        let [a, b, _] = [0, 1, 2].map(|i| Arc::clone(&registry.snapshot()[i]));
+        let breaker = crate::breaker::BreakerSettings::default();
+        for _ in 0..breaker.consecutive_failures {
+            a.record_failure(&breaker, now, true);
+        }
+        assert!(a.is_ejected());
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 3, 2));
+        b.set_healthy(false, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 2, 1));
+        // Leaving the set takes an endpoint out of every count; one that stays keeps its share.
+        registry.replace(vec![spec("http://b:1", 1), spec("http://c:1", 1)]);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 1, 1));
+        b.set_healthy(true, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 2, 2));
+        // A removed endpoint's later changes count for nothing.
+        a.set_healthy(false, now);
+        assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 2, 2));
+        let scanned =
+            |test: fn(&Endpoint) -> bool| registry.snapshot().iter().filter(|e| test(e)).count();
+        assert_eq!(scanned(|e| e.is_ejected()), counts.ejected());
+        assert_eq!(scanned(|e| e.is_healthy()), counts.healthy());
     }
 }

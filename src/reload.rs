@@ -18,27 +18,22 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use notify::Watcher;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::QueueSettings;
-use crate::config::{Config, ConfigError, HealthConfig};
-use crate::limit::LimitSettings;
-use crate::proxy::{Proxy, ProxySettings};
-use crate::registry::{EndpointSpec, Registry};
-use crate::upstream::GatewayKey;
+use crate::config::{Config, ConfigError};
+use crate::metrics::Metrics;
 
 /// Events closer together than this are one change (an editor or a ConfigMap swap makes several).
 const DEBOUNCE: Duration = Duration::from_millis(200);
 
-/// What a reload can change in a running proxy.
-pub struct Live {
-    proxy: Arc<Proxy>,
-    registry: Arc<Registry>,
-    health: Arc<ArcSwap<HealthConfig>>,
-    gateway_key: Arc<GatewayKey>,
-    current: Mutex<Config>,
+/// What a reload applies a new configuration to: the running app (`app::Parts`, through the same
+/// `apply` the start used).
+pub trait Apply: Send + Sync {
+    /// Applies `next` to everything that can change live.
+    fn apply(&self, next: &Config);
+    /// Where reloads are counted.
+    fn metrics(&self) -> &Metrics;
 }
 
 /// How a reload went.
@@ -50,54 +45,6 @@ pub enum Reloaded {
     Unchanged,
     /// Not applied: the file is unreadable or invalid.
     Rejected(ConfigError),
-}
-
-impl Live {
-    pub fn new(
-        proxy: Arc<Proxy>,
-        registry: Arc<Registry>,
-        health: Arc<ArcSwap<HealthConfig>>,
-        gateway_key: Arc<GatewayKey>,
-        config: Config,
-    ) -> Live {
-        Live {
-            proxy,
-            registry,
-            health,
-            gateway_key,
-            current: Mutex::new(config),
-        }
-    }
-
-    /// Applies `next` live and returns the keys that changed but need a restart.
-    pub fn apply(&self, next: Config) -> Vec<&'static str> {
-        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        let needs_restart = needs_restart(&current, &next);
-        self.proxy.apply(ProxySettings::from_config(&next));
-        self.registry
-            .set_limits(LimitSettings::from_config(&next.concurrency));
-        self.registry
-            .queue()
-            .set_settings(QueueSettings::from_config(&next.queue));
-        self.health.store(Arc::new(next.health.clone()));
-        // The key file is read again, so a rotated Secret takes effect with the next reload.
-        match next.salad.api_key() {
-            Ok(key) => self.gateway_key.set(&next.salad, key.as_deref()),
-            Err(err) => {
-                tracing::error!(error = %err, "cannot read the SaladCloud API key; keeping the old one")
-            }
-        }
-        self.registry.replace(EndpointSpec::from_config(&next));
-        if let Err(err) = self
-            .registry
-            .discovery()
-            .configure(&next.discovery.kubernetes)
-        {
-            tracing::error!(error = %err, "cannot read discovery.kubernetes.registration.token_file; keeping the old token");
-        }
-        *current = next;
-        needs_restart
-    }
 }
 
 /// Keys whose change a running proxy cannot apply.
@@ -151,8 +98,15 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
     keys
 }
 
-/// Reads and validates `path`, and applies it if its text differs from `last` (or `forced`).
-pub fn reload(live: &Live, path: &Path, last: &mut Option<String>, forced: bool) -> Reloaded {
+/// Reads and validates `path`, and applies it to `target` if its text differs from `last` (or
+/// `forced`); `current` is the configuration in force, replaced by the one applied.
+pub fn reload(
+    target: &dyn Apply,
+    current: &Mutex<Config>,
+    path: &Path,
+    last: &mut Option<String>,
+    forced: bool,
+) -> Reloaded {
     let text = match std::fs::read_to_string(path) {
         Ok(text) => text,
         Err(source) => {
@@ -174,14 +128,15 @@ pub fn reload(live: &Live, path: &Path, last: &mut Option<String>, forced: bool)
         }
     };
     *last = Some(text);
-    Reloaded::Applied {
-        needs_restart: live.apply(config),
-    }
+    let mut current = current.lock().unwrap_or_else(|p| p.into_inner());
+    let needs_restart = needs_restart(&current, &config);
+    target.apply(&config);
+    *current = config;
+    Reloaded::Applied { needs_restart }
 }
 
 /// Logs and counts a reload's outcome.
-fn report(live: &Live, outcome: &Reloaded, trigger: &str) {
-    let metrics = live.proxy.metrics();
+fn report(metrics: &Metrics, outcome: &Reloaded, trigger: &str) {
     match outcome {
         Reloaded::Applied { needs_restart } => {
             metrics.reload(true);
@@ -219,7 +174,12 @@ fn report(live: &Live, outcome: &Reloaded, trigger: &str) {
 }
 
 /// Watches `path`'s directory and SIGHUP, reloading until `stop`.
-pub async fn watch(path: PathBuf, live: Arc<Live>, stop: CancellationToken) {
+pub async fn watch(
+    path: PathBuf,
+    current: Mutex<Config>,
+    target: Arc<dyn Apply>,
+    stop: CancellationToken,
+) {
     let directory = match path.parent() {
         Some(dir) if !dir.as_os_str().is_empty() => dir.to_owned(),
         _ => PathBuf::from("."),
@@ -265,8 +225,8 @@ pub async fn watch(path: PathBuf, live: Arc<Live>, stop: CancellationToken) {
                 }
                 tokio::time::sleep(DEBOUNCE).await;
                 while changed.try_recv().is_ok() {}
-                let outcome = reload(&live, &path, &mut last, false);
-                report(&live, &outcome, "file");
+                let outcome = reload(target.as_ref(), &current, &path, &mut last, false);
+                report(target.metrics(), &outcome, "file");
             }
             Some(()) = async {
                 match hangups.as_mut() {
@@ -274,8 +234,8 @@ pub async fn watch(path: PathBuf, live: Arc<Live>, stop: CancellationToken) {
                     None => std::future::pending().await,
                 }
             } => {
-                let outcome = reload(&live, &path, &mut last, true);
-                report(&live, &outcome, "SIGHUP");
+                let outcome = reload(target.as_ref(), &current, &path, &mut last, true);
+                report(target.metrics(), &outcome, "SIGHUP");
             }
         }
     }

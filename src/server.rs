@@ -19,10 +19,19 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admin::Readiness;
 use crate::config::Config;
 use crate::proxy::Proxy;
 use crate::proxy::WorkerPath;
+use crate::readiness::Readiness;
+
+/// A listener that could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen for {what} on {addr}: {source}")]
+pub struct BindError {
+    pub what: String,
+    pub addr: SocketAddr,
+    pub source: std::io::Error,
+}
 
 /// Connection-level settings of the client-facing server.
 #[derive(Clone, Debug)]
@@ -170,14 +179,12 @@ async fn drain(graceful: GracefulShutdown, proxy: &Proxy, grace: Duration) {
 }
 
 /// Binds a listener, with an error that names the address and what it was for.
-pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, crate::AppError> {
-    TcpListener::bind(addr)
-        .await
-        .map_err(|source| crate::AppError::Bind {
-            what: what.to_owned(),
-            addr,
-            source,
-        })
+pub async fn bind(addr: SocketAddr, what: &str) -> Result<TcpListener, BindError> {
+    TcpListener::bind(addr).await.map_err(|source| BindError {
+        what: what.to_owned(),
+        addr,
+        source,
+    })
 }
 
 /// Binds `count` listening sockets on one address with SO_REUSEPORT, one per worker thread; the kernel
@@ -186,8 +193,8 @@ pub fn bind_workers(
     addr: SocketAddr,
     count: usize,
     what: &str,
-) -> Result<Vec<std::net::TcpListener>, crate::AppError> {
-    let failed = |addr, source| crate::AppError::Bind {
+) -> Result<Vec<std::net::TcpListener>, BindError> {
+    let failed = |addr, source| BindError {
         what: what.to_owned(),
         addr,
         source,

@@ -9,6 +9,7 @@ use anyhow::{Context, Result, anyhow};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
+use tongs::admission::Queue;
 use tongs::config::Config;
 use tongs::registry::Registry;
 
@@ -17,6 +18,8 @@ pub struct InProcessTongs {
     /// `http://127.0.0.1:PORT`, the proxy port.
     pub url: String,
     pub registry: Arc<Registry>,
+    /// Its queue (the requests waiting for an endpoint).
+    pub queue: Arc<Queue>,
     shutdown: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -37,11 +40,13 @@ impl InProcessTongs {
         let app = App::bind(&config).await.context("starting tongs")?;
         let url = format!("http://{}", app.proxy_addr());
         let registry = Arc::clone(app.registry());
+        let queue = Arc::clone(app.queue());
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(app.run(shutdown.clone()));
         Ok(InProcessTongs {
             url,
             registry,
+            queue,
             shutdown,
             task,
         })

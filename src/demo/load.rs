@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 /// How one request ended, from the client's side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Outcome {
+pub enum ClientOutcome {
     Succeeded,
     /// tongs itself answered 503 (queue full or timed out, shed, no endpoint): a rejection, not a
     /// failure of a node.
@@ -34,15 +34,15 @@ pub enum Outcome {
     Unfinished,
 }
 
-impl Outcome {
+impl ClientOutcome {
     pub fn label(self) -> String {
         match self {
-            Outcome::Succeeded => "succeeded".into(),
-            Outcome::Rejected => "rejected".into(),
-            Outcome::Status(code) => code.to_string(),
-            Outcome::Broken => "broken".into(),
-            Outcome::TimedOut => "client-timeout".into(),
-            Outcome::Unfinished => "unfinished".into(),
+            ClientOutcome::Succeeded => "succeeded".into(),
+            ClientOutcome::Rejected => "rejected".into(),
+            ClientOutcome::Status(code) => code.to_string(),
+            ClientOutcome::Broken => "broken".into(),
+            ClientOutcome::TimedOut => "client-timeout".into(),
+            ClientOutcome::Unfinished => "unfinished".into(),
         }
     }
 }
@@ -51,7 +51,7 @@ impl Outcome {
 pub struct Recorder {
     /// Latency of succeeded requests, microseconds.
     latency: Histogram<u64>,
-    outcomes: BTreeMap<Outcome, u64>,
+    outcomes: BTreeMap<ClientOutcome, u64>,
     sent: u64,
 }
 
@@ -66,9 +66,9 @@ impl Recorder {
         }
     }
 
-    fn record(&mut self, outcome: Outcome, latency: Duration) {
+    fn record(&mut self, outcome: ClientOutcome, latency: Duration) {
         *self.outcomes.entry(outcome).or_default() += 1;
-        if outcome == Outcome::Succeeded {
+        if outcome == ClientOutcome::Succeeded {
             let micros = u64::try_from(latency.as_micros())
                 .unwrap_or(u64::MAX)
                 .max(1);
@@ -80,7 +80,7 @@ impl Recorder {
         self.sent
     }
 
-    pub fn count(&self, outcome: Outcome) -> u64 {
+    pub fn count(&self, outcome: ClientOutcome) -> u64 {
         self.outcomes.get(&outcome).copied().unwrap_or(0)
     }
 
@@ -88,7 +88,7 @@ impl Recorder {
     pub fn completed(&self) -> u64 {
         self.outcomes
             .iter()
-            .filter(|(o, _)| **o != Outcome::Unfinished)
+            .filter(|(o, _)| **o != ClientOutcome::Unfinished)
             .map(|(_, n)| n)
             .sum()
     }
@@ -97,7 +97,7 @@ impl Recorder {
     pub fn failures(&self) -> BTreeMap<String, u64> {
         self.outcomes
             .iter()
-            .filter(|(o, _)| !matches!(o, Outcome::Succeeded | Outcome::Rejected))
+            .filter(|(o, _)| !matches!(o, ClientOutcome::Succeeded | ClientOutcome::Rejected))
             .map(|(o, n)| (o.label(), *n))
             .collect()
     }
@@ -178,7 +178,7 @@ impl LoadGenerator {
                 let outcome = match tokio::time::timeout(timeout, exchange(&client, request)).await
                 {
                     Ok(outcome) => outcome,
-                    Err(_) => Outcome::TimedOut,
+                    Err(_) => ClientOutcome::TimedOut,
                 };
                 recorder
                     .lock()
@@ -198,7 +198,10 @@ impl LoadGenerator {
         if !settled {
             let mut recorder = self.recorder.lock().unwrap_or_else(|p| p.into_inner());
             let unfinished = recorder.sent - recorder.completed();
-            *recorder.outcomes.entry(Outcome::Unfinished).or_default() += unfinished;
+            *recorder
+                .outcomes
+                .entry(ClientOutcome::Unfinished)
+                .or_default() += unfinished;
         }
     }
 }
@@ -220,25 +223,25 @@ pub fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Byt
 async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: Request<Full<Bytes>>,
-) -> Outcome {
+) -> ClientOutcome {
     let response = match client.request(request).await {
         Ok(response) => response,
-        Err(_) => return Outcome::Broken,
+        Err(_) => return ClientOutcome::Broken,
     };
     let status = response.status();
     // tongs names the reason of its own refusals; a node's or a gateway's 503 carries no such header.
     let refused_by_tongs = response
         .headers()
-        .contains_key(&crate::error::X_TONGS_REJECT_REASON);
+        .contains_key(&crate::http::headers::X_TONGS_REJECT_REASON);
     // The whole body must arrive: a stream cut short is a failure whatever its status said.
     if response.into_body().collect().await.is_err() {
-        return Outcome::Broken;
+        return ClientOutcome::Broken;
     }
     if status.is_success() {
-        return Outcome::Succeeded;
+        return ClientOutcome::Succeeded;
     }
     if status == StatusCode::SERVICE_UNAVAILABLE && refused_by_tongs {
-        return Outcome::Rejected;
+        return ClientOutcome::Rejected;
     }
-    Outcome::Status(status.as_u16())
+    ClientOutcome::Status(status.as_u16())
 }

@@ -8,14 +8,14 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use load::{LoadGenerator, LoadPlan, Outcome, Recorder, build_request};
+pub use load::{ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request};
 pub use report::Summary;
 
-use crate::App;
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
     Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
 };
+use crate::{App, AppError};
 
 /// What `tongs demo` was asked for.
 #[derive(Clone, Debug)]
@@ -123,12 +123,23 @@ pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
     config
 }
 
+/// Why the demo could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum DemoError {
+    #[error("cannot start the simulated fleet: {0}")]
+    Fleet(std::io::Error),
+    #[error("cannot start tongs in front of the fleet: {0}")]
+    Proxy(#[from] AppError),
+}
+
 /// Runs the whole demo and returns its summary.
-pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::Result<Summary> {
+pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> Result<Summary, DemoError> {
     let fleet_config = demo_fleet(&options);
-    let fleet = Fleet::start(&fleet_config, options.duration).await?;
+    let fleet = Fleet::start(&fleet_config, options.duration)
+        .await
+        .map_err(DemoError::Fleet)?;
     let app = App::bind(&demo_config(&fleet, &options)).await?;
-    let proxy = std::sync::Arc::clone(app.proxy());
+    let parts = app.parts().clone();
     let target = format!("http://{}", app.proxy_addr());
     let proxy_stop = CancellationToken::new();
     let proxy_task = tokio::spawn(app.run(proxy_stop.clone()));
@@ -163,16 +174,16 @@ pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> anyhow::
             tokio::select! {
                 () = &mut load => break,
                 _ = ticker.tick() => {
-                    let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+                    let view = report::snapshot(&fleet, &parts, &generator, started.elapsed());
                     live.show(&view);
                 }
             }
         }
-        let view = report::snapshot(&fleet, &proxy, &generator, started.elapsed());
+        let view = report::snapshot(&fleet, &parts, &generator, started.elapsed());
         live.show(&view);
         live.finish();
     }
-    let summary = Summary::collect(&options, &fleet, &proxy, &generator, started.elapsed());
+    let summary = Summary::collect(&options, &fleet, &parts, &generator, started.elapsed());
     proxy_stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy_task).await;
     drop(fleet);

@@ -4,16 +4,15 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use super::DemoOptions;
-use super::load::{LoadGenerator, Outcome};
+use super::load::{ClientOutcome, LoadGenerator};
+use crate::app::Parts;
 use crate::breaker::State;
-use crate::proxy::Proxy;
 use crate::sim::Fleet;
 
 /// One node's row.
@@ -46,11 +45,11 @@ pub struct View {
 /// Reads the fleet, the proxy and the generator at one moment.
 pub fn snapshot(
     fleet: &Fleet,
-    proxy: &Proxy,
+    parts: &Parts,
     generator: &LoadGenerator,
     elapsed: Duration,
 ) -> View {
-    let endpoints = proxy.registry().snapshot();
+    let endpoints = parts.registry.snapshot();
     let nodes = fleet
         .nodes()
         .iter()
@@ -86,8 +85,8 @@ pub fn snapshot(
         let failed: u64 = r.failures().values().sum();
         (
             r.sent(),
-            r.count(Outcome::Succeeded),
-            r.count(Outcome::Rejected),
+            r.count(ClientOutcome::Succeeded),
+            r.count(ClientOutcome::Rejected),
             failed,
             r.latency_ms(0.5),
             r.latency_ms(0.99),
@@ -100,8 +99,8 @@ pub fn snapshot(
         succeeded,
         failed,
         rejected,
-        retried: proxy.stats().retries.total(),
-        queued: proxy.registry().queue().len(),
+        retried: parts.proxy.stats().retries.total(),
+        queued: parts.queue.len(),
         interruptions: fleet.interruptions_injected(),
         p50_ms,
         p99_ms,
@@ -242,7 +241,7 @@ impl Summary {
     pub fn collect(
         options: &DemoOptions,
         fleet: &Fleet,
-        proxy: &Arc<Proxy>,
+        parts: &Parts,
         generator: &LoadGenerator,
         elapsed: Duration,
     ) -> Summary {
@@ -252,16 +251,16 @@ impl Summary {
             rps: options.rps,
             seed: options.seed,
             requests: r.sent(),
-            succeeded: r.count(Outcome::Succeeded),
+            succeeded: r.count(ClientOutcome::Succeeded),
             failed: r.failures(),
-            retried: proxy.stats().retries.total(),
+            retried: parts.proxy.stats().retries.total(),
             attempts_per_request: {
-                let stats = proxy.stats();
+                let stats = parts.proxy.stats();
                 let requests = stats.requests.load(Ordering::Relaxed).max(1);
                 let per = stats.attempts.load(Ordering::Relaxed) as f64 / requests as f64;
                 (per * 1000.0).round() / 1000.0
             },
-            rejected: r.count(Outcome::Rejected),
+            rejected: r.count(ClientOutcome::Rejected),
             interruptions_injected: fleet.interruptions_injected(),
             latency_ms: Latency {
                 p50: r.latency_ms(0.5),

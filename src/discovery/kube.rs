@@ -27,8 +27,8 @@ use super::Status;
 use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::{Group, LookupError, SaladApi};
-use crate::admin::Readiness;
 use crate::config::KubernetesConfig;
+use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 
 /// The registry source this module writes.
@@ -284,13 +284,14 @@ impl Tracker {
 /// Runs pod discovery: follows `config` (restarting the watch when it changes), until `stop`.
 pub struct Discovery {
     pub registry: Arc<Registry>,
+    pub status: Arc<super::Status>,
     pub readiness: Arc<Readiness>,
     pub salad: Option<SaladApi>,
 }
 
 impl Discovery {
     pub async fn run(self, stop: CancellationToken) {
-        let status = Arc::clone(self.registry.discovery());
+        let status = Arc::clone(&self.status);
         let mut config = status.subscribe();
         loop {
             let current = config.borrow_and_update().clone();
@@ -315,8 +316,8 @@ impl Discovery {
 
     /// Watches pods with `config` until dropped.
     async fn watch(&self, config: &KubernetesConfig) {
-        let status = Arc::clone(self.registry.discovery());
-        let client = connect(config).await;
+        let status = Arc::clone(&self.status);
+        let client = super::client::connect(config).await;
         let api: Api<WatchedPod> = match config.namespace.as_str() {
             "*" => Api::all(client.clone()),
             "" => Api::default_namespaced(client.clone()),
@@ -405,63 +406,6 @@ impl Discovery {
                 .update_source(SOURCE, &changes.removed, changes.added);
         }
     }
-}
-
-/// A kube client, retried with backoff until one can be made (a missing service account is an
-/// operator's error: say so, stay unready, keep trying).
-async fn connect(config: &KubernetesConfig) -> kube::Client {
-    let mut delay = Duration::from_secs(1);
-    loop {
-        match try_connect(config).await {
-            Ok(client) => return client,
-            Err(err) => {
-                tracing::error!(error = %err, "cannot make a Kubernetes client; retrying");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(30));
-            }
-        }
-    }
-}
-
-async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, String> {
-    let kube_config = match &config.kubeconfig {
-        Some(path) => {
-            let file = kube::config::Kubeconfig::read_from(path).map_err(|err| {
-                format!("discovery.kubernetes.kubeconfig {}: {err}", path.display())
-            })?;
-            let mut kube_config = kube::Config::from_custom_kubeconfig(
-                file,
-                &kube::config::KubeConfigOptions::default(),
-            )
-            .await
-            .map_err(|err| format!("discovery.kubernetes.kubeconfig {}: {err}", path.display()))?;
-            // kube takes HTTPS_PROXY from the environment when the kubeconfig names no proxy, and
-            // then fails to build a client at all (tongs has no proxy support for the API server).
-            // A proxy meant for other traffic must not stop discovery; one the kubeconfig asks for is
-            // refused in words.
-            if let Some(proxy) = kube_config.proxy_url.take() {
-                let proxy = proxy.to_string();
-                let from_env = ["HTTPS_PROXY", "https_proxy"].iter().any(|name| {
-                    std::env::var(name).is_ok_and(|value| {
-                        value.trim_end_matches('/') == proxy.trim_end_matches('/')
-                    })
-                });
-                if !from_env {
-                    return Err(format!(
-                        "discovery.kubernetes.kubeconfig {}: the cluster's proxy-url {proxy} is not \
-                         supported; tongs reaches the API server directly",
-                        path.display()
-                    ));
-                }
-                tracing::warn!(proxy = %proxy, "HTTPS_PROXY is ignored for the Kubernetes API server");
-            }
-            kube_config
-        }
-        None => kube::Config::infer()
-            .await
-            .map_err(|err| format!("no in-cluster service account and no kubeconfig: {err}"))?,
-    };
-    kube::Client::try_from(kube_config).map_err(|err| err.to_string())
 }
 
 /// Writes the gateway URL into the pod's URL annotation (best effort; the next lookup is not needed

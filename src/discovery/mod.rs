@@ -7,8 +7,13 @@
 //! - [`register`]: node self-registration (`POST /v1/nodes/register`), which writes a pod annotation
 //!   so every replica learns the address through its own watch; tongs keeps no state of its own.
 //!
-//! Discovery only writes the registry; it never touches the request path.
+//! What discovery writes: the registry's `kubernetes` source (the request path sees endpoints come and
+//! go through the registry's snapshot, nothing more), its own [`Status`] (counters, the registration
+//! token, the watch in force), readiness once the first list is in, and pod annotations through the
+//! Kubernetes API (a node's registered address, a SaladCloud gateway host found by lookup). It never
+//! touches the request path directly.
 
+mod client;
 pub mod kube;
 pub mod object;
 pub mod pods;
@@ -23,6 +28,7 @@ use arc_swap::ArcSwapOption;
 use self::kube::Watched;
 use self::pods::{PodState, Reason};
 use crate::config::KubernetesConfig;
+use crate::metrics::DiscoveryFigures;
 
 /// Outcomes of a registration, as counted.
 pub const REGISTRATION_RESULTS: [&str; 7] = [
@@ -181,6 +187,24 @@ impl Status {
 
     pub(crate) fn watched(&self) -> Option<Arc<Watched>> {
         self.watched.load_full()
+    }
+}
+
+impl Status {
+    /// Everything counted, for `/metrics`.
+    pub fn figures(&self) -> DiscoveryFigures {
+        DiscoveryFigures {
+            synced: self.synced() || !self.enabled(),
+            pods: self.pods().map(|(state, n)| (state.as_str(), n)).collect(),
+            rejections: self
+                .rejections()
+                .map(|(reason, n)| (reason.as_str(), n))
+                .collect(),
+            watch_errors: self.watch_errors(),
+            lists: self.lists(),
+            lookups: self.lookups().collect(),
+            registrations: self.registrations().collect(),
+        }
     }
 }
 

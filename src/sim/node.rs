@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::schedule::{Interruption, InterruptionKind, lognormal};
 use super::{NodeSpec, ResponseKind};
-use crate::upstream::BoxError;
+use crate::http::BoxError;
 
 type SimBody = BoxBody<Bytes, BoxError>;
 

@@ -27,12 +27,11 @@ use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
-use crate::config::Config;
+use crate::config::{Config, parse_proxy};
 pub use gateway_key::{GatewayKey, SALAD_API_KEY};
-pub use route::{ProxyKind, Route, parse_proxy};
+pub use route::Route;
 
-/// Any error a body can produce, boxed.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::http::BoxError;
 
 /// The request body sent to an endpoint (the client's body, possibly wrapped in a size limit).
 pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;

@@ -26,53 +26,8 @@ use ipnet::IpNet;
 use tokio::net::TcpStream;
 use tower::Service;
 
-use super::BoxError;
-use crate::error::describe;
-
-/// tailscaled's proxy, as configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ProxyKind {
-    /// `socks5://host:port`.
-    Socks5,
-    /// `http://host:port`: HTTP CONNECT.
-    Connect,
-}
-
-/// Parses `upstream.tailscale.proxy`: `socks5://HOST:PORT` or `http://HOST:PORT`.
-pub fn parse_proxy(text: &str) -> Result<(ProxyKind, Uri), String> {
-    let uri: Uri = text
-        .parse()
-        .map_err(|err| format!("{text:?} is not a URL: {err}"))?;
-    let kind = match uri.scheme_str() {
-        Some("socks5") | Some("socks5h") => ProxyKind::Socks5,
-        Some("http") => ProxyKind::Connect,
-        _ => {
-            return Err(format!(
-                "{text:?}: use socks5://127.0.0.1:1055 (tailscaled --socks5-server) or \
-                 http://127.0.0.1:1055 (--outbound-http-proxy-listen)"
-            ));
-        }
-    };
-    let authority = uri
-        .authority()
-        .ok_or_else(|| format!("{text:?} has no host"))?;
-    if authority.port_u16().is_none() {
-        return Err(format!(
-            "{text:?} has no port (tailscaled has no default; 1055 is usual)"
-        ));
-    }
-    if authority.as_str().contains('@') {
-        return Err(format!("{text:?}: tailscaled's proxy takes no credentials"));
-    }
-    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
-        return Err(format!("{text:?}: a proxy URL has no path"));
-    }
-    // The inner connector dials the proxy itself: it needs a plain http URI for that.
-    let dial: Uri = format!("http://{authority}")
-        .parse()
-        .map_err(|err| format!("{text:?}: {err}"))?;
-    Ok((kind, dial))
-}
+use crate::config::ProxyKind;
+use crate::http::BoxError;
 
 #[derive(Clone, Debug)]
 enum Via {
@@ -136,8 +91,10 @@ impl Route {
 /// tell a dead tailscaled from a dead node.
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
-    #[error("through tailscaled's proxy to {dst}: {detail}")]
-    Proxy { dst: String, detail: String },
+    #[error("through tailscaled's proxy to {dst}")]
+    Proxy { dst: String, source: BoxError },
+    #[error("{dst} is a Tailscale address but no upstream.tailscale.proxy is configured")]
+    NoProxy { dst: String },
     #[error("through tailscaled's proxy to {dst}: no connection within {after:?}")]
     Timeout { dst: String, after: Duration },
 }
@@ -178,22 +135,25 @@ impl Service<Uri> for Route {
             .authority()
             .map_or_else(String::new, |a| a.as_str().to_owned());
         let deadline = self.deadline;
-        let connecting: Pin<Box<dyn Future<Output = Result<_, String>> + Send>> =
+        let connecting: Pin<Box<dyn Future<Output = Result<_, BoxError>> + Send>> =
             match self.via.clone() {
                 Some(Via::Socks5(mut socks)) => {
                     let fut = socks.call(dst);
-                    Box::pin(async move { fut.await.map_err(|err| describe(&err)) })
+                    Box::pin(async move { fut.await.map_err(Into::into) })
                 }
                 Some(Via::Connect(mut tunnel)) => {
                     let fut = tunnel.call(dst);
-                    Box::pin(async move { fut.await.map_err(|err| describe(&err)) })
+                    Box::pin(async move { fut.await.map_err(Into::into) })
                 }
-                None => Box::pin(async { Err("no proxy configured".to_owned()) }),
+                None => {
+                    let error = RouteError::NoProxy { dst: name.clone() };
+                    Box::pin(async move { Err(error.into()) })
+                }
             };
         Box::pin(async move {
             match tokio::time::timeout(deadline, connecting).await {
                 Ok(Ok(stream)) => Ok(stream),
-                Ok(Err(detail)) => Err(RouteError::Proxy { dst: name, detail }.into()),
+                Ok(Err(source)) => Err(RouteError::Proxy { dst: name, source }.into()),
                 Err(_) => Err(RouteError::Timeout {
                     dst: name,
                     after: deadline,
@@ -207,6 +167,7 @@ impl Service<Uri> for Route {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::parse_proxy;
 
     fn route() -> Route {
         let (kind, proxy) = parse_proxy("socks5://127.0.0.1:1055").unwrap();
@@ -234,27 +195,6 @@ mod tests {
         assert!(
             !Route::direct(HttpConnector::new()).proxied(&"http://100.64.0.1:1/".parse().unwrap())
         );
-    }
-
-    #[test]
-    fn proxy_urls_are_checked() {
-        assert_eq!(
-            parse_proxy("socks5://127.0.0.1:1055").unwrap(),
-            (ProxyKind::Socks5, "http://127.0.0.1:1055".parse().unwrap())
-        );
-        assert_eq!(
-            parse_proxy("http://localhost:1055/").unwrap().0,
-            ProxyKind::Connect
-        );
-        for bad in [
-            "127.0.0.1:1055",
-            "socks5://127.0.0.1",
-            "https://127.0.0.1:1055",
-            "socks5://u:p@127.0.0.1:1055",
-            "http://127.0.0.1:1055/x",
-        ] {
-            assert!(parse_proxy(bad).is_err(), "{bad} parsed");
-        }
     }
 
     #[test]

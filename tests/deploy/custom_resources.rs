@@ -14,21 +14,40 @@ use crate::{
     SERVICE_MONITOR_ENDPOINT, SERVICE_MONITOR_SPEC, TRIGGER,
 };
 
+/// A custom resource's `spec`, once its `apiVersion` is `version` and its spec has only `spec_keys`
+/// (problems otherwise).
+fn custom_resource_spec<'a>(
+    at: &str,
+    resource: &'a Value,
+    version: &str,
+    spec_keys: &str,
+    problems: &mut Problems,
+) -> &'a Value {
+    let found = &resource["apiVersion"];
+    ensure!(
+        problems,
+        at,
+        *found == version,
+        "apiVersion {found}, expected {version}"
+    );
+    let spec = &resource["spec"];
+    known_keys(at, "spec", spec, spec_keys, problems);
+    spec
+}
+
 pub(crate) fn check_service_monitor(
     at: &str,
     monitor: &Value,
     objects: &Objects,
     problems: &mut Problems,
 ) {
-    let version = &monitor["apiVersion"];
-    ensure!(
-        problems,
+    let spec = custom_resource_spec(
         at,
-        *version == "monitoring.coreos.com/v1",
-        "apiVersion {version}, expected monitoring.coreos.com/v1"
+        monitor,
+        "monitoring.coreos.com/v1",
+        SERVICE_MONITOR_SPEC,
+        problems,
     );
-    let spec = &monitor["spec"];
-    known_keys(at, "spec", spec, SERVICE_MONITOR_SPEC, problems);
     let selector: Option<LabelSelector> = serde_json::from_value(spec["selector"].clone()).ok();
     let service = objects.services.iter().find(|(_, service)| {
         selector_selects(
@@ -84,15 +103,7 @@ pub(crate) fn check_scaled_object(
     objects: &Objects,
     problems: &mut Problems,
 ) {
-    let version = &scaled["apiVersion"];
-    ensure!(
-        problems,
-        at,
-        *version == "keda.sh/v1alpha1",
-        "apiVersion {version}, expected keda.sh/v1alpha1"
-    );
-    let spec = &scaled["spec"];
-    known_keys(at, "spec", spec, SCALED_OBJECT_SPEC, problems);
+    let spec = custom_resource_spec(at, scaled, "keda.sh/v1alpha1", SCALED_OBJECT_SPEC, problems);
     let target = &spec["scaleTargetRef"];
     known_keys(at, "scaleTargetRef", target, SCALE_TARGET_REF, problems);
     let is_deployment = target["kind"].as_str().unwrap_or("Deployment") == "Deployment"

@@ -68,7 +68,7 @@ pub(crate) fn check_dashboard(at: &str, text: &str, problems: &mut Problems) {
                     problems,
                     at,
                     exported(name),
-                    "panel {title:?} queries {name}, which src/metrics.rs does not export"
+                    "panel {title:?} queries {name}, which src/metrics/catalog.rs does not define"
                 );
                 used.insert(name.to_owned());
             }

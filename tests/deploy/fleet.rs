@@ -8,8 +8,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use tongs::config::{Config, Rule};
 use tongs::discovery::pods::{SALAD_PORT_ANNOTATION, SALAD_PROVIDER, SALAD_TAINT_KEY};
 
-use crate::objects::Objects;
-use crate::pods::{TongsPod, named_port, pod_labels, pod_meta, pod_spec};
+use crate::objects::Asks;
+use crate::pods::{named_port, pod_labels, pod_meta, pod_spec};
 use crate::problems::Problems;
 use crate::{FLEET_LABEL, TONGS, selectors};
 
@@ -130,13 +130,8 @@ const GATEWAY_HOST: &str = "tamarind-navybean-2kln8fkx9xruvxa2.salad.cloud";
 /// Every GPU workload of the rendering (each Deployment but tongs) is one that pod discovery finds:
 /// the label selector picks its pods and not tongs' own, in the watched namespace, and a rule can give
 /// each pod an address tongs can reach.
-pub(crate) fn check_discovered_workloads(
-    at: &str,
-    tongs: &TongsPod,
-    config: &Config,
-    objects: &Objects,
-    problems: &mut Problems,
-) {
+pub(crate) fn check_discovered_workloads(asks: &Asks, problems: &mut Problems) {
+    let (at, tongs, config, objects) = asks.parts();
     let kubernetes = &config.discovery.kubernetes;
     if !kubernetes.enabled {
         return;

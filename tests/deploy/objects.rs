@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
+use tongs::config::Config;
 
 use crate::config::check_keeps_base_keys;
 use crate::custom_resources::{check_scaled_object, check_service_monitor};
@@ -103,6 +104,23 @@ fn collect(source: &str, documents: &[Value], problems: &mut Problems) -> Object
 }
 
 /// Checks one rendering: each object on its own, then the references between them.
+/// What tongs.yaml asks of the rest of one rendering: where to report, tongs' pod, its configuration,
+/// and the rendering's objects.
+#[derive(Clone, Copy)]
+pub(crate) struct Asks<'a> {
+    pub(crate) at: &'a str,
+    pub(crate) tongs: &'a TongsPod<'a>,
+    pub(crate) config: &'a Config,
+    pub(crate) objects: &'a Objects,
+}
+
+impl<'a> Asks<'a> {
+    /// Where to report, tongs' pod, its configuration, the objects.
+    pub(crate) fn parts(&self) -> (&'a str, &'a TongsPod<'a>, &'a Config, &'a Objects) {
+        (self.at, self.tongs, self.config, self.objects)
+    }
+}
+
 pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut Problems) {
     let objects = &collect(source, documents, problems);
     let at = |kind: &str, name: &str| format!("{source}: {kind}/{name}");
@@ -147,8 +165,14 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
     if let (Some(tongs), Some(config)) = (&tongs, &config) {
         let at = &format!("{source}: tongs.yaml");
         check_keeps_base_keys(at, config, problems);
-        check_access(at, tongs, config, objects, problems);
-        check_discovered_workloads(at, tongs, config, objects, problems);
+        let asks = Asks {
+            at,
+            tongs,
+            config,
+            objects,
+        };
+        check_access(&asks, problems);
+        check_discovered_workloads(&asks, problems);
         check_secret_files(at, tongs, config, &secrets, problems);
         check_tailscale_proxy(at, tongs, config, problems);
     }

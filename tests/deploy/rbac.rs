@@ -3,9 +3,8 @@
 //! discovery, node registration and write-back need.
 
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
-use tongs::config::Config;
 
-use crate::objects::Objects;
+use crate::objects::{Asks, Objects};
 use crate::pods::TongsPod;
 use crate::problems::Problems;
 
@@ -146,13 +145,8 @@ fn grants_on_pods(role: &Role, verb: &str) -> bool {
 
 /// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where
 /// discovery watches, and `patch` there only when node registration or write-back writes annotations.
-pub(crate) fn check_access(
-    at: &str,
-    tongs: &TongsPod,
-    config: &Config,
-    objects: &Objects,
-    problems: &mut Problems,
-) {
+pub(crate) fn check_access(asks: &Asks, problems: &mut Problems) {
+    let (at, tongs, config, objects) = asks.parts();
     let kubernetes = &config.discovery.kubernetes;
     let account = tongs.service_account();
     let Ok(watched) = tongs.watched_namespace(config) else {

@@ -3,7 +3,7 @@
 
 use k8s_openapi::api::core::v1::PodSpec;
 use tongs::config::Config;
-use tongs::upstream::{ProxyKind, parse_proxy};
+use tongs::config::{ProxyKind, parse_proxy};
 
 use crate::pods::TongsPod;
 use crate::problems::Problems;

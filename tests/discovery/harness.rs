@@ -11,7 +11,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use crate::kube_api::{FakeKubeApi, RecordedRequest};
@@ -22,7 +21,6 @@ pub const NS: &str = "gpu";
 pub const WAIT: Duration = Duration::from_secs(30);
 /// Idle endpoints are picked by a fair coin, so sequential requests reach every endpoint.
 pub const COIN_TOSS: &str = "balancer: { policy: least-outstanding }\n";
-pub const HOUR: Duration = Duration::from_secs(3600);
 
 /// A pod as a Virtual Kubelet reports it: by default Running and Ready, labelled `app=llm`, on node
 /// `vk-node`, with no podIP.
@@ -226,22 +224,21 @@ impl Cluster {
             "requests the fake API does not implement"
         );
     }
+
+    /// The end of a test: the fake was asked nothing it does not implement, and the proxy stops.
+    pub async fn finish(self, proxy: TestProxy) {
+        self.assert_faithful();
+        proxy.stop().await;
+    }
 }
 
 /// Polls the async `check` until it holds, failing with `what` after [`WAIT`].
-pub async fn until<F, Fut>(what: &str, mut check: F)
+pub async fn until<F, Fut>(what: &str, check: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = bool>,
 {
-    let deadline = Instant::now() + WAIT;
-    while !check().await {
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {WAIT:?} waiting for: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually_async(what, WAIT, check).await;
 }
 
 pub async fn admin_get(proxy: &TestProxy, path: &str) -> (u16, String) {
@@ -336,6 +333,26 @@ pub fn serve_pod(api: &FakeKubeApi, name: &str, ip: &str, port: u16) {
     api.create(PodBuilder::new(name).ip(ip).http_port(port).json());
 }
 
+/// A [`named`] backend on `ip` and a ready pod of the same name pointing at it.
+pub async fn named_pod(api: &FakeKubeApi, ip: &str, name: &'static str) -> Named {
+    let node = named(ip, name).await;
+    serve_pod(api, name, ip, node.port());
+    node
+}
+
+/// Makes the open watch fail as a server-expired one does (410), so tongs lists again; returns once
+/// the list that makes `lists` in all is applied.
+pub async fn expire_the_watch(api: &FakeKubeApi, proxy: &TestProxy, lists: f64) {
+    api.atomically(|c| {
+        c.expire_next_watches(1);
+        c.drop_watches();
+    });
+    until("the re-list is applied", || async {
+        metric_or_zero(proxy, "tongs_discovery_lists_total").await == lists
+    })
+    .await;
+}
+
 /// A backend on `ip` answering its name, counting requests.
 pub struct Named {
     backend: Backend,
@@ -374,7 +391,7 @@ pub async fn named(ip: &str, name: &'static str) -> Named {
 pub struct Gated {
     backend: Backend,
     arrived: Arc<AtomicUsize>,
-    gate: Arc<Semaphore>,
+    gate: Gate,
 }
 
 impl Gated {
@@ -391,21 +408,19 @@ impl Gated {
     }
 
     pub fn release(&self, count: usize) {
-        self.gate.add_permits(count);
+        self.gate.release(count);
     }
 }
 
 pub async fn gated(ip: &str, name: &'static str) -> Gated {
     let arrived = Arc::new(AtomicUsize::new(0));
-    let gate = Arc::new(Semaphore::new(0));
-    let (counted, held) = (Arc::clone(&arrived), Arc::clone(&gate));
+    let gate = Gate::default();
+    let (counted, held) = (Arc::clone(&arrived), gate.clone());
     let backend = backend_on(&format!("{ip}:0"), move |_request: Request<Incoming>| {
-        let (counted, held) = (Arc::clone(&counted), Arc::clone(&held));
+        let (counted, held) = (Arc::clone(&counted), held.clone());
         async move {
             counted.fetch_add(1, Ordering::SeqCst);
-            if let Ok(permit) = held.acquire().await {
-                permit.forget();
-            }
+            held.pass().await;
             Response::new(full(name))
         }
     })

@@ -1,6 +1,9 @@
 //! Pods joining and leaving: Pending → Running → Ready, and every exit (NotReady, Pending again,
 //! terminating, deleted) with a request in flight that still completes; `/readyz` before the first
 //! list.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::collections::BTreeSet;
 
@@ -58,9 +61,8 @@ async fn hold_one_request(
 async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
     let cluster = Cluster::start("tongs-lifecycle").await;
     let api = &cluster.api;
-    let steady = named("127.0.0.3", "steady").await;
+    let steady = named_pod(api, "127.0.0.3", "steady").await;
     let mover = gated("127.0.0.2", "mover").await;
-    serve_pod(api, "steady", "127.0.0.3", steady.port());
     let mover_pod = PodBuilder::new("mover").http_port(mover.port());
     api.create(mover_pod.clone().phase("Pending").ready(false).json());
     let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
@@ -158,16 +160,14 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
         }
     }
     assert_eq!(pods_tracked(&proxy).await, 1.0);
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
 async fn readyz_waits_for_the_first_complete_list() {
     let cluster = Cluster::start("tongs-readyz").await;
     let api = &cluster.api;
-    let node = named("127.0.0.2", "node").await;
-    serve_pod(api, "node", "127.0.0.2", node.port());
+    let node = named_pod(api, "127.0.0.2", "node").await;
     api.fail_next_lists(u64::MAX);
     let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
     until("tongs has been refused a list twice", || async {
@@ -195,8 +195,7 @@ async fn readyz_waits_for_the_first_complete_list() {
     );
     assert_eq!(urls(&proxy).await, BTreeSet::from([node.url()]));
     assert_eq!(get(&proxy.url("/")).await, (200, "node".into()));
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
@@ -209,6 +208,5 @@ async fn readyz_is_ready_with_an_empty_first_list() {
     .await;
     assert!(cluster.api.stats().lists_started >= 1);
     assert!(urls(&proxy).await.is_empty());
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

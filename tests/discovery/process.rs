@@ -1,6 +1,9 @@
 //! The `tongs` binary with discovery: an `HTTPS_PROXY` in its environment (set for other traffic)
 //! does not keep it from reaching the API server, which kube would otherwise route through that proxy
 //! and fail to build a client for.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::process::{Command, Stdio};
 
@@ -25,13 +28,7 @@ async fn an_https_proxy_in_the_environment_does_not_stop_discovery() {
     let node = named("127.0.0.2", "node").await;
     serve_pod(&cluster.api, "llm-0", "127.0.0.2", node.port());
     // Fixed ports for the binary's listeners: free ones, taken and released.
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .expect("a free port")
-    };
-    let (listen, admin) = (port(), port());
+    let (listen, admin) = (free_port(), free_port());
     let config = cluster.file(
         "tongs.yaml",
         &format!(

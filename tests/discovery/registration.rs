@@ -1,5 +1,8 @@
 //! Node self-registration on the admin port: refusals, and a registration that becomes an endpoint
 //! through the pod annotation it writes.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use http::Request;
 use serde_json::{Value, json};
@@ -132,6 +135,5 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
             "{result}"
         );
     }
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

@@ -1,5 +1,8 @@
 //! `discovery.kubernetes` follows a configuration reload: a new selector restarts the watch, and the
 //! set of endpoints becomes the pods the new selector picks, while tongs keeps serving.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::sync::Arc;
 
@@ -46,6 +49,7 @@ async fn a_reloaded_selector_restarts_the_watch() {
         addr: app.proxy_addr(),
         admin: app.admin_addr(),
         app_registry: Arc::clone(app.registry()),
+        app_queue: Arc::clone(app.queue()),
         shutdown: shutdown.clone(),
         task: tokio::spawn(app.run(shutdown)),
     };
@@ -67,6 +71,5 @@ async fn a_reloaded_selector_restarts_the_watch() {
         .find(|r| r.is_list())
         .expect("a list request");
     assert_eq!(last_list.param("labelSelector"), Some("tier=two"));
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

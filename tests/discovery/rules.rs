@@ -1,5 +1,8 @@
 //! How a pod becomes an endpoint: every address rule and their order, the weight and max-outstanding
 //! annotations, allowlist refusals, selectors and the namespace setting.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::collections::BTreeSet;
 
@@ -119,8 +122,7 @@ async fn every_rule_gives_an_address_and_annotations_shape_the_endpoint() {
         backends.iter().all(|b| b.hits() > 0)
     })
     .await;
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
@@ -216,14 +218,7 @@ async fn annotations_outside_the_allowlist_are_refused_counted_and_logged_once()
     api.update(NS, "hostile", |pod| {
         pod["status"]["startTime"] = json!("2025-01-01T00:00:00Z")
     });
-    api.atomically(|c| {
-        c.expire_next_watches(1);
-        c.drop_watches();
-    });
-    until("the re-list is applied", || async {
-        metric_or_zero(&proxy, "tongs_discovery_lists_total").await == 2.0
-    })
-    .await;
+    expire_the_watch(api, &proxy, 2.0).await;
     settle(api, &proxy).await;
     assert_eq!(rejections("url-not-allowed").await, 2.0);
     assert_eq!(rejections("tailscale-not-allowed").await, 1.0);
@@ -243,8 +238,7 @@ async fn annotations_outside_the_allowlist_are_refused_counted_and_logged_once()
         assert_eq!(get(&proxy.url("/")).await, (200, "good".into()));
     }
     assert_eq!(target.hits(), 0, "traffic went where an annotation pointed");
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
@@ -315,17 +309,15 @@ async fn selectors_and_the_namespace_decide_which_pods_are_watched() {
     until_urls(&proxy, &[&good.url()]).await;
     assert_eq!(get(&proxy.url("/")).await, (200, "good".into()));
     assert_eq!(other.hits(), 0);
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
 async fn the_namespace_setting_watches_the_own_namespace_or_all() {
     let cluster = Cluster::start("tongs-namespaces").await;
     let api = &cluster.api;
-    let here = named("127.0.0.2", "here").await;
+    let here = named_pod(api, "127.0.0.2", "here").await;
     let there = named("127.0.0.3", "there").await;
-    serve_pod(api, "here", "127.0.0.2", here.port());
     api.create(
         PodBuilder::new("there")
             .namespace("batch")
@@ -396,6 +388,5 @@ async fn static_endpoints_serve_beside_pods() {
     api.delete(NS, "llm-0");
     until_urls(&proxy, &[&fixed.url()]).await;
     assert_eq!(get(&proxy.url("/")).await, (200, "fixed".into()));
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

@@ -1,5 +1,9 @@
 //! The salad-api rule against a fake SaladCloud API: lookups with the key, retries, write-back, and
 //! the rule order with a podIP.
+//!
+//! Fakes: the SaladCloud API (`tests/support/salad_api.rs`) and the Kubernetes API server
+//! (`tests/support/kube_api/`); the Container Gateway and the GPU nodes behind it are in-process
+//! backends on loopback addresses.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -108,8 +112,7 @@ async fn salad_pods_get_their_gateway_host_from_the_salad_api_and_write_it_back(
     }
     assert_eq!(salad.lookups_of("gpu-plain"), 0);
     assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
     replica.stop().await;
 }
 
@@ -160,8 +163,7 @@ async fn salad_api_failures_are_retried_and_never_guess_an_address() {
     );
     assert!(api.patches().is_empty(), "write_back is off");
     assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
     locked_out.stop().await;
 }
 
@@ -190,6 +192,5 @@ async fn a_salad_pod_with_a_pod_ip_serves_there_until_its_gateway_is_known() {
     .await;
     salad.set_group("gpu-llm-2", Some("plum-2.salad.cloud"), "running", 1);
     until_urls(&proxy, &["https://plum-2.salad.cloud"]).await;
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

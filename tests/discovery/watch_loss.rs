@@ -1,12 +1,16 @@
 //! Losing the watch: a cut connection resumes from its resourceVersion; a compacted history or a
 //! server-expired watch (410) makes tongs list again, with the endpoints in service while lists fail;
 //! bookmarks; and lists of thousands of pods in pages.
+//!
+//! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
+//! through a kubeconfig); the GPU nodes the pods stand for are `tongs::sim` nodes and in-process
+//! backends on loopback addresses.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
 
 use serde_json::Value;
-use tongs::sim::{Fleet, FleetConfig, NodeSpec};
+use tongs::sim::{Fleet, NodeSpec};
 
 use crate::harness::*;
 use crate::kube_api::RecordedRequest;
@@ -19,15 +23,24 @@ async fn two_sim_nodes() -> Fleet {
         capacity: 8,
         ..NodeSpec::new(name, Duration::from_millis(5))
     };
-    Fleet::start(
-        &FleetConfig {
-            seed: 9,
-            nodes: vec![node("sim-a", [127, 0, 0, 2]), node("sim-b", [127, 0, 0, 3])],
-        },
-        HOUR,
-    )
-    .await
-    .expect("sim nodes start")
+    let nodes = vec![node("sim-a", [127, 0, 0, 2]), node("sim-b", [127, 0, 0, 3])];
+    sim_fleet(9, nodes).await
+}
+
+/// [`two_sim_nodes`] as pods `a` and `b`, a proxy serving both (their URLs), and its watch open.
+async fn two_sim_pods_watched(cluster: &Cluster) -> (Fleet, TestProxy, [String; 2]) {
+    let api = &cluster.api;
+    let fleet = two_sim_nodes().await;
+    api.create(sim_pod(&fleet, 0, "a"));
+    api.create(sim_pod(&fleet, 1, "b"));
+    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
+    let [a, b] = [0, 1].map(|i| fleet.nodes()[i].url());
+    until_urls(&proxy, &[&a, &b]).await;
+    until("the watch is open", || async {
+        api.stats().open_watches == 1
+    })
+    .await;
+    (fleet, proxy, [a, b])
 }
 
 fn sim_pod(fleet: &Fleet, index: usize, name: &str) -> Value {
@@ -42,17 +55,8 @@ fn sim_pod(fleet: &Fleet, index: usize, name: &str) -> Value {
 async fn a_dropped_watch_resumes_from_its_resource_version_and_misses_nothing() {
     let cluster = Cluster::start("tongs-watch-drop").await;
     let api = &cluster.api;
-    let fleet = two_sim_nodes().await;
+    let (_fleet, proxy, [_a, b]) = two_sim_pods_watched(&cluster).await;
     let third = named("127.0.0.4", "third").await;
-    api.create(sim_pod(&fleet, 0, "a"));
-    api.create(sim_pod(&fleet, 1, "b"));
-    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
-    let [a, b] = [0, 1].map(|i| fleet.nodes()[i].url());
-    until_urls(&proxy, &[&a, &b]).await;
-    until("the watch is open", || async {
-        api.stats().open_watches == 1
-    })
-    .await;
     let resume_from = api.resource_version();
     let before = api.stats();
     let load = Load::start(proxy.url("/v1/completions"));
@@ -90,24 +94,14 @@ async fn a_dropped_watch_resumes_from_its_resource_version_and_misses_nothing() 
         Some(1.0)
     );
     assert_eq!(get(&proxy.url("/")).await.0, 200);
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
 async fn a_compacted_history_relists_and_the_endpoints_stay_in_service_while_lists_fail() {
     let cluster = Cluster::start("tongs-watch-gone").await;
     let api = &cluster.api;
-    let fleet = two_sim_nodes().await;
-    api.create(sim_pod(&fleet, 0, "a"));
-    api.create(sim_pod(&fleet, 1, "b"));
-    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
-    let [a, b] = [0, 1].map(|i| fleet.nodes()[i].url());
-    until_urls(&proxy, &[&a, &b]).await;
-    until("the watch is open", || async {
-        api.stats().open_watches == 1
-    })
-    .await;
+    let (fleet, proxy, [a, b]) = two_sim_pods_watched(&cluster).await;
     let load = Load::start(proxy.url("/v1/completions"));
 
     // The API server restarts: watches cut, pod a deleted meanwhile, history compacted (so the
@@ -148,18 +142,15 @@ async fn a_compacted_history_relists_and_the_endpoints_stay_in_service_while_lis
         statuses.len() as u64 + 10,
         "every request was served by a node"
     );
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
 async fn a_watch_the_server_expires_relists_without_disturbing_the_endpoints() {
     let cluster = Cluster::start("tongs-watch-expired").await;
     let api = &cluster.api;
-    let a = named("127.0.0.2", "a").await;
-    let b = named("127.0.0.3", "b").await;
-    serve_pod(api, "a", "127.0.0.2", a.port());
-    serve_pod(api, "b", "127.0.0.3", b.port());
+    let a = named_pod(api, "127.0.0.2", "a").await;
+    let b = named_pod(api, "127.0.0.3", "b").await;
     let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
     until_urls(&proxy, &[&a.url(), &b.url()]).await;
     until("the watch is open", || async {
@@ -175,14 +166,7 @@ async fn a_watch_the_server_expires_relists_without_disturbing_the_endpoints() {
     let before_a = served(&endpoint(&proxy, &a.url()).await);
     let before_b = served(&endpoint(&proxy, &b.url()).await);
 
-    api.atomically(|c| {
-        c.expire_next_watches(1);
-        c.drop_watches();
-    });
-    until("the re-list is applied", || async {
-        metric_or_zero(&proxy, "tongs_discovery_lists_total").await == 2.0
-    })
-    .await;
+    expire_the_watch(api, &proxy, 2.0).await;
     let stats = api.stats();
     assert_eq!(stats.watches_expired, 1);
     assert_eq!(stats.lists_started, 2);
@@ -194,16 +178,14 @@ async fn a_watch_the_server_expires_relists_without_disturbing_the_endpoints() {
     // And it follows changes again.
     api.delete(NS, "a");
     until_urls(&proxy, &[&b.url()]).await;
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
 async fn a_bookmark_lets_the_watch_resume_past_a_compaction() {
     let cluster = Cluster::start("tongs-bookmarks").await;
     let api = &cluster.api;
-    let a = named("127.0.0.2", "a").await;
-    serve_pod(api, "a", "127.0.0.2", a.port());
+    let a = named_pod(api, "127.0.0.2", "a").await;
     let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
     until_urls(&proxy, &[&a.url()]).await;
     until("the watch is open", || async {
@@ -259,8 +241,7 @@ async fn a_bookmark_lets_the_watch_resume_past_a_compaction() {
     .await;
     assert_eq!(api.stats().watches_expired, 1);
     assert_eq!(urls(&proxy).await, BTreeSet::from([a.url()]));
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }
 
 #[tokio::test]
@@ -305,16 +286,8 @@ async fn thousands_of_pods_are_listed_in_pages_of_500() {
         endpoints(&proxy).await.len() == PODS - 1
     })
     .await;
-    api.atomically(|c| {
-        c.expire_next_watches(1);
-        c.drop_watches();
-    });
-    until("the re-list is applied", || async {
-        metric_or_zero(&proxy, "tongs_discovery_lists_total").await == 2.0
-    })
-    .await;
+    expire_the_watch(api, &proxy, 2.0).await;
     assert_eq!(endpoints(&proxy).await.len(), PODS - 1);
     assert_eq!(api.stats().list_requests, 8);
-    cluster.assert_faithful();
-    proxy.stop().await;
+    cluster.finish(proxy).await;
 }

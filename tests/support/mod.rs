@@ -1,8 +1,17 @@
-//! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients.
+//! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients,
+//! one accept loop for every test server, and the fakes that stand in for services that cannot run
+//! here: the Kubernetes API server ([`kube_api`]) and the SaladCloud public API ([`salad_api`]).
 //!
 //! Everything runs over real sockets on 127.0.0.1 (or [::1]); nothing is mocked in-process.
+//!
+//! Each test binary (`tests/<area>/main.rs`) includes this folder with
+//! `#[path = "../support/mod.rs"] mod support;`: Cargo compiles every test binary as a crate of its
+//! own, and a module shared between them needs either that one path or a crate of its own.
 
 #![allow(dead_code)]
+
+pub mod kube_api;
+pub mod salad_api;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -19,7 +28,7 @@ use hyper::service::service_fn;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::Config;
@@ -32,6 +41,7 @@ pub struct TestProxy {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub app_registry: Arc<tongs::registry::Registry>,
+    pub app_queue: Arc<tongs::admission::Queue>,
     pub shutdown: CancellationToken,
     pub task: tokio::task::JoinHandle<()>,
 }
@@ -73,14 +83,82 @@ pub async fn start_proxy(config: Config) -> TestProxy {
     let addr = app.proxy_addr();
     let admin = app.admin_addr();
     let app_registry = Arc::clone(app.registry());
+    let app_queue = Arc::clone(app.queue());
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(app.run(shutdown.clone()));
     TestProxy {
         addr,
         admin,
         app_registry,
+        app_queue,
         shutdown,
         task,
+    }
+}
+
+/// Starts simulated GPU nodes (`tongs::sim`, standing in for real ones): `nodes` on the given seed,
+/// with no interruption planned within the hour.
+pub async fn sim_fleet(seed: u64, nodes: Vec<tongs::sim::NodeSpec>) -> tongs::sim::Fleet {
+    let config = tongs::sim::FleetConfig { seed, nodes };
+    tongs::sim::Fleet::start(&config, Duration::from_secs(3600))
+        .await
+        .expect("simulated nodes start")
+}
+
+/// `count` simulated nodes `node-0`, `node-1`, ... serving in `mean` on average, each as `tune` sets.
+pub fn sim_nodes(
+    count: usize,
+    mean: Duration,
+    tune: impl Fn(&mut tongs::sim::NodeSpec),
+) -> Vec<tongs::sim::NodeSpec> {
+    (0..count)
+        .map(|i| {
+            let mut spec = tongs::sim::NodeSpec::new(&format!("node-{i}"), mean);
+            tune(&mut spec);
+            spec
+        })
+        .collect()
+}
+
+/// `count` simulated nodes answering JSON in `mean` on average with a realistic spread (0.3), serving
+/// `capacity` at once with up to `queue` more waiting inside, where only latency shows them.
+pub fn json_nodes(
+    count: usize,
+    mean: Duration,
+    capacity: usize,
+    queue: usize,
+) -> Vec<tongs::sim::NodeSpec> {
+    sim_nodes(count, mean, |spec| {
+        spec.service_time.spread = 0.3;
+        spec.capacity = capacity;
+        spec.queue = queue;
+        spec.response = tongs::sim::ResponseKind::Json;
+    })
+}
+
+/// Holds a backend's answers until the test lets them go: each waiter in [`Gate::pass`] needs one of
+/// the permits [`Gate::release`] adds. Clones share the gate.
+#[derive(Clone)]
+pub struct Gate(Arc<tokio::sync::Semaphore>);
+
+impl Default for Gate {
+    /// Closed: nothing passes until [`Gate::release`].
+    fn default() -> Gate {
+        Gate(Arc::new(tokio::sync::Semaphore::new(0)))
+    }
+}
+
+impl Gate {
+    /// Waits for a permit and uses it up.
+    pub async fn pass(&self) {
+        if let Ok(permit) = self.0.acquire().await {
+            permit.forget();
+        }
+    }
+
+    /// Lets `count` more answers go.
+    pub fn release(&self, count: usize) {
+        self.0.add_permits(count);
     }
 }
 
@@ -111,31 +189,134 @@ where
     let listener = TcpListener::bind(bind).await.expect("backend binds");
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
-    let stopped = stop.clone();
+    serve_connections(listener, stop.clone(), move |stream, _peer| {
+        serve_http(stream, Http::Auto, handler.clone())
+    });
+    Backend { addr, stop }
+}
+
+/// The accept loop of every test server: until `stop`, each connection accepted on `listener` goes,
+/// with its peer's address, to `serve`, and the future that returns runs on a task of its own until it
+/// ends or `stop`.
+pub fn serve_connections<S, Fut>(listener: TcpListener, stop: CancellationToken, mut serve: S)
+where
+    S: FnMut(TcpStream, SocketAddr) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
     tokio::spawn(async move {
         loop {
-            let (stream, _) = tokio::select! {
-                () = stopped.cancelled() => return,
+            let (stream, peer) = tokio::select! {
+                () = stop.cancelled() => return,
                 accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
             };
-            let handler = handler.clone();
-            let stopped = stopped.clone();
+            let connection = serve(stream, peer);
+            let stop = stop.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |request| {
-                    let response = handler(request);
-                    async move { Ok::<_, Infallible>(response.await) }
-                });
-                let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-                let connection =
-                    builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
                 tokio::select! {
-                    _ = connection => {}
-                    () = stopped.cancelled() => {}
+                    () = connection => {}
+                    () = stop.cancelled() => {}
                 }
             });
         }
     });
-    Backend { addr, stop }
+}
+
+/// Which HTTP a test server speaks on a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Http {
+    /// HTTP/1.1 only, as the fakes of remote APIs.
+    One,
+    /// HTTP/2 only (after ALPN said `h2`).
+    Two,
+    /// HTTP/1.1 or h2c, whichever the client starts with; upgrades allowed.
+    Auto,
+}
+
+/// Serves one connection with hyper, each request answered by `handler`, until the client leaves.
+pub async fn serve_http<I, F, Fut, B>(io: I, http: Http, handler: F)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let service = service_fn(move |request| {
+        let response = handler(request);
+        async move { Ok::<_, Infallible>(response.await) }
+    });
+    let io = TokioIo::new(io);
+    let _ = match http {
+        Http::One => hyper::server::conn::http1::Builder::new()
+            .serve_connection(io, service)
+            .await
+            .map_err(BoxError::from),
+        Http::Two => hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+            .serve_connection(io, service)
+            .await
+            .map_err(BoxError::from),
+        Http::Auto => {
+            hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection_with_upgrades(io, service)
+                .await
+        }
+    };
+}
+
+/// A server that accepts connections and never reads or writes a byte: a peer that hangs. It holds
+/// every connection until dropped.
+pub struct Silent {
+    pub addr: SocketAddr,
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl Silent {
+    pub async fn start() -> Silent {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let addr = listener.local_addr().unwrap();
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let stop = CancellationToken::new();
+        let counter = Arc::clone(&accepted);
+        serve_connections(listener, stop.clone(), move |stream, _peer| {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            // Held open, unread, until the test ends.
+            async move {
+                std::future::pending::<()>().await;
+                drop(stream)
+            }
+        });
+        Silent {
+            addr,
+            accepted,
+            stop,
+        }
+    }
+
+    /// Connections accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for Silent {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A free loopback port (bound, then released for a server to take, or for nothing to listen on).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The URL of a loopback port nothing listens on: connections to it are refused.
+pub fn closed_url() -> String {
+    format!("http://127.0.0.1:{}", free_port())
 }
 
 /// Starts a backend on 127.0.0.1.
@@ -166,26 +347,39 @@ pub fn client() -> Client<HttpConnector, TestBody> {
 /// Longest any test exchange may take before the test fails instead of hanging.
 pub const HANG: Duration = Duration::from_secs(30);
 
-/// Sends `request` and returns status and body text; a broken body or no answer within [`HANG`] panics.
-pub async fn send(request: Request<TestBody>) -> (u16, String) {
+/// Sends `request` and returns the response's head and its body as text; a broken body or no answer
+/// within [`HANG`] panics.
+pub async fn exchange(request: Request<TestBody>) -> (http::response::Parts, String) {
     let target = request.uri().to_string();
     let exchange = async {
         let response = client()
             .request(request)
             .await
             .unwrap_or_else(|err| panic!("{target}: {err}"));
-        let status = response.status().as_u16();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .expect("body")
-            .to_bytes();
-        (status, String::from_utf8_lossy(&body).into_owned())
+        let (head, body) = response.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        (head, String::from_utf8_lossy(&body).into_owned())
     };
     tokio::time::timeout(HANG, exchange)
         .await
         .unwrap_or_else(|_| panic!("{target}: no answer within {HANG:?}"))
+}
+
+/// Sends `request` and returns status and body text; a broken body or no answer within [`HANG`] panics.
+pub async fn send(request: Request<TestBody>) -> (u16, String) {
+    let (head, body) = exchange(request).await;
+    (head.status.as_u16(), body)
+}
+
+/// The proxy's own JSON error in `body`: its `error` text and `request_id`, both present and not empty.
+pub fn proxy_error(body: &str) -> (String, String) {
+    let json: serde_json::Value =
+        serde_json::from_str(body).unwrap_or_else(|err| panic!("not JSON ({err}): {body}"));
+    let error = json["error"].as_str().unwrap_or_default();
+    assert!(!error.is_empty(), "no error text in {body}");
+    let request_id = json["request_id"].as_str().unwrap_or_default();
+    assert!(!request_id.is_empty(), "no request_id in {body}");
+    (error.to_owned(), request_id.to_owned())
 }
 
 /// Sends a GET and returns status and body text.
@@ -201,6 +395,21 @@ pub async fn eventually(what: &str, limit: Duration, mut check: impl FnMut() -> 
             panic!("timed out after {limit:?} waiting for: {what}");
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Polls the async `check` until it returns true or `limit` passes; panics with `what` on timeout.
+pub async fn eventually_async<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    while !check().await {
+        if tokio::time::Instant::now() > deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

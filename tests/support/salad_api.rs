@@ -26,8 +26,8 @@ use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+
+use super::{Http, serve_connections, serve_http};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -138,7 +138,7 @@ impl FakeSaladApi {
             unexpected: Vec::new(),
         }));
         let stop = CancellationToken::new();
-        tokio::spawn(accept_loop(listener, Arc::clone(&state), stop.clone()));
+        serve(listener, Arc::clone(&state), stop.clone());
         FakeSaladApi { addr, state, stop }
     }
 
@@ -204,30 +204,14 @@ impl Drop for FakeSaladApi {
     }
 }
 
-async fn accept_loop(listener: TcpListener, state: Arc<Mutex<State>>, stop: CancellationToken) {
-    loop {
-        let stream = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
-        };
+/// Serves the API on `listener` until `stop`, over plain HTTP/1.1.
+fn serve(listener: TcpListener, state: Arc<Mutex<State>>, stop: CancellationToken) {
+    serve_connections(listener, stop, move |stream, _peer| {
         let state = Arc::clone(&state);
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let state = Arc::clone(&state);
-                async move { Ok::<_, Infallible>(handle(&state, &request)) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                _ = connection => {}
-                () = stop.cancelled() => {}
-            }
-        });
-    }
+        serve_http(stream, Http::One, move |request| {
+            std::future::ready(handle(&state, &request))
+        })
+    });
 }
 
 fn problem(status: StatusCode, detail: &str) -> Response<SaladBody> {

@@ -4,7 +4,7 @@
 use serde_json::Value;
 
 /// The pod fields the API server accepts in a field selector.
-pub(super) const POD_FIELDS: [&str; 10] = [
+pub(crate) const POD_FIELDS: [&str; 10] = [
     "metadata.name",
     "metadata.namespace",
     "spec.nodeName",
@@ -18,7 +18,7 @@ pub(super) const POD_FIELDS: [&str; 10] = [
 ];
 
 #[derive(Clone, Debug, PartialEq)]
-pub(super) enum Requirement {
+pub(crate) enum Requirement {
     Equals(String, String),
     NotEquals(String, String),
     In(String, Vec<String>),
@@ -29,10 +29,10 @@ pub(super) enum Requirement {
 
 /// A label selector, as `labelSelector` spells it.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct LabelSelector(Vec<Requirement>);
+pub(crate) struct LabelSelector(Vec<Requirement>);
 
 impl LabelSelector {
-    pub(super) fn parse(text: &str) -> Result<LabelSelector, String> {
+    pub(crate) fn parse(text: &str) -> Result<LabelSelector, String> {
         let mut requirements = Vec::new();
         if text.trim().is_empty() {
             return Ok(LabelSelector(requirements));
@@ -87,7 +87,7 @@ impl LabelSelector {
         Ok(LabelSelector(requirements))
     }
 
-    pub(super) fn matches(&self, pod: &Value) -> bool {
+    pub(crate) fn matches(&self, pod: &Value) -> bool {
         let labels = pod
             .get("metadata")
             .and_then(|m| m.get("labels"))
@@ -96,7 +96,7 @@ impl LabelSelector {
     }
 
     /// Whether labels, as `label` looks them up, satisfy every requirement.
-    pub(super) fn matches_labels<'a>(&self, label: impl Fn(&str) -> Option<&'a str>) -> bool {
+    pub(crate) fn matches_labels<'a>(&self, label: impl Fn(&str) -> Option<&'a str>) -> bool {
         self.0.iter().all(|requirement| match requirement {
             Requirement::Equals(key, value) => label(key) == Some(value),
             Requirement::NotEquals(key, value) => label(key) != Some(value),
@@ -113,7 +113,7 @@ impl LabelSelector {
 }
 
 /// Splits at commas outside parentheses.
-pub(super) fn split_top_level(text: &str) -> Vec<&str> {
+pub(crate) fn split_top_level(text: &str) -> Vec<&str> {
     let mut parts = Vec::new();
     let (mut depth, mut start) = (0i32, 0);
     for (index, c) in text.char_indices() {
@@ -131,7 +131,7 @@ pub(super) fn split_top_level(text: &str) -> Vec<&str> {
     parts
 }
 
-pub(super) fn label_key(key: &str) -> Result<String, String> {
+pub(crate) fn label_key(key: &str) -> Result<String, String> {
     // Label keys are qualified names, like annotation keys.
     if tongs::config::is_qualified_name(key) {
         Ok(key.to_owned())
@@ -142,7 +142,7 @@ pub(super) fn label_key(key: &str) -> Result<String, String> {
     }
 }
 
-pub(super) fn label_value(value: &str) -> Result<String, String> {
+pub(crate) fn label_value(value: &str) -> Result<String, String> {
     let ok = value.is_empty()
         || (value.len() <= 63
             && value
@@ -161,10 +161,10 @@ pub(super) fn label_value(value: &str) -> Result<String, String> {
 
 /// A field selector over the pod fields the API server supports.
 #[derive(Clone, Debug, Default, PartialEq)]
-pub(super) struct FieldSelector(Vec<(String, bool, String)>);
+pub(crate) struct FieldSelector(Vec<(String, bool, String)>);
 
 impl FieldSelector {
-    pub(super) fn parse(text: &str) -> Result<FieldSelector, String> {
+    pub(crate) fn parse(text: &str) -> Result<FieldSelector, String> {
         let mut terms = Vec::new();
         if text.trim().is_empty() {
             return Ok(FieldSelector(terms));
@@ -190,7 +190,7 @@ impl FieldSelector {
         Ok(FieldSelector(terms))
     }
 
-    pub(super) fn matches(&self, pod: &Value) -> bool {
+    pub(crate) fn matches(&self, pod: &Value) -> bool {
         self.0.iter().all(|(field, equal, value)| {
             let path: Vec<&str> = field.split('.').collect();
             let actual = match path.iter().try_fold(pod, |v, key| v.get(key)) {

@@ -1,6 +1,5 @@
 //! HTTP: routing, `Status` errors, and the list, watch, get and patch operations on the cluster.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,8 +8,6 @@ use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -19,38 +16,22 @@ use tokio_util::sync::CancellationToken;
 use super::cluster::{Cluster, Scope, Snapshot, Watch, WatchFrame, event_for, event_line};
 use super::selectors::{FieldSelector, LabelSelector};
 use super::{DEFAULT_WATCH_TIMEOUT, KEPT_SNAPSHOTS, MAX_BODY_BYTES, RecordedRequest, Shared};
+// The test servers' one accept loop, from the support module this fake lives in.
+use super::super::{Http, serve_connections, serve_http};
 
 pub(super) type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(super) type ApiBody = UnsyncBoxBody<Bytes, BoxError>;
 
-pub(super) async fn accept_loop(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    stop: CancellationToken,
-) {
-    loop {
-        let stream = tokio::select! {
-            () = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
-                Err(_) => continue,
-            },
-        };
+/// Serves the API on `listener` until `stop`, over plain HTTP/1.1 as the API server's clients speak it
+/// here.
+pub(super) fn serve(listener: TcpListener, shared: Arc<Shared>, stop: CancellationToken) {
+    serve_connections(listener, stop, move |stream, _peer| {
         let shared = Arc::clone(&shared);
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |request| {
-                let shared = Arc::clone(&shared);
-                async move { Ok::<_, Infallible>(handle(&shared, request).await) }
-            });
-            let connection = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), service);
-            tokio::select! {
-                _ = connection => {}
-                () = stop.cancelled() => {}
-            }
-        });
-    }
+        serve_http(stream, Http::One, move |request| {
+            let shared = Arc::clone(&shared);
+            async move { handle(&shared, request).await }
+        })
+    });
 }
 
 fn full(body: impl Into<Bytes>) -> ApiBody {

@@ -1,0 +1,83 @@
+//! Noticing attempts and streams that stopped: hedged attempts, and the idle limit of a stream.
+
+use serde::{Deserialize, Serialize};
+
+use super::{HumanDuration, Problem};
+
+/// Hedged attempts: an attempt with no answer in time gets a second one on another endpoint, and the
+/// first to answer wins (the other is cancelled, its connection closed).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HedgeConfig {
+    /// Hedging on (default). Only requests that can be retried are hedged (a body within
+    /// `retry.replay_limit_bytes`, no `x-tongs-retry: off`).
+    pub enabled: bool,
+    /// An attempt is hedged once it has waited this many times its endpoint's expected time to first
+    /// byte (1 ..= 100) ...
+    pub after_multiplier: f64,
+    /// ... and at least this long.
+    pub min_delay: HumanDuration,
+    /// Hedges add at most this share of the request rate (percent, 0 ..= 100); they also draw on the
+    /// retry budget.
+    pub max_extra_percent: u32,
+}
+
+impl Default for HedgeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            after_multiplier: 3.0,
+            min_delay: HumanDuration::from_millis(250),
+            max_extra_percent: 10,
+        }
+    }
+}
+
+impl HedgeConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        if !(1.0..=100.0).contains(&self.after_multiplier) {
+            problems.push(Problem {
+                field: "hedge.after_multiplier".into(),
+                message: format!("must be between 1 and 100, got {}", self.after_multiplier),
+            });
+        }
+        if self.max_extra_percent > 100 {
+            problems.push(Problem {
+                field: "hedge.max_extra_percent".into(),
+                message: format!("must be at most 100, got {}", self.max_extra_percent),
+            });
+        }
+    }
+}
+
+/// A response body that streams, after tongs committed it to the client.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StreamConfig {
+    /// A stream that sends nothing for this many times its endpoint's typical gap between chunks
+    /// (1 ..= 1000) ...
+    pub idle_multiplier: f64,
+    /// ... and at least this long is taken for a failed node: the client's stream ends with an error
+    /// and the endpoint counts a failure.
+    pub idle_min: HumanDuration,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        Self {
+            idle_multiplier: 10.0,
+            idle_min: HumanDuration::from_secs(2),
+        }
+    }
+}
+
+impl StreamConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        if !(1.0..=1000.0).contains(&self.idle_multiplier) {
+            problems.push(Problem {
+                field: "stream.idle_multiplier".into(),
+                message: format!("must be between 1 and 1000, got {}", self.idle_multiplier),
+            });
+        }
+    }
+}

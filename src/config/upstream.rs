@@ -1,0 +1,168 @@
+//! How tongs reaches endpoints: pooling, TLS roots, and the Tailscale proxy for tailnet addresses.
+
+use std::path::PathBuf;
+
+use http::Uri;
+use serde::{Deserialize, Serialize};
+
+use super::Problem;
+
+/// How tongs talks to endpoints.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// A PEM file of extra CA certificates trusted for `https://` endpoints, besides the webpki roots.
+    pub extra_ca_file: Option<PathBuf>,
+    /// Idle pooled connections kept per endpoint.
+    pub pool_max_idle_per_endpoint: usize,
+    pub tailscale: TailscaleConfig,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            extra_ca_file: None,
+            pool_max_idle_per_endpoint: 256,
+            tailscale: TailscaleConfig::default(),
+        }
+    }
+}
+
+/// How tongs reaches Tailscale addresses.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TailscaleConfig {
+    /// tailscaled's outbound proxy in a userspace-networking sidecar: `socks5://127.0.0.1:1055`
+    /// (`--socks5-server`) or `http://127.0.0.1:1055` (`--outbound-http-proxy-listen`, CONNECT).
+    /// Empty: connect to Tailscale addresses directly (tongs' pod routes to the tailnet itself).
+    pub proxy: String,
+    /// Destination addresses that go through the proxy (IP ranges).
+    pub ranges: Vec<String>,
+}
+
+impl Default for TailscaleConfig {
+    fn default() -> Self {
+        Self {
+            proxy: String::new(),
+            ranges: vec!["100.64.0.0/10".into(), "fd7a:115c:a1e0::/48".into()],
+        }
+    }
+}
+
+impl TailscaleConfig {
+    /// The ranges, parsed; entries that do not parse are left out (validation reports them).
+    pub fn parsed_ranges(&self) -> Vec<ipnet::IpNet> {
+        self.ranges
+            .iter()
+            .filter_map(|range| range.trim().parse::<ipnet::IpNet>().ok())
+            .map(|range| range.trunc())
+            .collect()
+    }
+
+    fn validate(&self, problems: &mut Vec<Problem>) {
+        if !self.proxy.is_empty()
+            && let Err(message) = parse_proxy(&self.proxy)
+        {
+            problems.push(Problem {
+                field: "upstream.tailscale.proxy".into(),
+                message,
+            });
+        }
+        for (index, range) in self.ranges.iter().enumerate() {
+            if range.trim().parse::<ipnet::IpNet>().is_err() {
+                problems.push(Problem {
+                    field: format!("upstream.tailscale.ranges[{index}]"),
+                    message: format!("{range:?} is not a CIDR range like 100.64.0.0/10"),
+                });
+            }
+        }
+    }
+}
+
+/// tailscaled's proxy, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ProxyKind {
+    /// `socks5://host:port`.
+    Socks5,
+    /// `http://host:port`: HTTP CONNECT.
+    Connect,
+}
+
+/// Parses `upstream.tailscale.proxy`: `socks5://HOST:PORT` or `http://HOST:PORT`.
+pub fn parse_proxy(text: &str) -> Result<(ProxyKind, Uri), String> {
+    let uri: Uri = text
+        .parse()
+        .map_err(|err| format!("{text:?} is not a URL: {err}"))?;
+    let kind = match uri.scheme_str() {
+        Some("socks5") | Some("socks5h") => ProxyKind::Socks5,
+        Some("http") => ProxyKind::Connect,
+        _ => {
+            return Err(format!(
+                "{text:?}: use socks5://127.0.0.1:1055 (tailscaled --socks5-server) or \
+                 http://127.0.0.1:1055 (--outbound-http-proxy-listen)"
+            ));
+        }
+    };
+    let authority = uri
+        .authority()
+        .ok_or_else(|| format!("{text:?} has no host"))?;
+    if authority.port_u16().is_none() {
+        return Err(format!(
+            "{text:?} has no port (tailscaled has no default; 1055 is usual)"
+        ));
+    }
+    if authority.as_str().contains('@') {
+        return Err(format!("{text:?}: tailscaled's proxy takes no credentials"));
+    }
+    if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(format!("{text:?}: a proxy URL has no path"));
+    }
+    // The inner connector dials the proxy itself: it needs a plain http URI for that.
+    let dial: Uri = format!("http://{authority}")
+        .parse()
+        .map_err(|err| format!("{text:?}: {err}"))?;
+    Ok((kind, dial))
+}
+
+impl UpstreamConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem =
+            |field: String, message: String| problems.push(Problem { field, message });
+        if let Some(path) = &self.extra_ca_file
+            && !path.is_file()
+        {
+            problem(
+                "upstream.extra_ca_file".into(),
+                format!("{} is not a readable file", path.display()),
+            );
+        }
+
+        self.tailscale.validate(problems);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proxy_urls_are_checked() {
+        assert_eq!(
+            parse_proxy("socks5://127.0.0.1:1055").unwrap(),
+            (ProxyKind::Socks5, "http://127.0.0.1:1055".parse().unwrap())
+        );
+        assert_eq!(
+            parse_proxy("http://localhost:1055/").unwrap().0,
+            ProxyKind::Connect
+        );
+        for bad in [
+            "127.0.0.1:1055",
+            "socks5://127.0.0.1",
+            "https://127.0.0.1:1055",
+            "socks5://u:p@127.0.0.1:1055",
+            "http://127.0.0.1:1055/x",
+        ] {
+            assert!(parse_proxy(bad).is_err(), "{bad} parsed");
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! How many of a registry's endpoints are ejected, healthy, and up, kept as endpoints change state, so
+//! the request path never scans the fleet to know (a refusal, a failure that may eject, panic mode).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+
+use super::{Endpoint, GATE_CLOSED};
+
+/// Counts over the endpoints in one registry's set (draining ones count for nothing).
+#[derive(Debug, Default)]
+pub struct FleetCounts {
+    ejected: AtomicUsize,
+    healthy: AtomicUsize,
+    up: AtomicUsize,
+}
+
+impl FleetCounts {
+    /// Endpoints whose breaker keeps them out (open or probing).
+    pub fn ejected(&self) -> usize {
+        self.ejected.load(Ordering::Relaxed)
+    }
+
+    /// Endpoints heartbeats call healthy.
+    pub fn healthy(&self) -> usize {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    /// Endpoints healthy and not ejected: those that could serve if they had room.
+    pub fn up(&self) -> usize {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    fn counters(&self) -> [&AtomicUsize; 3] {
+        [&self.ejected, &self.healthy, &self.up]
+    }
+}
+
+/// What one endpoint adds to its registry's counts: a bit per counter of [`FleetCounts::counters`].
+#[derive(Debug, Default)]
+pub(super) struct Counted(AtomicU8);
+
+impl Endpoint {
+    /// Counts this endpoint in `counts` from now on (set once, by the registry, as it joins the set).
+    pub fn count_in(&self, counts: Arc<FleetCounts>) {
+        let _breaker = self.lock_breaker();
+        if self.counts.set(counts).is_ok() {
+            self.recount();
+        }
+    }
+
+    /// Brings this endpoint's share of the counts up to date. Called with the breaker's lock held after
+    /// every change of the breaker's gate, of health or of draining, so changes to one endpoint are
+    /// counted in order and the counts are exact once they settle.
+    pub(super) fn recount(&self) {
+        let Some(counts) = self.counts.get() else {
+            return;
+        };
+        let in_set = !self.draining.load(Ordering::Relaxed);
+        let closed = self.gate.load(Ordering::Relaxed) == GATE_CLOSED;
+        let healthy = in_set && self.healthy.load(Ordering::Relaxed);
+        let now = [in_set && !closed, healthy, healthy && closed]
+            .iter()
+            .enumerate()
+            .fold(0u8, |mask, (bit, on)| mask | (u8::from(*on) << bit));
+        let was = self.counted.0.swap(now, Ordering::Relaxed);
+        for (bit, counter) in counts.counters().into_iter().enumerate() {
+            match ((was >> bit) & 1, (now >> bit) & 1) {
+                (0, 1) => {
+                    counter.fetch_add(1, Ordering::Relaxed);
+                }
+                (1, 0) => {
+                    counter.fetch_sub(1, Ordering::Relaxed);
+                }
+                _ => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! The circuit breaker's state machine behind one small lock, mirrored into a single atomic "gate" so a
+//! pick can skip ejected endpoints without locking.
+
+use std::sync::atomic::Ordering;
+
+use tokio::time::Instant;
+
+use super::Endpoint;
+use crate::breaker::{Admission, Breaker, BreakerSettings, State, Transition};
+
+/// `gate` value of a closed breaker.
+pub(super) const GATE_CLOSED: u64 = 0;
+/// `gate` value of a half-open breaker whose one probe is in flight.
+pub(super) const GATE_PROBING: u64 = u64::MAX;
+
+impl Endpoint {
+    /// Asks the breaker for a request now (claims the half-open probe when that is what is left).
+    pub fn admit(&self, now: Instant) -> Admission {
+        let mut breaker = self.lock_breaker();
+        let (admission, transition) = breaker.admit(now);
+        self.publish(&breaker, now, transition);
+        admission
+    }
+
+    /// The endpoint answered a request well.
+    pub fn record_success(&self, now: Instant) {
+        // The common case, a closed breaker with no failure streak, takes no lock.
+        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED
+            && self.streak.load(Ordering::Relaxed) == 0
+        {
+            return;
+        }
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_success(now);
+        self.publish(&breaker, now, transition);
+    }
+
+    /// A request failed at this endpoint. `may_eject`: the fleet can afford one more ejection.
+    pub fn record_failure(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_failure(settings, now, may_eject, fastrand::f64());
+        self.publish(&breaker, now, transition);
+    }
+
+    /// An attempt here stalled (lost to a hedge, or waited far past the expected latency). Counted only
+    /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
+    /// the endpoint stalled: ejected, with its waiting attempts told to move at once.
+    pub fn record_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) -> bool {
+        if !self.is_healthy() {
+            return false;
+        }
+        self.stall_events.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_stall(settings, now, may_eject, fastrand::f64());
+        self.publish(&breaker, now, transition);
+        drop(breaker);
+        let stalled = matches!(transition, Some(Transition::Opened { .. }));
+        if stalled {
+            self.gone.send_modify(|generation| *generation += 1);
+            tracing::warn!(
+                endpoint = self.url(),
+                outstanding = self.outstanding(),
+                "endpoint stalled: heartbeats pass but requests hang; ejected until a real request succeeds"
+            );
+        }
+        stalled
+    }
+
+    /// Whether the breaker keeps the endpoint out because its requests stalled (a gray failure).
+    pub fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+
+    /// Attempts here that stalled (lost to a hedge, or waited far past the expected latency).
+    pub fn stalls(&self) -> u64 {
+        self.stall_events.load(Ordering::Relaxed)
+    }
+
+    /// A half-open probe ended without a verdict (its client left): let another request probe.
+    pub fn release_probe(&self, now: Instant) {
+        let mut breaker = self.lock_breaker();
+        breaker.release_probe();
+        self.publish(&breaker, now, None);
+    }
+
+    /// A heartbeat passed: it counts as the breaker's probe once the ejection time is over.
+    pub fn heartbeat_passed(&self, now: Instant) {
+        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
+            return;
+        }
+        let mut breaker = self.lock_breaker();
+        let transition = breaker.on_heartbeat_success(now);
+        self.publish(&breaker, now, transition);
+    }
+
+    /// Whether the breaker currently keeps this endpoint out (open or probing).
+    pub fn is_ejected(&self) -> bool {
+        self.gate.load(Ordering::Relaxed) != GATE_CLOSED
+    }
+
+    /// The breaker's state, for debug output and tests.
+    pub fn breaker_state(&self) -> State {
+        self.lock_breaker().state()
+    }
+
+    /// Times the breaker opened.
+    pub fn ejections(&self) -> u64 {
+        self.ejections.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn lock_breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Mirrors the breaker into the gate and logs a transition once.
+    pub(super) fn publish(&self, breaker: &Breaker, now: Instant, transition: Option<Transition>) {
+        let streak = match breaker.state() {
+            State::Closed { failures } => failures,
+            _ => 0,
+        };
+        self.streak.store(streak, Ordering::Relaxed);
+        let gate = match breaker.state() {
+            State::Closed { .. } => GATE_CLOSED,
+            State::HalfOpen {
+                probe_in_flight: true,
+            } => GATE_PROBING,
+            // Half-open with the probe slot free: eligible as a probe from now on.
+            State::HalfOpen {
+                probe_in_flight: false,
+            } => self.millis(now).max(1),
+            State::Open { until } => self.millis(until).max(1),
+        };
+        self.gate.store(gate, Ordering::Relaxed);
+        self.stalled.store(breaker.is_stalled(), Ordering::Relaxed);
+        self.recount();
+        match transition {
+            Some(Transition::Opened { for_ }) => {
+                self.ejections.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    endpoint = self.url(),
+                    ejected_ms = for_.as_millis() as u64,
+                    "circuit opened"
+                );
+            }
+            Some(Transition::HalfOpened) => {
+                tracing::info!(
+                    endpoint = self.url(),
+                    "circuit half-open: one probe request admitted"
+                );
+            }
+            Some(Transition::Closed) => {
+                self.start_slow_start(now);
+                tracing::info!(endpoint = self.url(), "circuit closed");
+            }
+            None => {}
+        }
+    }
+}

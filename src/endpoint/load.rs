@@ -1,0 +1,210 @@
+//! How loaded the endpoint is and may be: outstanding requests and the slots they hold, the
+//! concurrency limit (static or adaptive), and back-off the endpoint asked for.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Endpoint, SlotFreed};
+use crate::config::LimitMode;
+use crate::limit::{LimitSettings, Limiter};
+
+impl Endpoint {
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request as outstanding here until the returned guard is dropped, regardless of the
+    /// limit (upgrades and tests; the request path uses [`Endpoint::try_start_request`]).
+    pub fn start_request(self: &Arc<Self>) -> Outstanding {
+        let in_flight = self.outstanding.fetch_add(1, Ordering::Relaxed) + 1;
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        Outstanding {
+            endpoint: Arc::clone(self),
+            in_flight,
+        }
+    }
+
+    /// Takes one of the endpoint's slots if it is below its concurrency limit. Exact under races: two
+    /// workers cannot both take the last slot.
+    pub fn try_start_request(self: &Arc<Self>) -> Option<Outstanding> {
+        let limit = self.limit.load(Ordering::Relaxed);
+        let mut current = self.outstanding.load(Ordering::SeqCst);
+        loop {
+            if current >= limit {
+                return None;
+            }
+            match self.outstanding.compare_exchange_weak(
+                current,
+                current + 1,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => break,
+                Err(actual) => current = actual,
+            }
+        }
+        self.requests.fetch_add(1, Ordering::Relaxed);
+        Some(Outstanding {
+            endpoint: Arc::clone(self),
+            in_flight: current + 1,
+        })
+    }
+
+    /// The concurrency limit in force (`None`: unlimited).
+    pub fn limit(&self) -> Option<u64> {
+        match self.limit.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            limit => Some(limit),
+        }
+    }
+
+    /// The adaptive limiter's unloaded latency in microseconds, if it measured one.
+    pub fn unloaded_latency_us(&self) -> Option<u64> {
+        self.lock_limiter()
+            .as_ref()
+            .map(Limiter::unloaded_us)
+            .filter(|&us| us > 0)
+    }
+
+    /// What to call when a slot comes free (set once, by the registry).
+    pub fn set_slot_freed(&self, slot_freed: SlotFreed) {
+        let _ = self.slot_freed.set(slot_freed);
+    }
+
+    /// Applies the limit settings (on creation and on reload). An adaptive limiter keeps what it learnt
+    /// when only other settings changed.
+    pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
+        let mut limiter = self.lock_limiter();
+        let limit = match settings.mode {
+            LimitMode::None => {
+                *limiter = None;
+                u64::MAX
+            }
+            LimitMode::Static => {
+                *limiter = None;
+                u64::from(settings.initial)
+            }
+            LimitMode::Adaptive => {
+                let state = match limiter.take() {
+                    Some(mut kept) => {
+                        kept.set_settings(*settings);
+                        kept
+                    }
+                    None => Limiter::new(*settings, self.millis(now)),
+                };
+                let limit = u64::from(state.limit());
+                *limiter = Some(state);
+                limit
+            }
+        };
+        self.store_limit(limit);
+    }
+
+    /// Feeds the adaptive limiter a committed request's time to first byte.
+    pub fn observe_limit_sample(&self, sample: Duration, in_flight: u64, now: Instant) {
+        let mut limiter = self.lock_limiter();
+        if let Some(state) = limiter.as_mut() {
+            let limit = state.on_sample(sample, in_flight, self.millis(now));
+            drop(limiter);
+            self.store_limit(u64::from(limit));
+        }
+    }
+
+    /// The endpoint pushed back: the adaptive limit drops at once. False when it has no adaptive limit.
+    pub fn limit_back_pressure(&self, now: Instant) -> bool {
+        let mut limiter = self.lock_limiter();
+        match limiter.as_mut() {
+            Some(state) => {
+                // The refused request still counts as outstanding here; the node holds the others.
+                let holding = self.outstanding().saturating_sub(1);
+                let limit = state.on_back_pressure(self.millis(now), holding);
+                drop(limiter);
+                self.store_limit(u64::from(limit));
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn store_limit(&self, limit: u64) {
+        let limit = limit.min(self.limit_cap);
+        let old = self.limit.swap(limit, Ordering::Relaxed);
+        if limit > old
+            && let Some(slot_freed) = self.slot_freed.get()
+        {
+            slot_freed.call();
+        }
+    }
+
+    fn lock_limiter(&self) -> std::sync::MutexGuard<'_, Option<Limiter>> {
+        self.limiter
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Times the endpoint asked for back-off (429, 503 with Retry-After), paused or not.
+    pub fn cooldowns(&self) -> u64 {
+        self.cooldowns.load(Ordering::Relaxed)
+    }
+
+    /// Back-pressure from the endpoint: no new requests for `pause` (it is not a failure).
+    pub fn cool_down(&self, pause: Duration, now: Instant) {
+        let until = self.millis(now + pause);
+        self.cooldown_until.fetch_max(until, Ordering::Relaxed);
+        self.cooldowns.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            endpoint = self.url(),
+            pause_ms = pause.as_millis() as u64,
+            "endpoint asked for back-off"
+        );
+    }
+
+    /// Back-pressure from an endpoint still serving others of ours: counted, not paused (the caller
+    /// cuts an adaptive limit instead). Logged at debug: under standing overload it happens many times
+    /// a second.
+    pub fn pushed_back_while_busy(&self) {
+        self.cooldowns.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(endpoint = self.url(), "busy endpoint refused a request");
+    }
+
+    /// Whether the endpoint asked for back-off that has not ended at `now_ms`.
+    pub fn cooling_down(&self, now_ms: u64) -> bool {
+        self.cooldown_until.load(Ordering::Relaxed) > now_ms
+    }
+}
+
+/// RAII count of one in-flight request on an endpoint.
+///
+/// The proxy moves it into the response body (or the upgraded-connection task), so a request stays
+/// outstanding until its body has ended or the client went away — not just until headers arrived, which
+/// would undercount streamed token responses that last seconds.
+#[derive(Debug)]
+pub struct Outstanding {
+    endpoint: Arc<Endpoint>,
+    /// Requests outstanding on the endpoint when this one started, itself included.
+    in_flight: u64,
+}
+
+impl Outstanding {
+    pub fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.endpoint
+    }
+
+    pub fn in_flight_at_start(&self) -> u64 {
+        self.in_flight
+    }
+}
+
+impl Drop for Outstanding {
+    fn drop(&mut self) {
+        // SeqCst on both sides of the hand-off (this decrement then the queue's waiting count; a joiner's
+        // increment of that count then its look at this one): one of the two always sees the other.
+        self.endpoint.outstanding.fetch_sub(1, Ordering::SeqCst);
+        if let Some(slot_freed) = self.endpoint.slot_freed.get() {
+            slot_freed.call();
+        }
+    }
+}

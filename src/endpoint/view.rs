@@ -1,0 +1,160 @@
+//! What an endpoint is doing, as operators see it: /debug/endpoints, metrics and the status page.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::Endpoint;
+use crate::breaker::State;
+
+/// What an endpoint is doing, for /debug/endpoints, metrics and the status page.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct EndpointView {
+    pub url: String,
+    pub source: &'static str,
+    /// `namespace/name` of the pod behind the endpoint (discovered endpoints only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    pub weight: u32,
+    /// The one word an operator needs first.
+    pub state: EndpointState,
+    pub healthy: bool,
+    pub suspect: bool,
+    pub draining: bool,
+    pub cooling_down: bool,
+    pub slow_start: bool,
+    /// `closed`, `open` or `half-open`.
+    pub breaker: &'static str,
+    pub outstanding: u64,
+    /// Concurrency limit (null: none).
+    pub limit: Option<u64>,
+    pub requests: u64,
+    pub failures: u64,
+    pub ejections: u64,
+    /// Attempts that stalled here (lost to a hedge, or waited far past the expected latency).
+    pub stalls: u64,
+    pub cooldowns: u64,
+    /// Expected-latency estimate (time to first byte), ms; null before the first answer.
+    pub latency_ms: Option<f64>,
+    /// The adaptive limiter's unloaded latency, ms.
+    pub unloaded_latency_ms: Option<f64>,
+    /// Seconds since the last heartbeat ended (null: none yet), its duration and verdict.
+    pub last_heartbeat_age_s: Option<f64>,
+    pub last_heartbeat_ms: Option<f64>,
+    pub last_heartbeat_ok: Option<bool>,
+}
+
+/// What an endpoint is doing, in the one word an operator needs first. When several hold, the first
+/// that applies in this order names it: draining, unhealthy, stalled, ejected, probing, cooldown, suspect,
+/// slow-start, healthy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndpointState {
+    Healthy,
+    SlowStart,
+    Suspect,
+    Cooldown,
+    Probing,
+    Ejected,
+    /// Ejected because its requests stalled while its heartbeats passed (a gray failure).
+    Stalled,
+    Unhealthy,
+    Draining,
+}
+
+impl EndpointState {
+    /// Every state, in the order metrics list them.
+    pub const ALL: [EndpointState; 9] = [
+        EndpointState::Healthy,
+        EndpointState::SlowStart,
+        EndpointState::Suspect,
+        EndpointState::Cooldown,
+        EndpointState::Probing,
+        EndpointState::Ejected,
+        EndpointState::Stalled,
+        EndpointState::Unhealthy,
+        EndpointState::Draining,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndpointState::Healthy => "healthy",
+            EndpointState::SlowStart => "slow-start",
+            EndpointState::Suspect => "suspect",
+            EndpointState::Cooldown => "cooldown",
+            EndpointState::Probing => "probing",
+            EndpointState::Ejected => "ejected",
+            EndpointState::Stalled => "stalled",
+            EndpointState::Unhealthy => "unhealthy",
+            EndpointState::Draining => "draining",
+        }
+    }
+}
+
+impl Endpoint {
+    /// A consistent-enough picture of the endpoint at `now` (each field read once, without locks but the
+    /// breaker's and the limiter's).
+    pub fn view(&self, now: Instant, slow_start: Duration) -> EndpointView {
+        let now_ms = self.millis(now);
+        let breaker_state = self.breaker_state();
+        let breaker = match breaker_state {
+            State::Closed { .. } => "closed",
+            State::Open { .. } => "open",
+            State::HalfOpen { .. } => "half-open",
+        };
+        let healthy = self.is_healthy();
+        let suspect = self.is_suspect();
+        let draining = !self.is_available();
+        let cooling_down = self.cooling_down(now_ms);
+        let window = u64::try_from(slow_start.as_millis()).unwrap_or(u64::MAX);
+        let slow =
+            window > 0 && self.effective_weight(now_ms, window) < u64::from(self.weight) * 1000;
+        let state = if draining {
+            EndpointState::Draining
+        } else if !healthy {
+            EndpointState::Unhealthy
+        } else if self.is_stalled() && !matches!(breaker_state, State::Closed { .. }) {
+            EndpointState::Stalled
+        } else if let State::Open { .. } = breaker_state {
+            EndpointState::Ejected
+        } else if let State::HalfOpen { .. } = breaker_state {
+            EndpointState::Probing
+        } else if cooling_down {
+            EndpointState::Cooldown
+        } else if suspect {
+            EndpointState::Suspect
+        } else if slow {
+            EndpointState::SlowStart
+        } else {
+            EndpointState::Healthy
+        };
+        let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
+        let heartbeat = self.last_heartbeat();
+        EndpointView {
+            url: self.url.clone(),
+            source: self.origin.source,
+            pod: self.origin.pod.as_deref().map(str::to_owned),
+            weight: self.weight,
+            state,
+            healthy,
+            suspect,
+            draining,
+            cooling_down,
+            slow_start: slow,
+            breaker,
+            outstanding: self.outstanding(),
+            limit: self.limit(),
+            requests: self.requests(),
+            failures: self.failures(),
+            ejections: self.ejections(),
+            stalls: self.stalls(),
+            cooldowns: self.cooldowns(),
+            latency_ms: ms(self.latency_us()),
+            unloaded_latency_ms: self.unloaded_latency_us().and_then(ms),
+            last_heartbeat_age_s: heartbeat
+                .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
+            last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
+            last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
+        }
+    }
+}

@@ -1,0 +1,150 @@
+//! What the proxy answers when it cannot deliver an endpoint's response.
+//!
+//! Each error knows its status and renders the same small JSON body, `{"error": "...", "request_id":
+//! "..."}`, so clients and logs can be matched up by request id.
+
+use std::time::Duration;
+
+use http::{HeaderValue, Response, StatusCode, header};
+
+use super::body::ProxyBody;
+use super::headers::{X_REQUEST_ID, X_TONGS_REJECT_REASON};
+use crate::admission::Refusal;
+
+/// A request the proxy could not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("{detail}")]
+    Refused {
+        reason: Refusal,
+        detail: String,
+        /// Seconds until trying again is likely to succeed.
+        retry_after: u64,
+    },
+    #[error("header {header} must be a whole number of milliseconds above zero, got {value:?}")]
+    BadDeadline { header: String, value: String },
+    #[error("request body is larger than the limit of {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("could not connect to endpoint {endpoint}: {detail}")]
+    Connect { endpoint: String, detail: String },
+    #[error("endpoint {endpoint} failed: {detail}")]
+    Upstream { endpoint: String, detail: String },
+    #[error("endpoint {endpoint} sent no response headers within {}", humantime::format_duration(*.after))]
+    ResponseTimeout { endpoint: String, after: Duration },
+    #[error("endpoint {endpoint} answered {status}")]
+    Status { endpoint: String, status: u16 },
+    #[error("the request body could not be read: {detail}")]
+    ClientBody { detail: String },
+    #[error("the request body did not arrive within the total timeout")]
+    ClientTooSlow,
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::Refused { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::BadDeadline { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Status { status, .. } => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_GATEWAY)
+            }
+            ProxyError::ClientBody { .. } => StatusCode::BAD_REQUEST,
+            ProxyError::ClientTooSlow => StatusCode::REQUEST_TIMEOUT,
+        }
+    }
+
+    /// The response a client sees.
+    pub fn into_response(self, request_id: &HeaderValue) -> Response<ProxyBody> {
+        let mut body = serde_json::json!({
+            "error": self.to_string(),
+            "request_id": request_id.to_str().unwrap_or_default(),
+        });
+        if let ProxyError::Refused {
+            reason,
+            retry_after,
+            ..
+        } = &self
+        {
+            body["reason"] = reason.as_str().into();
+            body["retry_after_seconds"] = (*retry_after).into();
+        }
+        let mut response = Response::new(ProxyBody::full(body.to_string()));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        if let ProxyError::Refused {
+            reason,
+            retry_after,
+            ..
+        } = &self
+        {
+            headers.insert(
+                &X_TONGS_REJECT_REASON,
+                HeaderValue::from_static(reason.as_str()),
+            );
+            headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        headers.insert(&X_REQUEST_ID, request_id.clone());
+        response
+    }
+}
+
+/// Full description of an error and its causes, for logs and client messages.
+pub fn describe(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_match_the_failure() {
+        assert_eq!(refused().status(), 503);
+        assert_eq!(ProxyError::BodyTooLarge { limit: 1 }.status(), 413);
+        let connect = ProxyError::Connect {
+            endpoint: "http://a".into(),
+            detail: "refused".into(),
+        };
+        assert_eq!(connect.status(), 502);
+        let timeout = ProxyError::ResponseTimeout {
+            endpoint: "http://a".into(),
+            after: Duration::from_secs(2),
+        };
+        assert_eq!(timeout.status(), 504);
+        assert!(timeout.to_string().contains("2s"));
+    }
+
+    #[test]
+    fn renders_json_with_the_request_id() {
+        let response = refused().into_response(&HeaderValue::from_static("rid-1"));
+        assert_eq!(response.status(), 503);
+        assert_eq!(response.headers()["x-request-id"], "rid-1");
+        assert_eq!(response.headers()["content-type"], "application/json");
+        assert_eq!(response.headers()["x-tongs-reject-reason"], "queue-full");
+        assert_eq!(response.headers()["retry-after"], "7");
+    }
+
+    fn refused() -> ProxyError {
+        ProxyError::Refused {
+            reason: Refusal::QueueFull,
+            detail: "the queue is full".into(),
+            retry_after: 7,
+        }
+    }
+}

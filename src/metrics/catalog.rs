@@ -1,0 +1,218 @@
+//! Every metric tongs exports, defined once: name, Prometheus type and help text. The README's table
+//! is checked against [`CATALOG`].
+
+/// One metric: name, Prometheus type, help text.
+pub struct Spec {
+    pub name: &'static str,
+    pub kind: &'static str,
+    pub help: &'static str,
+}
+
+const fn spec(name: &'static str, kind: &'static str, help: &'static str) -> Spec {
+    Spec { name, kind, help }
+}
+
+pub const REQUESTS: Spec = spec(
+    "tongs_requests_total",
+    "counter",
+    "Requests answered, by outcome (proxied, failed, refused, invalid) and status class.",
+);
+pub const REQUEST_DURATION: Spec = spec(
+    "tongs_request_duration_seconds",
+    "histogram",
+    "Time from a request's arrival to the end of its answer (streams included), by outcome.",
+);
+pub const FIRST_BYTE: Spec = spec(
+    "tongs_time_to_first_byte_seconds",
+    "histogram",
+    "Time from a request's arrival to the commit of an endpoint's answer (headers and first bytes).",
+);
+pub const QUEUE_WAIT: Spec = spec(
+    "tongs_queue_wait_seconds",
+    "histogram",
+    "Time requests that got an endpoint spent in the queue.",
+);
+pub const QUEUE_DEPTH: Spec = spec(
+    "tongs_queue_depth",
+    "gauge",
+    "Requests waiting in the queue for an endpoint.",
+);
+pub const DEMAND: Spec = spec(
+    "tongs_demand",
+    "gauge",
+    "Requests queued plus outstanding on endpoints: the signal to scale GPU nodes on.",
+);
+pub const CAPACITY: Spec = spec(
+    "tongs_capacity",
+    "gauge",
+    "Sum of the endpoints' concurrency limits (absent while any endpoint is unlimited).",
+);
+pub const REJECTIONS: Spec = spec(
+    "tongs_rejections_total",
+    "counter",
+    "Requests tongs refused itself, by reason.",
+);
+pub const RETRIES: Spec = spec(
+    "tongs_retries_total",
+    "counter",
+    "Retries on another endpoint, by the failure that caused them.",
+);
+pub const RETRY_BUDGET_EXHAUSTED: Spec = spec(
+    "tongs_retry_budget_exhausted_total",
+    "counter",
+    "Retries the retry budget refused.",
+);
+pub const ATTEMPTS: Spec = spec(
+    "tongs_attempts_total",
+    "counter",
+    "Attempts sent to endpoints (requests plus retries).",
+);
+pub const ENDPOINTS: Spec = spec(
+    "tongs_endpoints",
+    "gauge",
+    "Endpoints in the set, by discovery source and state.",
+);
+pub const ENDPOINT_STATE: Spec = spec(
+    "tongs_endpoint_state",
+    "gauge",
+    "1 for the state each endpoint is in, 0 for the others.",
+);
+pub const ENDPOINT_OUTSTANDING: Spec = spec(
+    "tongs_endpoint_outstanding",
+    "gauge",
+    "Requests on the endpoint whose answer has not ended.",
+);
+pub const ENDPOINT_LIMIT: Spec = spec(
+    "tongs_endpoint_limit",
+    "gauge",
+    "The endpoint's concurrency limit (absent when unlimited).",
+);
+pub const ENDPOINT_REQUESTS: Spec = spec(
+    "tongs_endpoint_requests_total",
+    "counter",
+    "Attempts sent to the endpoint.",
+);
+pub const ENDPOINT_FAILURES: Spec = spec(
+    "tongs_endpoint_failures_total",
+    "counter",
+    "Attempts that failed at the endpoint (connect, reset, timeout, gateway error).",
+);
+pub const ENDPOINT_EJECTIONS: Spec = spec(
+    "tongs_endpoint_ejections_total",
+    "counter",
+    "Times the endpoint's circuit breaker opened.",
+);
+pub const ENDPOINT_COOLDOWNS: Spec = spec(
+    "tongs_endpoint_cooldowns_total",
+    "counter",
+    "Times the endpoint asked for back-off (429, or 503 with Retry-After).",
+);
+pub const ENDPOINT_LATENCY: Spec = spec(
+    "tongs_endpoint_latency_seconds",
+    "gauge",
+    "The balancer's latency estimate for the endpoint (time to first byte, peak EWMA).",
+);
+pub const ENDPOINT_HEARTBEAT: Spec = spec(
+    "tongs_endpoint_heartbeat_seconds",
+    "gauge",
+    "Duration of the endpoint's last heartbeat.",
+);
+pub const ENDPOINT_HEARTBEAT_OK: Spec = spec(
+    "tongs_endpoint_heartbeat_ok",
+    "gauge",
+    "1 if the endpoint's last heartbeat passed, 0 if it failed.",
+);
+pub const CONFIG_RELOADS: Spec = spec(
+    "tongs_config_reloads_total",
+    "counter",
+    "Configuration reloads, by result (applied, invalid).",
+);
+pub const BUILD_INFO: Spec = spec(
+    "tongs_build_info",
+    "gauge",
+    "Always 1; the version in a label.",
+);
+
+pub const DISCOVERY_SYNCED: Spec = spec(
+    "tongs_discovery_synced",
+    "gauge",
+    "1 once Kubernetes discovery applied its first complete list of pods (always 1 when it is off).",
+);
+pub const DISCOVERY_PODS: Spec = spec(
+    "tongs_discovery_pods",
+    "gauge",
+    "Pods watched, by state (serving, ineligible, no-address).",
+);
+pub const DISCOVERY_REJECTIONS: Spec = spec(
+    "tongs_discovery_rejections_total",
+    "counter",
+    "Pod annotations (or podIPs) refused, by reason; each pod's problem counted once.",
+);
+pub const DISCOVERY_WATCH_ERRORS: Spec = spec(
+    "tongs_discovery_watch_errors_total",
+    "counter",
+    "Errors of the pod watch (each followed by a retry with backoff).",
+);
+pub const DISCOVERY_LISTS: Spec = spec(
+    "tongs_discovery_lists_total",
+    "counter",
+    "Complete pod lists applied: the first sync, then one per re-list after a lost watch.",
+);
+pub const SALAD_LOOKUPS: Spec = spec(
+    "tongs_salad_api_lookups_total",
+    "counter",
+    "SaladCloud API container group lookups, by result (found, not-yet, error).",
+);
+pub const REGISTRATIONS: Spec = spec(
+    "tongs_node_registrations_total",
+    "counter",
+    "Node self-registrations, by result.",
+);
+pub const RUNTIME_TASKS: Spec = spec(
+    "tongs_runtime_tasks",
+    "gauge",
+    "Tokio tasks alive, summed over tongs' runtimes (the main one and each worker's); one that only grows is a task leak.",
+);
+
+/// Every metric tongs exports.
+pub const CATALOG: [&Spec; 33] = [
+    &REQUESTS,
+    &REQUEST_DURATION,
+    &FIRST_BYTE,
+    &QUEUE_WAIT,
+    &QUEUE_DEPTH,
+    &DEMAND,
+    &CAPACITY,
+    &REJECTIONS,
+    &RETRIES,
+    &RETRY_BUDGET_EXHAUSTED,
+    &ATTEMPTS,
+    &ENDPOINTS,
+    &ENDPOINT_STATE,
+    &ENDPOINT_OUTSTANDING,
+    &ENDPOINT_LIMIT,
+    &ENDPOINT_REQUESTS,
+    &ENDPOINT_FAILURES,
+    &ENDPOINT_EJECTIONS,
+    &ENDPOINT_COOLDOWNS,
+    &ENDPOINT_LATENCY,
+    &ENDPOINT_HEARTBEAT,
+    &ENDPOINT_HEARTBEAT_OK,
+    &CONFIG_RELOADS,
+    &BUILD_INFO,
+    &UPTIME,
+    &DISCOVERY_SYNCED,
+    &DISCOVERY_PODS,
+    &DISCOVERY_REJECTIONS,
+    &DISCOVERY_WATCH_ERRORS,
+    &DISCOVERY_LISTS,
+    &SALAD_LOOKUPS,
+    &REGISTRATIONS,
+    &RUNTIME_TASKS,
+];
+
+pub const UPTIME: Spec = spec(
+    "tongs_uptime_seconds",
+    "gauge",
+    "Seconds since this process started serving.",
+);

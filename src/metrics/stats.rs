@@ -1,0 +1,55 @@
+//! Counters the request path keeps as it goes (per-endpoint counters live on the endpoint).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::config::RetryOn as FailureKind;
+
+/// Counters of the request path as a whole (per-endpoint counters live on the endpoint).
+#[derive(Debug, Default)]
+pub struct ProxyStats {
+    /// Requests received.
+    pub requests: AtomicU64,
+    /// Attempts sent to endpoints (requests plus retries).
+    pub attempts: AtomicU64,
+    /// Requests tongs refused itself (queue full or timed out, shed, no endpoints); by reason in the
+    /// queue's stats.
+    pub rejected: AtomicU64,
+    /// Requests whose every attempt failed.
+    pub failed: AtomicU64,
+    /// Retries, by reason, and retries the budget refused.
+    pub retries: RetryStats,
+}
+
+/// Counters of retries, by reason.
+#[derive(Debug, Default)]
+pub struct RetryStats {
+    by_reason: [AtomicU64; 6],
+    /// Retries refused because the budget was spent.
+    pub budget_exhausted: AtomicU64,
+}
+
+impl RetryStats {
+    pub fn count(&self, kind: FailureKind) {
+        self.by_reason[kind.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn total(&self) -> u64 {
+        self.by_reason
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .sum()
+    }
+
+    /// `(reason, retries)` for every reason.
+    pub fn by_reason(&self) -> Vec<(&'static str, u64)> {
+        FailureKind::KINDS
+            .into_iter()
+            .map(|k| {
+                (
+                    k.as_str(),
+                    self.by_reason[k.index()].load(Ordering::Relaxed),
+                )
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,200 @@
+//! Finding an endpoint for an attempt: a pick among the endpoints not yet tried, and the queue while
+//! none has room.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::attempt::{Failure, Slot};
+use super::{Proxy, ProxySettings, millis_of};
+use crate::admission::{Priority, Refusal, Waited};
+use crate::balance::{self, PickContext};
+use crate::breaker::Admission;
+use crate::config::BalancePolicy;
+use crate::endpoint::{Eligibility, EndpointId};
+
+/// Endpoint ids already tried by one request (no allocation; more than fit are not excluded).
+#[derive(Clone, Copy, Default)]
+pub(super) struct Tried {
+    ids: [EndpointId; 16],
+    len: usize,
+}
+
+impl Tried {
+    pub fn push(&mut self, id: EndpointId) {
+        if self.len < self.ids.len() {
+            self.ids[self.len] = id;
+            self.len += 1;
+        }
+    }
+
+    pub fn as_slice(&self) -> &[EndpointId] {
+        &self.ids[..self.len]
+    }
+}
+
+/// What a pick found.
+enum Pick {
+    Slot(Slot),
+    /// Nothing now; capacity may come free.
+    Wait,
+    /// Nothing left to try for this request.
+    Nowhere,
+}
+
+/// Why a request stops looking for an endpoint.
+pub(super) enum Stop {
+    Nowhere,
+    Refused(Refusal),
+}
+
+impl Proxy {
+    /// A slot on an endpoint not yet tried, waiting in the queue while none has one.
+    ///
+    /// A first attempt waits whenever nothing can take it (every endpoint full, cooling down, down, or
+    /// none discovered yet). A retry waits only if some untried endpoint is up and merely full or cooling
+    /// down; otherwise there is nowhere left to go. While others wait, a new request joins behind them
+    /// rather than taking a slot that came free for the first in line.
+    pub(super) async fn acquire(
+        &self,
+        settings: &ProxySettings,
+        tried: &Tried,
+        priority: Priority,
+        deadline: Instant,
+        queued: &mut Duration,
+        last_failure: &mut Option<Failure>,
+    ) -> Result<Slot, Stop> {
+        let queue = &self.queue;
+        if queue.is_empty() {
+            match self.pick(settings, tried) {
+                Pick::Slot(slot) => return Ok(slot),
+                Pick::Nowhere => return Err(Stop::Nowhere),
+                Pick::Wait => {}
+            }
+        }
+        // A failed attempt's answer holds its endpoint's slot; waiting must not keep it from others.
+        if let Some(failure) = last_failure.as_mut() {
+            failure.response = None;
+        }
+        // A request the queue will not reach in time is told so now, not when its wait runs out.
+        let joined = Instant::now();
+        let allowed = queue.settings().max_wait.saturating_sub(*queued);
+        let until = deadline.min(joined + allowed);
+        if let Some(wait) = queue.expected_wait(priority)
+            && Instant::now() + wait > until
+        {
+            return Err(Stop::Refused(self.refusal(Refusal::QueueFull)));
+        }
+        let mut ticket = match queue.join(priority) {
+            Ok(ticket) => ticket,
+            Err(reason) => return Err(Stop::Refused(self.refusal(reason))),
+        };
+        let mut look = ticket.is_head();
+        let result = loop {
+            if look {
+                match self.pick(settings, tried) {
+                    Pick::Slot(slot) => {
+                        self.metrics.queue_wait(ticket.since().elapsed());
+                        ticket.admitted();
+                        break Ok(slot);
+                    }
+                    Pick::Nowhere => break Err(Stop::Nowhere),
+                    Pick::Wait => {
+                        let woken = ticket.woken_by_release();
+                        ticket.requeue();
+                        // A retry may have been woken by a slot on an endpoint it already tried: that
+                        // slot is someone else's, so the wake goes down the line.
+                        if woken && tried.len > 0 {
+                            ticket.pass_on();
+                        }
+                    }
+                }
+            }
+            match ticket.wait(until).await {
+                Waited::Go => look = true,
+                Waited::TimedOut => break Err(Stop::Refused(self.refusal(Refusal::QueueTimeout))),
+                Waited::Shed => break Err(Stop::Refused(Refusal::ShedLowPriority)),
+            }
+        };
+        *queued += joined.elapsed();
+        result
+    }
+
+    /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
+    fn refusal(&self, reason: Refusal) -> Refusal {
+        let none_up = self.registry.counts().up() == 0;
+        match reason {
+            Refusal::QueueFull | Refusal::QueueTimeout if none_up => Refusal::NoEndpoints,
+            other => other,
+        }
+    }
+
+    /// A slot on an eligible endpoint not yet tried, or whether waiting may give one.
+    fn pick(&self, settings: &ProxySettings, tried: &Tried) -> Pick {
+        let now = Instant::now();
+        let snapshot = self.registry.snapshot();
+        let mut ctx = PickContext {
+            now,
+            slow_start_ms: millis_of(settings.slow_start),
+            ignore_health: false,
+            neutral_latency_us: match settings.policy {
+                BalancePolicy::ExpectedLatency => Some(self.fleet_latency_us()),
+                BalancePolicy::LeastOutstanding => None,
+            },
+            latency_decay_ms: millis_of(settings.latency_decay),
+        };
+        let mut exclude = *tried;
+        for _ in 0..6 {
+            let Some((endpoint, eligibility)) = balance::pick(&snapshot, exclude.as_slice(), &ctx)
+            else {
+                // Panic mode: when no endpoint passes its heartbeats, more likely tongs' own network or
+                // the health path is broken than every node died at once, so heartbeats are ignored
+                // (breakers still apply). Requests still fail fast if the nodes really are gone.
+                if !ctx.ignore_health && self.registry.counts().healthy() == 0 {
+                    ctx.ignore_health = true;
+                    continue;
+                }
+                break;
+            };
+            let probe = match eligibility {
+                Eligibility::Yes => false,
+                _ => match endpoint.admit(now) {
+                    Admission::Admit => false,
+                    Admission::Probe => true,
+                    Admission::Reject => {
+                        exclude.push(endpoint.id());
+                        continue;
+                    }
+                },
+            };
+            // The pick saw room; another worker may have taken the last slot since.
+            match endpoint.try_start_request() {
+                Some(outstanding) => return Pick::Slot(Slot { outstanding, probe }),
+                None => {
+                    if probe {
+                        endpoint.release_probe(now);
+                    }
+                    exclude.push(endpoint.id());
+                }
+            }
+        }
+        // Nothing now. A first attempt waits for anything; a retry only for an endpoint that is up and
+        // merely full or cooling down.
+        if tried.len == 0 {
+            return Pick::Wait;
+        }
+        let now_ms = crate::endpoint::millis(now);
+        let worth_waiting = snapshot.iter().any(|e| {
+            !tried.as_slice().contains(&e.id())
+                && e.is_available()
+                && e.is_healthy()
+                && !e.is_ejected()
+                && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
+        });
+        if worth_waiting {
+            Pick::Wait
+        } else {
+            Pick::Nowhere
+        }
+    }
+}

@@ -1,0 +1,328 @@
+//! One attempt on one endpoint: send, wait for the headers and the first body bytes (or for
+//! heartbeats to declare the endpoint gone), classify, and feed the outcome to the endpoint's breaker,
+//! latency estimate and limit.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use super::{Proxy, ProxySettings, millis_of};
+use crate::endpoint::{Endpoint, Outstanding};
+use crate::http::{ProxyError, describe};
+use crate::retry::{FailureKind, ReplayBody, classify_status, retry_after};
+use crate::upstream::{UpstreamBody, UpstreamClient};
+
+/// Longest back-off an endpoint's `Retry-After` can impose on it.
+const MAX_COOLDOWN: Duration = Duration::from_secs(30);
+
+/// A slot taken on an endpoint for one attempt, and whether the attempt is its breaker's probe.
+pub(super) struct Slot {
+    pub outstanding: Outstanding,
+    pub probe: bool,
+}
+
+/// A failed attempt: why, what the client would be told, and the endpoint's own answer if it gave one.
+pub(super) struct Failure {
+    pub kind: FailureKind,
+    pub error: ProxyError,
+    pub response: Option<(Response<Incoming>, Outstanding)>,
+    pub endpoint: Arc<Endpoint>,
+}
+
+/// An endpoint's answer, ready for the client: its headers, the first body frame read before commit
+/// (none when the body ended or the protocol switched), and the slot it holds until its body ends.
+pub(super) struct Committed {
+    pub response: Response<Incoming>,
+    pub first: Option<Frame<Bytes>>,
+    pub outstanding: Outstanding,
+}
+
+/// What one attempt came to.
+pub(super) enum Attempt {
+    Committed(Committed),
+    Failed(Failure),
+}
+
+/// Releases a half-open probe when its attempt ends, so one cancelled without a verdict (its client
+/// left) frees the slot. After a verdict the breaker is no longer probing and releasing changes nothing.
+struct ProbeGuard<'a> {
+    endpoint: &'a Endpoint,
+    pending: bool,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.pending {
+            self.endpoint.release_probe(Instant::now());
+        }
+    }
+}
+
+impl Proxy {
+    /// Sends one attempt and waits for the endpoint's headers and first body bytes.
+    pub(super) async fn attempt(
+        &self,
+        settings: &ProxySettings,
+        upstream: &UpstreamClient,
+        request: Request<UpstreamBody>,
+        slot: Slot,
+        deadline: Instant,
+        body: &ReplayBody,
+    ) -> Attempt {
+        let Slot { outstanding, probe } = slot;
+        let endpoint = &Arc::clone(outstanding.endpoint());
+        // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
+        let _probe_guard = ProbeGuard {
+            endpoint,
+            pending: probe,
+        };
+        let attempt_started = Instant::now();
+        let mut gone = endpoint.gone_signal();
+        let grace = settings.suspect_grace;
+        let per_try = (Instant::now() + settings.response_headers_timeout).min(deadline);
+        let failed = |kind: FailureKind, error: ProxyError| Failure {
+            kind,
+            error,
+            response: None,
+            endpoint: Arc::clone(endpoint),
+        };
+        let timed_out = || ProxyError::ResponseTimeout {
+            endpoint: endpoint.url().to_owned(),
+            after: per_try.saturating_duration_since(Instant::now()),
+        };
+
+        // Headers, within the per-try deadline, unless heartbeats declare the endpoint gone first.
+        let sent = tokio::select! {
+            sent = tokio::time::timeout_at(per_try, upstream.request(request)) => Some(sent),
+            () = wait_gone(&mut gone, endpoint, attempt_started, grace) => None,
+        };
+        let mut response = match sent {
+            Some(Ok(Ok(response))) => response,
+            Some(Ok(Err(err))) => {
+                let (kind, error) = self.classify(settings, endpoint, &err, body);
+                return Attempt::Failed(self.record(settings, failed(kind, error)));
+            }
+            Some(Err(_elapsed)) => {
+                return Attempt::Failed(
+                    self.record(settings, failed(FailureKind::Timeout, timed_out())),
+                );
+            }
+            None => {
+                return Attempt::Failed(self.record(settings, self.gone(endpoint)));
+            }
+        };
+
+        if let Some(kind) = classify_status(response.status(), response.headers()) {
+            if kind == FailureKind::BackPressure {
+                // A node that refuses while still serving others of ours is saying "fewer at once":
+                // with an adaptive limit the cut answers it; without one the node fills up again and
+                // refuses again, each refusal cheap and retried elsewhere. Pausing it for Retry-After
+                // would idle a node that is busy: under standing overload every node would sit paused
+                // for most of each second while requests waited. A node refusing with nothing else of
+                // ours in flight is paused as it asked.
+                let busy = endpoint.outstanding() > 1;
+                if busy {
+                    endpoint.pushed_back_while_busy();
+                    endpoint.limit_back_pressure(Instant::now());
+                } else {
+                    endpoint.cool_down(
+                        retry_after(response.headers(), MAX_COOLDOWN),
+                        Instant::now(),
+                    );
+                }
+            }
+            let error = ProxyError::Status {
+                endpoint: endpoint.url().to_owned(),
+                status: response.status().as_u16(),
+            };
+            let mut failure = failed(kind, error);
+            failure.response = Some((response, outstanding));
+            return Attempt::Failed(self.record(settings, failure));
+        }
+
+        // Commit on first byte: wait for the first body frame (or the end of the body) before the client
+        // sees anything, so an endpoint dying in between costs a retry instead of a broken response.
+        let first = if response.status() == StatusCode::SWITCHING_PROTOCOLS
+            || response.body().is_end_stream()
+        {
+            None
+        } else {
+            let frame = tokio::select! {
+                frame = tokio::time::timeout_at(per_try, response.body_mut().frame()) => Some(frame),
+                () = wait_gone(&mut gone, endpoint, attempt_started, grace) => None,
+            };
+            match frame {
+                Some(Ok(Some(Ok(frame)))) => Some(frame),
+                Some(Ok(None)) => None,
+                Some(Ok(Some(Err(err)))) => {
+                    let error = ProxyError::Upstream {
+                        endpoint: endpoint.url().to_owned(),
+                        detail: format!(
+                            "response body broke before its first byte: {}",
+                            describe(&err)
+                        ),
+                    };
+                    return Attempt::Failed(
+                        self.record(settings, failed(FailureKind::Reset, error)),
+                    );
+                }
+                Some(Err(_elapsed)) => {
+                    return Attempt::Failed(
+                        self.record(settings, failed(FailureKind::Timeout, timed_out())),
+                    );
+                }
+                None => {
+                    return Attempt::Failed(self.record(settings, self.gone(endpoint)));
+                }
+            }
+        };
+        let now = Instant::now();
+        endpoint.record_success(now);
+        let first_byte = now.saturating_duration_since(attempt_started);
+        self.observe_latency(settings, endpoint, first_byte, now);
+        endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
+        Attempt::Committed(Committed {
+            response,
+            first,
+            outstanding,
+        })
+    }
+
+    /// Feeds a committed attempt's time to first byte to its endpoint's estimate and the fleet's.
+    ///
+    /// Time to first byte — headers plus the first body bytes, which is when tongs commits — and not
+    /// time to the end of the body: a streamed answer is long because it streams, not because its node is
+    /// slow, and every endpoint serves the same mix of streamed and whole answers, so the first byte
+    /// compares them fairly. For a whole (non-streamed) answer it is the full service time anyway.
+    fn observe_latency(
+        &self,
+        settings: &ProxySettings,
+        endpoint: &Endpoint,
+        sample: Duration,
+        now: Instant,
+    ) {
+        endpoint.observe_latency(
+            sample,
+            crate::endpoint::millis(now),
+            millis_of(settings.latency_decay),
+        );
+        // The fleet's estimate only stands in for endpoints without one of their own, so one sample in
+        // eight is plenty, and spares every worker writing one shared cache line on every request.
+        let fleet = f64::from_bits(self.fleet_latency.load(Ordering::Relaxed));
+        if fleet > 0.0 && fastrand::u8(..8) != 0 {
+            return;
+        }
+        let sample_us = (sample.as_secs_f64() * 1e6).max(1.0);
+        let next = if fleet <= 0.0 {
+            sample_us
+        } else {
+            fleet + (sample_us - fleet) * 0.1
+        };
+        self.fleet_latency.store(next.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The failure of an attempt whose endpoint heartbeats declared gone while it waited.
+    fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
+        Failure {
+            kind: FailureKind::Unhealthy,
+            error: ProxyError::Upstream {
+                endpoint: endpoint.url().to_owned(),
+                detail: "endpoint stopped answering heartbeats while the request waited".into(),
+            },
+            response: None,
+            endpoint: Arc::clone(endpoint),
+        }
+    }
+
+    /// Feeds a failed attempt to its endpoint's breaker (back-pressure is not the endpoint's fault).
+    fn record(&self, settings: &ProxySettings, failure: Failure) -> Failure {
+        let endpoint = &failure.endpoint;
+        if failure.kind.is_endpoint_fault() {
+            endpoint.record_failure(&settings.breaker, Instant::now(), self.may_eject(settings));
+        } else {
+            // A probe turned away by back-pressure tells nothing about health: let another request probe.
+            endpoint.release_probe(Instant::now());
+        }
+        failure
+    }
+
+    /// Whether one more endpoint may be ejected without exceeding `breaker.max_ejected_percent`.
+    fn may_eject(&self, settings: &ProxySettings) -> bool {
+        let ejected = self.registry.counts().ejected();
+        let endpoints = self.registry.snapshot().len();
+        (ejected + 1) * 100 <= endpoints * settings.max_ejected_percent as usize
+    }
+
+    fn classify(
+        &self,
+        settings: &ProxySettings,
+        endpoint: &Endpoint,
+        err: &hyper_util::client::legacy::Error,
+        body: &ReplayBody,
+    ) -> (FailureKind, ProxyError) {
+        if body.exceeded_limit() {
+            let limit = settings.max_body_bytes.unwrap_or_default();
+            return (FailureKind::Reset, ProxyError::BodyTooLarge { limit });
+        }
+        let detail = describe(err);
+        if err.is_connect() {
+            (
+                FailureKind::ConnectFailure,
+                ProxyError::Connect {
+                    endpoint: endpoint.url().to_owned(),
+                    detail,
+                },
+            )
+        } else {
+            (
+                FailureKind::Reset,
+                ProxyError::Upstream {
+                    endpoint: endpoint.url().to_owned(),
+                    detail,
+                },
+            )
+        }
+    }
+}
+
+/// Resolves when heartbeats say an attempt should move elsewhere: its endpoint was declared unhealthy,
+/// or went suspect (a heartbeat failed) while the attempt had already waited longer than `grace` (a
+/// heartbeat timeout) — silent to heartbeats and to this request alike.
+async fn wait_gone(
+    gone: &mut tokio::sync::watch::Receiver<u64>,
+    endpoint: &Endpoint,
+    started: Instant,
+    grace: Duration,
+) {
+    let mut signalled = false;
+    loop {
+        if signalled {
+            if !endpoint.is_healthy() {
+                return;
+            }
+            if endpoint.is_suspect() {
+                let waited = started.elapsed();
+                if waited >= grace {
+                    return;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(grace - waited) => continue,
+                    changed = gone.changed() => if changed.is_err() { return std::future::pending().await },
+                }
+                continue;
+            }
+        }
+        if gone.changed().await.is_err() {
+            // The endpoint is gone from memory; nothing will signal any more.
+            return std::future::pending().await;
+        }
+        signalled = true;
+    }
+}

@@ -1,0 +1,359 @@
+//! The request handler: pick an endpoint, rewrite the request, send it, stream the answer back, and
+//! retry elsewhere when an endpoint fails before anything reached the client.
+//!
+//! The attempt loop (pingora's shape, not tower's: the pick must see what was already tried):
+//! pick an eligible endpoint excluding those tried → send with a per-try deadline → classify → commit
+//! or retry. A response is committed to the client only once the endpoint has sent its headers *and*
+//! its first body bytes (or ended the body): a node preempted between the two costs a retry, not an
+//! error. While an attempt waits, heartbeats declaring its endpoint gone fail it over at once.
+//! After commit, a dying stream is ended as an error the client can see, never as a clean end.
+//!
+//! - [`request`]: what is read from the client's request, once;
+//! - [`acquire`]: the pick among untried endpoints, and the queue while none has room;
+//! - [`attempt`]: one attempt and what its outcome teaches the endpoint;
+//! - [`respond`]: the commit, the last failure, refusals, upgrades.
+//!
+//! A request reads one [`ProxySettings`] snapshot at its start and only that one, so a reload never
+//! mixes old and new settings in one request. The handler never panics on input and never waits
+//! without a deadline.
+
+mod acquire;
+mod attempt;
+mod request;
+mod respond;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+
+use self::acquire::{Stop, Tried};
+use self::attempt::{Attempt, Failure};
+use self::request::ClientRequest;
+use crate::admission::{Queue, Refusal};
+use crate::breaker::BreakerSettings;
+use crate::config::{BalancePolicy, Config};
+use crate::http::{ProxyBody, ProxyError, describe};
+use crate::metrics::{Metrics, Outcome, ProxyStats};
+use crate::registry::Registry;
+use crate::retry::{BodyError, ReplayBody, RetryBudget, RetryPolicy};
+use crate::upstream::UpstreamClient;
+
+/// Everything the request path reads from the configuration, replaced whole by a reload.
+#[derive(Clone, Debug)]
+pub struct ProxySettings {
+    pub response_headers_timeout: Duration,
+    pub total_timeout: Duration,
+    pub max_body_bytes: Option<u64>,
+    pub breaker: BreakerSettings,
+    pub max_ejected_percent: u32,
+    pub slow_start: Duration,
+    pub retry: RetryPolicy,
+    /// How long an attempt may wait on an endpoint whose last heartbeat failed before it moves on.
+    pub suspect_grace: Duration,
+    pub policy: BalancePolicy,
+    pub latency_decay: Duration,
+    /// Header carrying a request's priority.
+    pub priority_header: http::HeaderName,
+    /// Header carrying a client's own deadline in milliseconds.
+    pub deadline_header: http::HeaderName,
+}
+
+impl ProxySettings {
+    pub fn from_config(config: &Config) -> Self {
+        ProxySettings {
+            response_headers_timeout: config.timeouts.response_headers.get(),
+            total_timeout: config.timeouts.total.get(),
+            max_body_bytes: config.limits.max_body_bytes,
+            breaker: BreakerSettings {
+                consecutive_failures: config.breaker.consecutive_failures,
+                base_ejection: config.breaker.base_ejection.get(),
+                max_ejection: config.breaker.max_ejection.get(),
+                consecutive_stalls: config.breaker.consecutive_stalls,
+            },
+            max_ejected_percent: config.breaker.max_ejected_percent,
+            slow_start: config.balancer.slow_start.get(),
+            retry: RetryPolicy::new(&config.retry),
+            suspect_grace: config.health.timeout.get(),
+            policy: config.balancer.policy,
+            latency_decay: config.balancer.latency_decay.get(),
+            priority_header: config.queue.priority_header.name().clone(),
+            deadline_header: config.queue.deadline_header.name().clone(),
+        }
+    }
+}
+
+/// Shared state of the request path.
+///
+/// Shared by every worker thread; each worker passes its own pooled [`UpstreamClient`] so connections
+/// stay on the thread that uses them.
+pub struct Proxy {
+    registry: Arc<Registry>,
+    /// Where requests wait while no endpoint has a slot for them.
+    queue: Arc<Queue>,
+    /// Replaced whole by a configuration reload; a request takes the current one at its start.
+    settings: ArcSwap<ProxySettings>,
+    /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
+    /// estimate of endpoints that have none of their own yet.
+    fleet_latency: AtomicU64,
+    stats: ProxyStats,
+    /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
+    upgrades: TaskTracker,
+    metrics: Arc<Metrics>,
+}
+
+/// What one worker thread owns on the request path: its pooled connections and its retry budget.
+pub struct WorkerPath {
+    upstream: UpstreamClient,
+    budget: RetryBudget,
+}
+
+/// Counts a request in the metrics when dropped: with its answer's body, so a stream counts when it
+/// ends.
+struct Finish {
+    metrics: Arc<Metrics>,
+    outcome: Outcome,
+    status: u16,
+    started: Instant,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        self.metrics
+            .request_done(self.outcome, self.status, self.started.elapsed());
+    }
+}
+
+impl Proxy {
+    pub fn new(
+        registry: Arc<Registry>,
+        queue: Arc<Queue>,
+        metrics: Arc<Metrics>,
+        settings: ProxySettings,
+    ) -> Self {
+        Proxy {
+            registry,
+            queue,
+            fleet_latency: AtomicU64::new(0),
+            settings: ArcSwap::from_pointee(settings),
+            stats: ProxyStats::default(),
+            upgrades: TaskTracker::new(),
+            metrics,
+        }
+    }
+
+    /// The settings in force (a reload may replace them for later requests).
+    pub fn settings(&self) -> Arc<ProxySettings> {
+        self.settings.load_full()
+    }
+
+    /// Applies reloaded settings: requests from now on use them; requests under way keep what they
+    /// read.
+    pub fn apply(&self, settings: ProxySettings) {
+        self.settings.store(Arc::new(settings));
+    }
+
+    pub fn stats(&self) -> &ProxyStats {
+        &self.stats
+    }
+
+    pub fn upgrades(&self) -> &TaskTracker {
+        &self.upgrades
+    }
+
+    /// The request path of one of `workers` worker threads, sending through `upstream`.
+    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
+        WorkerPath {
+            upstream,
+            budget: self.settings().retry.budget(workers),
+        }
+    }
+
+    /// The fleet's latency estimate in microseconds (1 ms before anything was observed).
+    pub fn fleet_latency_us(&self) -> u64 {
+        let estimate = f64::from_bits(self.fleet_latency.load(Ordering::Relaxed));
+        if estimate > 0.0 {
+            estimate as u64
+        } else {
+            1000
+        }
+    }
+
+    /// Handles one client request; always produces a response.
+    pub async fn handle(
+        &self,
+        worker: &WorkerPath,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let settings = self.settings();
+        let (mut response, outcome) = self
+            .answer(&settings, worker, request, client, started)
+            .await;
+        let status = response.status().as_u16();
+        // A streamed answer is counted when it ends; anything else now.
+        if let Err(finish) = response.body_mut().on_end(Box::new(Finish {
+            metrics: Arc::clone(&self.metrics),
+            outcome,
+            status,
+            started,
+        })) {
+            drop(finish);
+        }
+        response
+    }
+
+    async fn answer(
+        &self,
+        settings: &ProxySettings,
+        worker: &WorkerPath,
+        request: Request<Incoming>,
+        client: SocketAddr,
+        started: Instant,
+    ) -> (Response<ProxyBody>, Outcome) {
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+        worker.budget.deposit();
+        let (request, body) = match ClientRequest::read(settings, request, client, started) {
+            Ok(read) => read,
+            Err((error, request_id)) => return (self.reject(error, &request_id), Outcome::Invalid),
+        };
+        let ClientRequest {
+            request_id,
+            deadline,
+            priority,
+            retries_wanted,
+            upgrade,
+            template,
+        } = request;
+
+        let replay_limit = if retries_wanted {
+            settings.retry.replay_limit()
+        } else {
+            0
+        };
+        let prepared = tokio::time::timeout_at(
+            deadline,
+            ReplayBody::prepare(body, replay_limit, settings.max_body_bytes),
+        )
+        .await;
+        let body = match prepared {
+            Ok(Ok(body)) => body,
+            Ok(Err(BodyError::TooLarge)) => {
+                let limit = settings.max_body_bytes.unwrap_or_default();
+                let error = ProxyError::BodyTooLarge { limit };
+                return (self.reject(error, &request_id), Outcome::Invalid);
+            }
+            Ok(Err(BodyError::Broken(err))) => {
+                let error = ProxyError::ClientBody {
+                    detail: describe(err.as_ref()),
+                };
+                return (self.reject(error, &request_id), Outcome::Invalid);
+            }
+            Err(_elapsed) => {
+                let error = ProxyError::ClientTooSlow;
+                return (self.reject(error, &request_id), Outcome::Invalid);
+            }
+        };
+
+        let mut tried = Tried::default();
+        let mut last_failure: Option<Failure> = None;
+        // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
+        let mut queued = Duration::ZERO;
+        for attempt in 1..=settings.retry.max_attempts().max(1) {
+            let slot = match self
+                .acquire(
+                    settings,
+                    &tried,
+                    priority,
+                    deadline,
+                    &mut queued,
+                    &mut last_failure,
+                )
+                .await
+            {
+                Ok(slot) => slot,
+                Err(Stop::Nowhere) => break,
+                Err(Stop::Refused(reason)) => match last_failure {
+                    // A retry that found no room: the endpoint's failure is the better answer.
+                    Some(failure) => {
+                        let response = self.fail(settings, failure, &request_id, deadline);
+                        return (response, Outcome::Failed);
+                    }
+                    None => return (self.refuse(reason, &request_id), Outcome::Refused),
+                },
+            };
+            let Some(attempt_body) = body.for_attempt() else {
+                break;
+            };
+            let endpoint = Arc::clone(slot.outstanding.endpoint());
+            tried.push(endpoint.id());
+            // The failure being retried is dropped (its connection released) only once a new attempt is
+            // really under way; until then it is the answer.
+            drop(last_failure.take());
+            self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let request = template.build(&endpoint, attempt_body);
+            let sent = self.attempt(settings, &worker.upstream, request, slot, deadline, &body);
+            let failure = match sent.await {
+                Attempt::Committed(committed) => {
+                    self.metrics.first_byte(started.elapsed());
+                    let response = self.commit(settings, committed, upgrade, &request_id, deadline);
+                    return (response, Outcome::Proxied);
+                }
+                Attempt::Failed(failure) => failure,
+            };
+            tracing::debug!(
+                request_id = request_id.to_str().unwrap_or_default(),
+                endpoint = endpoint.url(),
+                attempt,
+                reason = failure.kind.as_str(),
+                error = %failure.error,
+                "attempt failed"
+            );
+            let retry = retries_wanted
+                && settings.retry.should_retry(
+                    attempt,
+                    failure.kind,
+                    body.replayable(),
+                    Instant::now() < deadline,
+                );
+            let kind = failure.kind;
+            last_failure = Some(failure);
+            if !retry {
+                break;
+            }
+            if !worker.budget.withdraw() {
+                self.stats
+                    .retries
+                    .budget_exhausted
+                    .fetch_add(1, Ordering::Relaxed);
+                break;
+            }
+            self.stats.retries.count(kind);
+            let backoff = settings.retry.backoff(attempt);
+            if !backoff.is_zero() {
+                tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
+            }
+        }
+        match last_failure {
+            Some(failure) => (
+                self.fail(settings, failure, &request_id, deadline),
+                Outcome::Failed,
+            ),
+            None => (
+                self.refuse(Refusal::NoEndpoints, &request_id),
+                Outcome::Refused,
+            ),
+        }
+    }
+}
+
+fn millis_of(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}

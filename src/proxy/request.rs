@@ -1,0 +1,190 @@
+//! What tongs reads from a client's request, once, before any attempt: its id, deadline, priority,
+//! whether it may be retried and wants an upgrade, and the rewritten request every attempt is made from.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderValue};
+use http::uri::PathAndQuery;
+use http::{Method, Request, Uri, Version};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use super::ProxySettings;
+use crate::admission::Priority;
+use crate::endpoint::Endpoint;
+use crate::http::ProxyError;
+use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
+use crate::upstream::UpstreamBody;
+
+/// The client's request, read once.
+pub(super) struct ClientRequest {
+    pub request_id: HeaderValue,
+    /// The request's overall deadline: `timeouts.total`, or the client's own if sooner.
+    pub deadline: Instant,
+    pub priority: Priority,
+    /// Retries are on and the client did not opt out.
+    pub retries_wanted: bool,
+    /// The client's half of a protocol upgrade, claimed before the request was taken apart.
+    pub upgrade: Option<hyper::upgrade::OnUpgrade>,
+    /// The request every attempt is built from.
+    pub template: Template,
+}
+
+impl ClientRequest {
+    /// Reads `request` under `settings`; its body is handed back to be prepared for replay. A request
+    /// tongs cannot take (a malformed deadline header) is an error, with the request id to answer it.
+    pub fn read(
+        settings: &ProxySettings,
+        mut request: Request<Incoming>,
+        client: SocketAddr,
+        started: Instant,
+    ) -> Result<(ClientRequest, Incoming), (ProxyError, HeaderValue)> {
+        let request_id = headers::request_id(request.headers());
+        let deadline = match client_deadline(settings, request.headers()) {
+            Ok(Some(wanted)) => started + wanted.min(settings.total_timeout),
+            Ok(None) => started + settings.total_timeout,
+            Err(error) => return Err((error, request_id)),
+        };
+        let priority = Priority::from_header(request.headers().get(&settings.priority_header));
+
+        // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
+        // request is taken apart.
+        let upgrade =
+            request.version() == Version::HTTP_11 && headers::is_upgrade_request(request.headers());
+        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
+        let retries_wanted = settings.retry.enabled() && !opted_out(request.headers());
+
+        let (parts, body) = request.into_parts();
+        let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        let mut template_headers = parts.headers;
+        headers::strip_hop_by_hop(&mut template_headers, upgrade);
+        headers::add_forwarded(&mut template_headers, client.ip(), original_host);
+        template_headers.insert(&X_REQUEST_ID, request_id.clone());
+        template_headers.remove(&X_TONGS_RETRY);
+        let template = Template {
+            method: parts.method,
+            path_and_query: parts
+                .uri
+                .path_and_query()
+                .cloned()
+                .unwrap_or_else(|| PathAndQuery::from_static("/")),
+            headers: template_headers,
+        };
+        let read = ClientRequest {
+            request_id,
+            deadline,
+            priority,
+            retries_wanted,
+            upgrade: client_upgrade,
+            template,
+        };
+        Ok((read, body))
+    }
+}
+
+/// The client's request, rewritten once, from which each attempt's request is made.
+pub(super) struct Template {
+    method: Method,
+    path_and_query: PathAndQuery,
+    headers: HeaderMap,
+}
+
+impl Template {
+    pub fn build(&self, endpoint: &Endpoint, body: UpstreamBody) -> Request<UpstreamBody> {
+        let mut request = Request::new(body);
+        *request.method_mut() = self.method.clone();
+        *request.uri_mut() = upstream_uri(endpoint, &self.path_and_query);
+        // The endpoint speaks whatever version its connection negotiated; hyper wants 1.1 here and
+        // switches to HTTP/2 by itself when ALPN chose it.
+        *request.version_mut() = Version::HTTP_11;
+        let mut headers = self.headers.clone();
+        headers.insert(header::HOST, endpoint.host_header().clone());
+        *request.headers_mut() = headers;
+        request
+    }
+}
+
+/// The client's own deadline from the deadline header, if it sent one.
+fn client_deadline(
+    settings: &ProxySettings,
+    headers: &HeaderMap,
+) -> Result<Option<Duration>, ProxyError> {
+    let Some(value) = headers.get(&settings.deadline_header) else {
+        return Ok(None);
+    };
+    match value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        Some(ms) if ms > 0 => Ok(Some(Duration::from_millis(ms))),
+        _ => Err(ProxyError::BadDeadline {
+            header: settings.deadline_header.to_string(),
+            value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+        }),
+    }
+}
+
+/// Whether the request asked not to be retried (`x-tongs-retry: off`, `false` or `0`).
+fn opted_out(headers: &HeaderMap) -> bool {
+    headers
+        .get(&X_TONGS_RETRY)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "off" | "false" | "0" | "no"
+            )
+        })
+}
+
+/// The endpoint's scheme and authority, its path prefix, then the client's path and query.
+fn upstream_uri(endpoint: &Endpoint, path_and_query: &PathAndQuery) -> Uri {
+    let path_and_query = path_and_query.clone();
+    let path_and_query = if endpoint.path_prefix().is_empty() {
+        path_and_query
+    } else {
+        let joined = format!("{}{}", endpoint.path_prefix(), path_and_query.as_str());
+        joined.parse().unwrap_or(path_and_query)
+    };
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(endpoint.scheme().clone());
+    parts.authority = Some(endpoint.authority().clone());
+    parts.path_and_query = Some(path_and_query);
+    // Scheme, authority and path were each valid on their own, so the whole is valid.
+    Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::EndpointUrl;
+
+    fn endpoint(url: &str) -> Endpoint {
+        Endpoint::new(1, url, EndpointUrl::parse(url).unwrap(), 1)
+    }
+
+    #[test]
+    fn upstream_uri_joins_prefix_path_and_query() {
+        let uri = PathAndQuery::from_static("/v1/chat?stream=true");
+        assert_eq!(
+            upstream_uri(&endpoint("http://10.0.0.7:8000"), &uri),
+            "http://10.0.0.7:8000/v1/chat?stream=true"
+        );
+        assert_eq!(
+            upstream_uri(&endpoint("https://abc.salad.cloud/api/"), &uri),
+            "https://abc.salad.cloud/api/v1/chat?stream=true"
+        );
+        let root = PathAndQuery::from_static("/x");
+        assert_eq!(
+            upstream_uri(&endpoint("http://[::1]:9"), &root),
+            "http://[::1]:9/x"
+        );
+    }
+}

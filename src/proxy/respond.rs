@@ -1,0 +1,158 @@
+//! Answering the client: an endpoint's committed response (streamed, or an upgraded connection), the
+//! last failure, or tongs' own refusal.
+
+use http::header::HeaderValue;
+use http::{Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use std::sync::atomic::Ordering;
+use tokio::time::Instant;
+
+use super::attempt::{Committed, Failure};
+use super::{Proxy, ProxySettings};
+use crate::admission::Refusal;
+use crate::endpoint::Outstanding;
+use crate::http::headers::{self, X_REQUEST_ID};
+use crate::http::{ProxyBody, ProxyError};
+
+impl Proxy {
+    /// Hands a committed response to the client: its first frame, then the rest as it streams.
+    pub(super) fn commit(
+        &self,
+        settings: &ProxySettings,
+        committed: Committed,
+        client_upgrade: Option<hyper::upgrade::OnUpgrade>,
+        request_id: &HeaderValue,
+        deadline: Instant,
+    ) -> Response<ProxyBody> {
+        let Committed {
+            mut response,
+            first,
+            outstanding,
+        } = committed;
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(client_upgrade) = client_upgrade
+        {
+            let upstream_upgrade = hyper::upgrade::on(&mut response);
+            self.bridge_upgrade(client_upgrade, upstream_upgrade, outstanding, request_id);
+            let (mut parts, _) = response.into_parts();
+            headers::strip_hop_by_hop(&mut parts.headers, true);
+            parts.headers.insert(&X_REQUEST_ID, request_id.clone());
+            return Response::from_parts(parts, ProxyBody::empty());
+        }
+        let (mut parts, body) = response.into_parts();
+        headers::strip_hop_by_hop(&mut parts.headers, false);
+        parts.headers.insert(&X_REQUEST_ID, request_id.clone());
+        let deadline_timer = tokio::time::sleep_until(deadline);
+        let body = ProxyBody::upstream(
+            first,
+            body,
+            Box::new(outstanding),
+            deadline_timer,
+            settings.total_timeout,
+        );
+        Response::from_parts(parts, body)
+    }
+
+    /// Answers with the last failure: the endpoint's own response when it gave one, else tongs' error.
+    pub(super) fn fail(
+        &self,
+        settings: &ProxySettings,
+        failure: Failure,
+        request_id: &HeaderValue,
+        deadline: Instant,
+    ) -> Response<ProxyBody> {
+        self.stats.failed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            endpoint = failure.endpoint.url(),
+            reason = failure.kind.as_str(),
+            error = %failure.error,
+            "request failed"
+        );
+        match failure.response {
+            Some((response, outstanding)) => {
+                let committed = Committed {
+                    response,
+                    first: None,
+                    outstanding,
+                };
+                self.commit(settings, committed, None, request_id, deadline)
+            }
+            None => failure.error.into_response(request_id),
+        }
+    }
+
+    /// Refuses a request tongs could not place: 503 with the reason and a `Retry-After` from how fast
+    /// the queue drains.
+    pub(super) fn refuse(&self, reason: Refusal, request_id: &HeaderValue) -> Response<ProxyBody> {
+        let queue = &self.queue;
+        queue.count_rejection(reason);
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        let settings = queue.settings();
+        let detail = match reason {
+            Refusal::QueueFull => format!(
+                "every endpoint is busy and the queue is full ({} waiting), or would not reach this \
+                 request within the wait allowed at the rate it drains",
+                queue.len()
+            ),
+            Refusal::QueueTimeout => format!(
+                "no endpoint freed up within the wait allowed (queue.max_wait {}, or the request's deadline)",
+                humantime::format_duration(settings.max_wait)
+            ),
+            Refusal::NoEndpoints => "no endpoint is available".to_owned(),
+            Refusal::ShedLowPriority => {
+                "low-priority request shed while the queue is congested".to_owned()
+            }
+        };
+        let error = ProxyError::Refused {
+            reason,
+            detail,
+            retry_after: queue.retry_after(),
+        };
+        self.reject(error, request_id)
+    }
+
+    /// Answers a request tongs could not send anywhere.
+    pub(super) fn reject(
+        &self,
+        error: ProxyError,
+        request_id: &HeaderValue,
+    ) -> Response<ProxyBody> {
+        tracing::warn!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            status = error.status().as_u16(),
+            error = %error,
+            "request refused"
+        );
+        error.into_response(request_id)
+    }
+
+    /// Copies bytes both ways between the client and the endpoint once both sides switched protocols.
+    fn bridge_upgrade(
+        &self,
+        client: hyper::upgrade::OnUpgrade,
+        upstream: hyper::upgrade::OnUpgrade,
+        outstanding: Outstanding,
+        request_id: &HeaderValue,
+    ) {
+        let request_id = request_id.to_str().unwrap_or_default().to_owned();
+        self.upgrades.spawn(async move {
+            let (client, upstream) = match tokio::try_join!(client, upstream) {
+                Ok(both) => both,
+                Err(err) => {
+                    tracing::warn!(request_id, error = %err, "protocol upgrade failed");
+                    return;
+                }
+            };
+            let mut client = TokioIo::new(client);
+            let mut upstream = TokioIo::new(upstream);
+            match tokio::io::copy_bidirectional(&mut client, &mut upstream).await {
+                Ok((sent, received)) => {
+                    tracing::debug!(request_id, sent, received, "upgraded connection closed");
+                }
+                Err(err) => tracing::debug!(request_id, error = %err, "upgraded connection ended"),
+            }
+            drop(outstanding);
+        });
+    }
+}

@@ -1,0 +1,523 @@
+//! Back-pressure: per-endpoint concurrency limits, the queue, priorities, refusals and the adaptive
+//! limit, over real sockets against the simulator's nodes (`tongs::sim`, standing in for GPU nodes) and
+//! scripted in-process backends. How the adaptive limit settles near a node's capacity is checked in
+//! `src/limit.rs`, in synthetic time; here, what the request path feeds it and how it reacts.
+//!
+//! Durations printed here are for reading; assertions on time only check what a wait proves (a refusal
+//! came long before the wait it would otherwise have sat out), never how fast this machine is.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::support::*;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+/// What a refusal (or any answer) carried.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    reason: Option<String>,
+    retry_after: Option<u64>,
+    body: String,
+    took: Duration,
+}
+
+/// Sends a POST with the given headers and reads the whole answer.
+async fn ask(url: &str, headers: &[(&str, &str)]) -> Answer {
+    let mut request = Request::post(url).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(full("{}")).unwrap();
+    let started = Instant::now();
+    let (head, body) = exchange(request).await;
+    let header = |name: &str| {
+        head.headers
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    Answer {
+        status: head.status.as_u16(),
+        reason: header("x-tongs-reject-reason"),
+        retry_after: header("retry-after").map(|v| v.parse().expect("whole seconds")),
+        body,
+        took: started.elapsed(),
+    }
+}
+
+/// A backend that answers only when the test adds a permit, recording each request's `x-tag` as it
+/// arrives.
+async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
+    let gate = Gate::default();
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let (g, a) = (gate.clone(), Arc::clone(&arrivals));
+    let backend = backend(move |request: Request<Incoming>| {
+        let (gate, arrivals) = (g.clone(), Arc::clone(&a));
+        async move {
+            let tag = request
+                .headers()
+                .get("x-tag")
+                .map(|v| v.to_str().unwrap().to_owned())
+                .unwrap_or_default();
+            arrivals.lock().unwrap().push(tag.clone());
+            gate.pass().await;
+            Response::new(full(tag))
+        }
+    })
+    .await;
+    (backend, gate, arrivals)
+}
+
+/// Waits until `n` requests wait in the proxy's queue.
+async fn queued(proxy: &TestProxy, n: usize) {
+    let queue = Arc::clone(&proxy.app_queue);
+    eventually(
+        &format!("{n} requests queued"),
+        Duration::from_secs(10),
+        || queue.len() == n,
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_static_limit_is_never_exceeded_at_the_node() {
+    // Nodes that would take 40 requests at once (4 served, 36 waiting inside): only tongs' limit of 2
+    // keeps the concurrency each node sees at 2.
+    let fleet = sim_fleet(5, json_nodes(2, Duration::from_millis(40), 4, 36)).await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 2 }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+
+    let url = proxy.url("/v1/generate");
+    let tasks: Vec<_> = (0..80)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { ask(&url, &[]).await })
+        })
+        .collect();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    let queue = &proxy.app_queue;
+    let enqueued = queue.stats().enqueued.load(Ordering::Relaxed);
+    for node in fleet.nodes() {
+        let stats = node.stats();
+        println!(
+            "{}: served {}, peak concurrency at the node {}",
+            node.url(),
+            stats.served,
+            stats.peak_in_flight
+        );
+        assert!(
+            stats.peak_in_flight <= 2,
+            "{}: {} at once",
+            node.url(),
+            stats.peak_in_flight
+        );
+        assert!(stats.served > 0);
+    }
+    assert!(enqueued > 0, "80 requests for 4 slots: most waited");
+    println!("{enqueued} of 80 requests waited in the queue");
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn the_queue_releases_by_priority_then_in_order_of_arrival() {
+    let (backend, gate, arrivals) = gated().await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
+                  queue: { shed_low_priority_after: 60s }\n";
+    let proxy = start_proxy(config_with(config, &[backend.url()])).await;
+    let url = proxy.url("/v1/generate");
+
+    // The first request takes the only slot; the others queue in this order.
+    let order = [
+        ("busy", None),
+        ("low-1", Some("low")),
+        ("normal-1", None),
+        ("high-1", Some("high")),
+        ("normal-2", Some("normal")),
+        ("low-2", Some("LOW")),
+        ("high-2", Some("high")),
+    ];
+    let mut tasks = Vec::new();
+    for (i, (tag, priority)) in order.iter().enumerate() {
+        let url = url.clone();
+        let (tag, priority) = (*tag, *priority);
+        tasks.push(tokio::spawn(async move {
+            let mut headers = vec![("x-tag", tag)];
+            if let Some(priority) = priority {
+                headers.push(("x-priority", priority));
+            }
+            ask(&url, &headers).await
+        }));
+        if i == 0 {
+            eventually("the first request at the backend", HANG, || {
+                arrivals.lock().unwrap().len() == 1
+            })
+            .await;
+        } else {
+            queued(&proxy, i).await;
+        }
+    }
+    // One answer at a time: each frees the slot for the next in line, which reaches the backend before
+    // the next answer is let go.
+    for released in 1..=order.len() {
+        gate.release(1);
+        if released < order.len() {
+            eventually("the next in line at the backend", HANG, || {
+                arrivals.lock().unwrap().len() == released + 1
+            })
+            .await;
+        }
+    }
+    for task in tasks {
+        assert_eq!(task.await.unwrap().status, 200);
+    }
+    assert_eq!(
+        *arrivals.lock().unwrap(),
+        [
+            "busy", "high-1", "high-2", "normal-1", "normal-2", "low-1", "low-2"
+        ]
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn waits_end_at_max_wait_or_the_clients_deadline_with_queue_timeout() {
+    let (backend, gate, _arrivals) = gated().await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
+                  queue: { max_wait: 400ms }\n";
+    let proxy = start_proxy(config_with(config, &[backend.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let busy = tokio::spawn({
+        let url = url.clone();
+        async move { ask(&url, &[]).await }
+    });
+    eventually("the slot taken", HANG, || {
+        proxy.app_registry.snapshot()[0].outstanding() == 1
+    })
+    .await;
+
+    let waited = ask(&url, &[]).await;
+    println!("max_wait 400ms: refused after {:?}", waited.took);
+    assert_eq!(waited.status, 503, "{waited:?}");
+    assert_eq!(waited.reason.as_deref(), Some("queue-timeout"));
+    assert!(
+        waited.body.contains(r#""reason":"queue-timeout""#),
+        "{waited:?}"
+    );
+    assert!(waited.took >= Duration::from_millis(400), "{waited:?}");
+    let retry_after = waited.retry_after.expect("Retry-After on a refusal");
+    assert_eq!(
+        retry_after, 1,
+        "nothing drains: max_wait, rounded up to whole seconds"
+    );
+
+    // The client's own deadline is shorter than max_wait: it ends the wait.
+    let deadline = ask(&url, &[("x-tongs-timeout-ms", "150")]).await;
+    println!("deadline 150ms: refused after {:?}", deadline.took);
+    assert_eq!(deadline.reason.as_deref(), Some("queue-timeout"));
+    assert!(deadline.took >= Duration::from_millis(150));
+    assert!(deadline.took < Duration::from_millis(400), "{deadline:?}");
+
+    // A deadline that is not a number of milliseconds is the client's mistake.
+    let bad = ask(&url, &[("x-tongs-timeout-ms", "soon")]).await;
+    assert_eq!(bad.status, 400, "{bad:?}");
+    assert!(bad.body.contains("x-tongs-timeout-ms"), "{bad:?}");
+
+    gate.release(1);
+    assert_eq!(busy.await.unwrap().status, 200);
+    let stats = proxy.app_queue.stats();
+    assert_eq!(stats.rejected(tongs::admission::Refusal::QueueTimeout), 2);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_at_once_and_high_priority_displaces_the_newest_low() {
+    let (backend, gate, _arrivals) = gated().await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
+                  queue: { max_length: 2, max_wait: 30s, shed_low_priority_after: 60s }\n";
+    let proxy = start_proxy(config_with(config, &[backend.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let spawn = |headers: Vec<(&'static str, &'static str)>| {
+        let url = url.clone();
+        tokio::spawn(async move { ask(&url, &headers).await })
+    };
+    let busy = spawn(vec![]);
+    eventually("the slot taken", HANG, || {
+        proxy.app_registry.snapshot()[0].outstanding() == 1
+    })
+    .await;
+    let normal = spawn(vec![]);
+    queued(&proxy, 1).await;
+    let low = spawn(vec![("x-priority", "low")]);
+    queued(&proxy, 2).await;
+
+    // Full, and a normal arrival cannot displace a normal waiter... but it can displace the low one.
+    let high = spawn(vec![("x-priority", "high")]);
+    let displaced = low.await.unwrap();
+    println!(
+        "displaced low-priority waiter answered after {:?}",
+        displaced.took
+    );
+    assert_eq!(displaced.status, 503);
+    assert_eq!(displaced.reason.as_deref(), Some("shed-low-priority"));
+    queued(&proxy, 2).await;
+
+    // The demand signal for autoscaling: one on the endpoint, two waiting, room for one.
+    let (status, demand) = get(&format!("http://{}/demand", proxy.admin)).await;
+    assert_eq!(status, 200);
+    let demand: serde_json::Value = serde_json::from_str(&demand).unwrap();
+    assert_eq!(
+        demand,
+        serde_json::json!({"queued": 2, "outstanding": 1, "demand": 3, "capacity": 1, "endpoints": 1})
+    );
+
+    let refused = ask(&url, &[]).await;
+    println!("full queue refused in {:?}", refused.took);
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(refused.reason.as_deref(), Some("queue-full"));
+    assert!(
+        refused.took < Duration::from_secs(5),
+        "a full queue answers at once, not after max_wait (30 s): {refused:?}"
+    );
+    let retry_after = refused.retry_after.expect("Retry-After");
+    assert!((1..=30).contains(&retry_after), "{retry_after}");
+
+    gate.release(3);
+    for task in [busy, high, normal] {
+        assert_eq!(task.await.unwrap().status, 200);
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn retry_after_follows_how_fast_the_queue_drains() {
+    // One slot, 100 ms per request: the queue drains at about 10 requests a second.
+    let slow = backend(|_request: Request<Incoming>| async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Response::new(full("ok"))
+    })
+    .await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
+                  queue: { max_length: 10, max_wait: 60s }\n";
+    let proxy = start_proxy(config_with(config, &[slow.url()])).await;
+    let url = proxy.url("/v1/generate");
+    // 25 requests a second for 3 s against 10 a second of capacity.
+    let mut tasks = Vec::new();
+    for _ in 0..75 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move { ask(&url, &[]).await }));
+        tokio::time::sleep(Duration::from_millis(40)).await;
+    }
+    let mut late_refusals = Vec::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let answer = task.await.unwrap();
+        match answer.status {
+            200 => {}
+            503 => {
+                assert_eq!(answer.reason.as_deref(), Some("queue-full"));
+                if i >= 50 {
+                    late_refusals.push(answer.retry_after.expect("Retry-After"));
+                }
+            }
+            other => panic!("unexpected {other}: {answer:?}"),
+        }
+    }
+    println!("Retry-After of refusals in the last second: {late_refusals:?}");
+    assert!(
+        !late_refusals.is_empty(),
+        "2.5× the capacity must overflow a queue of 10"
+    );
+    // 10 ahead at ~10 per second: about 1–2 s, far from the 60 s a constant max_wait would say.
+    for seconds in &late_refusals {
+        assert!((1..=4).contains(seconds), "{late_refusals:?}");
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
+    // The first request gets 429 with Retry-After: 1, every later one is served.
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&hits);
+    let node = backend(move |_request: Request<Incoming>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                Response::builder()
+                    .status(429)
+                    .header("retry-after", "1")
+                    .body(full("slow down"))
+                    .unwrap()
+            } else {
+                Response::new(full("ok"))
+            }
+        }
+    })
+    .await;
+    let proxy = start_proxy(config_with("", &[node.url()])).await;
+    let url = proxy.url("/v1/generate");
+
+    let pushed = ask(&url, &[]).await;
+    assert_eq!(pushed.status, 429, "the only endpoint's answer: {pushed:?}");
+    let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
+    assert_eq!(endpoint.cooldowns(), 1);
+    assert_eq!(endpoint.failures(), 0, "back-pressure is not a failure");
+
+    // Sent during the cooldown: it waits in the queue instead of hitting the node, and goes once the
+    // cooldown ends.
+    let waited = ask(&url, &[]).await;
+    println!(
+        "request sent during a 1 s cooldown answered after {:?}",
+        waited.took
+    );
+    assert_eq!(waited.status, 200, "{waited:?}");
+    assert!(
+        waited.took >= Duration::from_millis(800),
+        "the cooldown was respected: {waited:?}"
+    );
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        2,
+        "nothing reached the node while it cooled down"
+    );
+    assert_eq!(proxy.app_queue.stats().admitted.load(Ordering::Relaxed), 1);
+    proxy.stop().await;
+}
+
+/// Closed-loop load: `clients` tasks sending one request after another until `stop`.
+fn load(url: String, clients: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<usize>> {
+    (0..clients)
+        .map(|_| {
+            let (url, stop) = (url.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut ok = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    if ask(&url, &[]).await.status == 200 {
+                        ok += 1;
+                    }
+                }
+                ok
+            })
+        })
+        .collect()
+}
+
+/// How the adaptive limit settles near a node's capacity is checked in `src/limit.rs`'s unit tests, on
+/// a simulated node under closed-loop load in synthetic time; this checks the request path's side of it:
+/// the limit learns from real answers, grows while the node takes everything, and comes down as soon
+/// as the node refuses.
+#[tokio::test]
+async fn the_adaptive_limit_drops_when_the_node_rejects() {
+    // A node that answers 429 beyond 2 requests at once (after a first phase where it took 6): the
+    // limit learnt must come down.
+    let rejecting = Arc::new(AtomicBool::new(false));
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let (r, f) = (Arc::clone(&rejecting), Arc::clone(&in_flight));
+    let node = backend(move |_request: Request<Incoming>| {
+        let (rejecting, in_flight) = (Arc::clone(&r), Arc::clone(&f));
+        async move {
+            let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+            let response = if rejecting.load(Ordering::SeqCst) && now > 2 {
+                Response::builder()
+                    .status(429)
+                    .header("retry-after", "0")
+                    .body(full("busy"))
+                    .unwrap()
+            } else {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Response::new(full("ok"))
+            };
+            in_flight.fetch_sub(1, Ordering::SeqCst);
+            response
+        }
+    })
+    .await;
+    let config = "concurrency: { limit: adaptive, max_outstanding_per_endpoint: 8 }\n";
+    let proxy = start_proxy(config_with(config, &[node.url()])).await;
+    let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = load(proxy.url("/v1/generate"), 16, Arc::clone(&stop));
+    eventually(
+        "the limit grows past 4 while the node takes everything",
+        Duration::from_secs(20),
+        || endpoint.limit().is_some_and(|l| l > 4),
+    )
+    .await;
+    let before = endpoint.limit().unwrap();
+    rejecting.store(true, Ordering::SeqCst);
+    let cut = Instant::now();
+    eventually(
+        "the limit comes down to what the node accepts",
+        Duration::from_secs(10),
+        || endpoint.limit().is_some_and(|l| l <= 3),
+    )
+    .await;
+    println!(
+        "limit {before} → {} within {:?} of the node starting to reject",
+        endpoint.limit().unwrap(),
+        cut.elapsed()
+    );
+    stop.store(true, Ordering::Relaxed);
+    for client in clients {
+        client.await.unwrap();
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_retry_waits_in_the_queue_for_a_full_endpoint_it_has_not_tried() {
+    // A holds its requests until the test lets them go; B pushes back on everything.
+    let (a, gate, arrivals) = gated().await;
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&refusals);
+    let b = backend(move |_request: Request<Incoming>| {
+        let counter = Arc::clone(&counter);
+        async move {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Response::builder()
+                .status(429)
+                .header("retry-after", "0")
+                .body(full("busy"))
+                .unwrap()
+        }
+    })
+    .await;
+    let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n";
+    let proxy = start_proxy(config_with(config, &[a.url(), b.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let spawn = |tag: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move { ask(&url, &[("x-tag", tag)]).await })
+    };
+
+    // Whether it tries B first or not, the first request ends up holding A's only slot.
+    let first = spawn("first");
+    eventually("the first request at A", HANG, || {
+        arrivals.lock().unwrap().len() == 1
+    })
+    .await;
+    // The second finds A full, goes to B, is pushed back, and waits for A instead of failing.
+    let before = refusals.load(Ordering::SeqCst);
+    let second = spawn("second");
+    queued(&proxy, 1).await;
+    assert_eq!(
+        refusals.load(Ordering::SeqCst),
+        before + 1,
+        "B was tried first"
+    );
+    gate.release(2);
+    let (first, second) = (first.await.unwrap(), second.await.unwrap());
+    assert_eq!((first.status, first.body.as_str()), (200, "first"));
+    assert_eq!(
+        (second.status, second.body.as_str()),
+        (200, "second"),
+        "{second:?}"
+    );
+    assert_eq!(*arrivals.lock().unwrap(), ["first", "second"]);
+    proxy.stop().await;
+}
