@@ -19,6 +19,8 @@
 //!     cargo bench --bench discovery
 //!     PODS=10000 EVENTS=500 cargo bench --bench discovery
 
+#[path = "support/mod.rs"]
+mod support;
 // The tests' support module, for its fake Kubernetes API server (and the accept loop that serves it).
 #[path = "../tests/support/mod.rs"]
 mod test_support;
@@ -28,17 +30,11 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use support::stats::percentile;
 use test_support::kube_api::FakeKubeApi;
 
 const TONGS: &str = env!("CARGO_BIN_EXE_tongs");
 const NAMESPACE: &str = "gpu";
-
-fn env_number(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A pod as the SaladCloud Virtual Kubelet's pods look to the API server, Running and Ready.
 fn pod(index: usize) -> Value {
@@ -202,36 +198,9 @@ fn endpoints(admin: &str) -> Option<u64> {
     serde_json::from_str::<Value>(&body).ok()?["endpoints"].as_u64()
 }
 
-/// VmRSS and VmHWM of `pid`, in KiB.
-fn memory_kib(pid: u32) -> (u64, u64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    (field("VmRSS:"), field("VmHWM:"))
-}
-
-/// CPU time (user + system) `pid` has used, from /proc (clock ticks of 10 ms, Linux' USER_HZ).
+/// CPU time (user + system) `pid` has used, from /proc.
 fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest.split_whitespace().collect())
-        .unwrap_or_default();
-    let ticks = |index: usize| {
-        fields
-            .get(index)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the name.
-    Duration::from_millis((ticks(11) + ticks(12)) * 10)
+    support::usage(&[pid]).cpu
 }
 
 /// Lists every pod the way the watcher does (pages of 500), reading only the continue tokens: how long
@@ -332,7 +301,8 @@ async fn run(pods: usize, events: usize) -> Run {
     let cpu_to_ready = cpu_time(tongs.child.id());
     let count = endpoints(&tongs.admin).unwrap_or(0);
     assert_eq!(count, pods as u64, "every pod is an endpoint once ready");
-    let (rss_kib, peak_kib) = memory_kib(tongs.child.id());
+    let memory = support::usage(&[tongs.child.id()]);
+    let (rss_kib, peak_kib) = (memory.rss_kib, memory.peak_rss_kib);
 
     let cpu_before_events = cpu_time(tongs.child.id());
     let mut event_ms = Vec::with_capacity(events);
@@ -387,20 +357,12 @@ async fn run(pods: usize, events: usize) -> Run {
     }
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
-}
-
-fn main() {
+fn main() -> anyhow::Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it, and then
     // gets a small smoke run (the same checks: every pod an endpoint, nothing unexpected asked).
-    let benchmarking = std::env::args().any(|arg| arg == "--bench");
-    let pods = env_number("PODS", if benchmarking { 5000 } else { 200 });
-    let events = env_number("EVENTS", if benchmarking { 200 } else { 10 });
+    let benchmarking = support::benchmarking();
+    let pods = support::env_number("PODS", if benchmarking { 5000 } else { 200 })?;
+    let events = support::env_number("EVENTS", if benchmarking { 200 } else { 10 })?;
     if !benchmarking {
         println!(
             "discovery: smoke run with {pods} pods; the benchmark is `cargo bench --bench discovery`"
@@ -438,8 +400,8 @@ fn main() {
             run.endpoints,
             run.rss_kib as f64 / 1024.0,
             run.peak_kib as f64 / 1024.0,
-            percentile(&sorted, 50.0),
-            percentile(&sorted, 99.0),
+            percentile(&sorted, 50.0).unwrap_or(f64::NAN),
+            percentile(&sorted, 99.0).unwrap_or(f64::NAN),
             sorted.last().copied().unwrap_or(f64::NAN),
             run.cpu_per_event.as_secs_f64() * 1000.0,
         );
@@ -456,4 +418,5 @@ fn main() {
         (loaded.rss_kib as f64 - baseline.rss_kib as f64) / 1024.0,
         (loaded.peak_kib as f64 - baseline.peak_kib as f64) / 1024.0,
     );
+    Ok(())
 }

@@ -19,17 +19,15 @@ mod support;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::Command;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio_util::sync::CancellationToken;
-use tongs::App;
-use tongs::config::Config;
 use tongs::demo::{ClientOutcome, LoadGenerator, LoadPlan};
-use tongs::sim::{Fleet, FleetConfig, NodeSpec, ResponseKind};
+use tongs::sim::{Fleet, FleetConfig, ResponseKind};
 
-use support::{Process, TempDir, env_duration};
+use support::in_process::InProcessTongs;
+use support::{Process, TempDir, env_duration, env_list, fleet, stats};
 
 /// The fleet, fastest first: name and mean service time in milliseconds.
 const NODES: [(&str, u64); 6] = [
@@ -57,16 +55,12 @@ const DEFAULT_CONTENDERS: &str = "expected-latency least-outstanding nginx";
 
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it.
-    if !std::env::args().any(|arg| arg == "--bench") {
+    if !support::benchmarking() {
         println!("mixed: a load benchmark; run it with `cargo bench --bench mixed`");
         return Ok(());
     }
     let settings = Settings::from_env()?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    runtime.block_on(run(settings))
+    support::block_on(run(settings))
 }
 
 struct Settings {
@@ -96,14 +90,7 @@ impl Settings {
             }
             Err(_) => 0.6,
         };
-        let text = std::env::var("CONTENDERS").unwrap_or_else(|_| DEFAULT_CONTENDERS.to_owned());
-        let contenders = text
-            .split_whitespace()
-            .map(Contender::parse)
-            .collect::<Result<Vec<_>>>()?;
-        if contenders.is_empty() {
-            bail!("CONTENDERS is empty (known: {DEFAULT_CONTENDERS})");
-        }
+        let contenders = env_list("CONTENDERS", DEFAULT_CONTENDERS, Contender::parse)?;
         Ok(Settings {
             duration,
             warmup,
@@ -131,29 +118,9 @@ impl Contender {
     }
 }
 
-/// The fleet's capacity: Σ capacity ÷ mean service time, in requests per second.
-fn fleet_capacity() -> f64 {
-    NODES
-        .iter()
-        .map(|&(_, mean_ms)| CAPACITY as f64 * 1000.0 / mean_ms as f64)
-        .sum()
-}
-
 fn fleet_config() -> FleetConfig {
-    FleetConfig {
-        seed: SEED,
-        nodes: NODES
-            .iter()
-            .map(|&(name, mean_ms)| {
-                let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
-                spec.service_time.spread = SPREAD;
-                spec.capacity = CAPACITY;
-                spec.queue = NODE_QUEUE;
-                spec.response = ResponseKind::Json;
-                spec
-            })
-            .collect(),
-    }
+    let nodes = NODES.map(|(name, mean_ms)| (name, CAPACITY, mean_ms));
+    fleet::config(SEED, &nodes, SPREAD, NODE_QUEUE, ResponseKind::Json)
 }
 
 /// What one contender's measured window showed.
@@ -173,12 +140,10 @@ struct Run {
 }
 
 async fn run(settings: Settings) -> Result<()> {
-    let capacity = fleet_capacity();
+    let config = fleet_config();
+    let capacity = fleet::capacity(&config);
     let rate = capacity * settings.load;
-    println!(
-        "date: {}",
-        humantime::format_rfc3339_seconds(SystemTime::now())
-    );
+    println!("date: {}", support::now_utc());
     println!("machine: {}", support::machine());
     println!(
         "scenario: 6 nodes, mean service {} ms (lognormal spread {SPREAD}), capacity {CAPACITY} each, \
@@ -195,7 +160,7 @@ async fn run(settings: Settings) -> Result<()> {
         settings.warmup.as_secs_f64(),
     );
 
-    let fleet = Fleet::start(&fleet_config(), Duration::from_secs(24 * 3600))
+    let fleet = Fleet::start(&config, Duration::from_secs(24 * 3600))
         .await
         .context("starting the simulated fleet")?;
     let mut runs = Vec::new();
@@ -226,12 +191,7 @@ async fn run(settings: Settings) -> Result<()> {
 
 /// Waits until no request is left at any node (at most a minute), then lets the fleet rest.
 async fn rest(fleet: &Fleet) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    while fleet.nodes().iter().any(|node| node.stats().in_flight > 0)
-        && tokio::time::Instant::now() < deadline
-    {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    fleet::wait_idle(fleet, Duration::from_millis(100)).await;
     tokio::time::sleep(REST).await;
 }
 
@@ -319,28 +279,11 @@ async fn run_tongs(
         Contender::LeastOutstanding => "least-outstanding",
         _ => "expected-latency",
     };
-    let mut text = format!(
-        "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n\
-         balancer: {{ policy: {policy} }}\nconcurrency: {{ limit: none }}\n\
-         discovery:\n  static:\n"
-    );
-    for url in fleet.urls() {
-        text.push_str(&format!("    - url: {url}\n"));
-    }
-    let config = Config::parse(&text, "mixed bench").context("the tongs configuration")?;
-    let app = App::bind(&config).await.context("starting tongs")?;
-    let target = format!("http://{}", app.proxy_addr());
-    let shutdown = CancellationToken::new();
-    let task = tokio::spawn(app.run(shutdown.clone()));
+    let yaml = format!("balancer: {{ policy: {policy} }}\nconcurrency: {{ limit: none }}\n");
+    let tongs = InProcessTongs::start(&yaml, fleet.urls()).await?;
     let label = format!("tongs, {policy}");
-    let run = measure(label, contender, &target, fleet, rate, settings).await;
-    shutdown.cancel();
-    if tokio::time::timeout(Duration::from_secs(30), task)
-        .await
-        .is_err()
-    {
-        eprintln!("mixed: tongs did not finish draining within 30 s");
-    }
+    let run = measure(label, contender, &tongs.url, fleet, rate, settings).await;
+    tongs.stop("mixed").await;
     Ok(run)
 }
 
@@ -350,7 +293,6 @@ async fn run_tongs(
 /// nginx as the contender: `least_conn` with `zone` (so the workers share their counts, as tongs'
 /// counters are shared), one worker per CPU, upstream keepalive, HTTP/1.1 upstream.
 fn nginx_config(dir: &Path, listen: SocketAddr, fleet: &Fleet) -> String {
-    let workers = std::thread::available_parallelism().map_or(1, usize::from);
     let servers: String = fleet
         .nodes()
         .iter()
@@ -374,7 +316,7 @@ fn nginx_config(dir: &Path, listen: SocketAddr, fleet: &Fleet) -> String {
     }}
 }}
 ",
-        head = support::nginx_head(dir, workers, 8192, "nginx"),
+        head = support::nginx_head(dir, support::cpus(), 8192, "nginx"),
     )
 }
 
@@ -386,13 +328,7 @@ fn start_nginx(nginx: &Path, fleet: &Fleet) -> Result<(Process, TempDir, SocketA
     let conf_path = dir.path().join("nginx.conf");
     std::fs::write(&conf_path, nginx_config(dir.path(), addr, fleet))
         .with_context(|| format!("writing {}", conf_path.display()))?;
-    let mut command = Command::new(nginx);
-    command
-        .args(["-e", "stderr", "-c"])
-        .arg(&conf_path)
-        .arg("-p")
-        .arg(dir.path())
-        .args(["-g", "daemon off;"]);
+    let command = support::nginx_command(nginx, &conf_path, dir.path());
     let mut process = Process::spawn("nginx", command, dir.path().join("stderr.log"))?;
     process.wait_listening(addr, Duration::from_secs(10))?;
     Ok((process, dir, addr))
@@ -448,13 +384,7 @@ fn print_table(runs: &[Run]) {
         );
     }
     for run in runs.iter().filter(|run| !run.errors.is_empty()) {
-        let errors = run
-            .errors
-            .iter()
-            .map(|(kind, count)| format!("{kind}: {count}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        println!("errors, {}: {errors}", run.label);
+        println!("errors, {}: {}", run.label, stats::by_kind(&run.errors));
     }
     let expected = runs
         .iter()

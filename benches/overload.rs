@@ -10,16 +10,18 @@
 //! `bash benches/overload.sh` installs HAProxy when it is missing; without it the HAProxy row is
 //! skipped with a note. Under `cargo test --all-targets` (no `--bench` argument) nothing runs.
 
+#[path = "support/mod.rs"]
+mod support;
+
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use http::{Request, StatusCode, header};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -27,12 +29,16 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tongs::config::Config;
+use tongs::demo::build_request;
 use tongs::registry::Registry;
-use tongs::sim::{Fleet, FleetConfig, NodeSpec, NodeStats, ResponseKind};
+use tongs::sim::{Fleet, FleetConfig, NodeStats, ResponseKind};
+
+use support::in_process::InProcessTongs;
+use support::stats::{self, latency_histogram, micros, quantile_ms};
+use support::{Process, TempDir, env_duration, env_list, env_number, fleet, lock};
 
 /// The fleet: name, capacity (requests served at once), mean service time in milliseconds.
-const NODES: [(&str, usize, u64); 4] = [
+const NODES: [fleet::Node; 4] = [
     ("a100", 8, 120),
     ("l40s", 4, 250),
     ("rtx4090", 4, 350),
@@ -61,40 +67,17 @@ const DEFAULT_CONTENDERS: &str = "adaptive static bounded haproxy";
 
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it.
-    if !std::env::args().any(|arg| arg == "--bench") {
+    if !support::benchmarking() {
         println!("overload: a load benchmark; run it with `cargo bench --bench overload`");
         return Ok(());
     }
-    let duration = duration_from_env()?;
-    let contenders = contenders_from_env()?;
-    let seed = match std::env::var("SEED") {
-        Ok(text) => text
-            .trim()
-            .parse()
-            .with_context(|| format!("SEED={text:?} is not a whole number"))?,
-        Err(_) => 1,
-    };
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    runtime.block_on(run(duration, contenders, seed))
-}
-
-fn duration_from_env() -> Result<Duration> {
-    let Ok(text) = std::env::var("DURATION") else {
-        return Ok(Duration::from_secs(60));
-    };
-    let text = text.trim();
-    let duration = match text.parse::<u64>() {
-        Ok(seconds) => Duration::from_secs(seconds),
-        Err(_) => humantime::parse_duration(text)
-            .with_context(|| format!("DURATION={text:?} is not a duration such as 60s"))?,
-    };
+    let duration = env_duration("DURATION", Duration::from_secs(60))?;
     if duration < Duration::from_secs(1) {
-        bail!("DURATION={text:?} is too short: at least 1s");
+        bail!("DURATION={duration:?} is too short: at least 1s");
     }
-    Ok(duration)
+    let contenders = env_list("CONTENDERS", DEFAULT_CONTENDERS, Contender::parse)?;
+    let seed = env_number("SEED", 1)?;
+    support::block_on(run(duration, contenders, seed))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,26 +111,6 @@ impl Contender {
     }
 }
 
-fn contenders_from_env() -> Result<Vec<Contender>> {
-    let text = std::env::var("CONTENDERS").unwrap_or_else(|_| DEFAULT_CONTENDERS.to_owned());
-    let contenders = text
-        .split_whitespace()
-        .map(Contender::parse)
-        .collect::<Result<Vec<_>>>()?;
-    if contenders.is_empty() {
-        bail!("CONTENDERS is empty (known: {DEFAULT_CONTENDERS})");
-    }
-    Ok(contenders)
-}
-
-/// The fleet's capacity: Σ capacity ÷ mean service time, in requests per second.
-fn fleet_capacity() -> f64 {
-    NODES
-        .iter()
-        .map(|&(_, capacity, mean_ms)| capacity as f64 * 1000.0 / mean_ms as f64)
-        .sum()
-}
-
 /// What the static limit lets the fleet serve: a node above the limit is used only up to it.
 fn static_capacity() -> f64 {
     NODES
@@ -164,20 +127,7 @@ fn slowest_service() -> Duration {
 }
 
 fn fleet_config(seed: u64) -> FleetConfig {
-    FleetConfig {
-        seed,
-        nodes: NODES
-            .iter()
-            .map(|&(name, capacity, mean_ms)| {
-                let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
-                spec.service_time.spread = SPREAD;
-                spec.capacity = capacity;
-                spec.queue = NODE_QUEUE;
-                spec.response = ResponseKind::Json;
-                spec
-            })
-            .collect(),
-    }
+    fleet::config(seed, &NODES, SPREAD, NODE_QUEUE, ResponseKind::Json)
 }
 
 /// One contender's run.
@@ -190,26 +140,19 @@ struct Run {
 }
 
 async fn run(duration: Duration, contenders: Vec<Contender>, seed: u64) -> Result<()> {
-    let capacity = fleet_capacity();
+    let capacity = fleet::capacity(&fleet_config(seed));
     let rate = capacity * LOAD_FACTOR;
     let bounded_length = (capacity * MAX_WAIT.as_secs_f64() * BOUNDED_QUEUE_SHARE).round() as usize;
     let p99_bound = MAX_WAIT + slowest_service();
 
-    println!(
-        "date: {}",
-        humantime::format_rfc3339_seconds(SystemTime::now())
-    );
-    println!("machine: {}", machine());
+    println!("date: {}", support::now_utc());
+    println!("machine: {}", support::machine());
     println!(
         "scenario: {} s open loop at {rate:.1} req/s ({LOAD_FACTOR}× the fleet's capacity of {capacity:.1} req/s); \
          fleet {} (capacity × mean service, spread {SPREAD}, node queue {NODE_QUEUE}, then 503 + Retry-After), \
          seed {seed}, no interruptions; JSON answers; queue.max_wait = timeout queue = {} s",
         duration.as_secs_f64(),
-        NODES
-            .iter()
-            .map(|(name, capacity, mean)| format!("{name} {capacity}×{mean} ms"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        fleet::describe(&fleet_config(seed)),
         MAX_WAIT.as_secs(),
     );
     println!(
@@ -236,14 +179,16 @@ async fn run(duration: Duration, contenders: Vec<Contender>, seed: u64) -> Resul
             .await
             .context("starting the simulated fleet")?;
         let result = match contender {
-            Contender::Haproxy => match haproxy_version().await {
-                Some(version) => run_haproxy(&fleet, rate, duration)
+            Contender::Haproxy => match support::find_program("haproxy") {
+                Some(haproxy) => run_haproxy(&haproxy, &fleet, rate, duration)
                     .await
                     .map(|tally| (tally, None))
-                    .with_context(|| format!("HAProxy ({version})")),
+                    .with_context(|| {
+                        format!("HAProxy {}", support::program_version(&haproxy, "-v"))
+                    }),
                 None => {
                     println!(
-                        "note: HAProxy skipped: no `haproxy` on PATH (bash benches/overload.sh installs it)"
+                        "note: HAProxy skipped: no `haproxy` on PATH or in /usr/sbin (bash benches/overload.sh installs it)"
                     );
                     continue;
                 }
@@ -288,20 +233,6 @@ async fn run(duration: Duration, contenders: Vec<Contender>, seed: u64) -> Resul
     Ok(())
 }
 
-fn machine() -> String {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    let model = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|line| line.starts_with("model name"))
-                .and_then(|line| line.split_once(':'))
-                .map(|(_, model)| model.trim().to_owned())
-        })
-        .unwrap_or_else(|| "unknown CPU".to_owned());
-    format!("{cpus} CPUs, {model}")
-}
-
 // ---------------------------------------------------------------------------------------------------
 // The open-loop load generator.
 
@@ -331,27 +262,21 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(window: Duration) -> Result<Tally> {
-        let histogram = || {
-            Histogram::new_with_bounds(1, 3_600_000_000, 3)
-                .map_err(|err| anyhow!("histogram bounds: {err}"))
-        };
-        Ok(Tally {
+    fn new(window: Duration) -> Tally {
+        Tally {
             sent: 0,
-            success: histogram()?,
-            refusal: histogram()?,
+            success: latency_histogram(),
+            refusal: latency_histogram(),
             refusals: BTreeMap::new(),
             errors: BTreeMap::new(),
             done_in_window: 0,
             done_per_5s: Vec::new(),
             window,
-        })
+        }
     }
 
     fn record(&mut self, outcome: Outcome, latency: Duration, done_at: Duration) {
-        let micros = u64::try_from(latency.as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1);
+        let micros = micros(latency);
         match outcome {
             Outcome::Success => {
                 self.success.saturating_record(micros);
@@ -381,23 +306,13 @@ impl Tally {
     }
 }
 
-fn quantile_ms(histogram: &Histogram<u64>, quantile: f64) -> Option<f64> {
-    (!histogram.is_empty()).then(|| histogram.value_at_quantile(quantile) as f64 / 1000.0)
-}
-
-fn lock(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
-    tally
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 /// Sends POSTs to `target` at `rate` for `duration`, each leaving at its fixed time whatever the
 /// earlier ones are doing, then waits for the last answers (each bounded by the client timeout).
 async fn offer(target: &str, rate: f64, duration: Duration) -> Result<Tally> {
     let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(usize::MAX)
         .build_http();
-    let tally = Arc::new(Mutex::new(Tally::new(duration)?));
+    let tally = Arc::new(Mutex::new(Tally::new(duration)));
     let tasks = TaskTracker::new();
     let interval = Duration::from_secs_f64(1.0 / rate);
     let start = Instant::now();
@@ -408,11 +323,7 @@ async fn offer(target: &str, rate: f64, duration: Duration) -> Result<Tally> {
             break;
         }
         tokio::time::sleep_until(due).await;
-        let body = format!(r#"{{"prompt":"request {index}","max_tokens":16}}"#);
-        let request = Request::post(format!("{target}/v1/completions"))
-            .header(header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
-            .context("building a request")?;
+        let request = build_request(target, index, false);
         let (client, tally_for_task) = (client.clone(), Arc::clone(&tally));
         tasks.spawn(async move {
             let began = Instant::now();
@@ -437,7 +348,7 @@ async fn offer(target: &str, rate: f64, duration: Duration) -> Result<Tally> {
     if unfinished > 0 {
         *tally.errors.entry("unfinished".to_owned()).or_default() += unfinished;
     }
-    let done = std::mem::replace(&mut *tally, Tally::new(duration)?);
+    let done = std::mem::replace(&mut *tally, Tally::new(duration));
     Ok(done)
 }
 
@@ -516,19 +427,9 @@ async fn run_tongs(
     rate: f64,
     duration: Duration,
 ) -> Result<(Tally, Samples)> {
-    let mut yaml = format!("listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\n{extra_yaml}");
-    yaml.push_str("discovery:\n  static:\n");
-    for url in fleet.urls() {
-        yaml.push_str(&format!("    - url: {url}\n"));
-    }
-    let config = Config::parse(&yaml, "benches/overload.rs")
-        .map_err(|err| anyhow!("the bench's tongs configuration is invalid: {err}\n{yaml}"))?;
-    let app = tongs::App::bind(&config).await.context("starting tongs")?;
-    let target = format!("http://{}", app.proxy_addr());
-    let registry = Arc::clone(app.registry());
-    let queue = Arc::clone(app.queue());
-    let token = CancellationToken::new();
-    let server = tokio::spawn(app.run(token.clone()));
+    let tongs = InProcessTongs::start(extra_yaml, fleet.urls()).await?;
+    let registry = Arc::clone(&tongs.registry);
+    let queue = Arc::clone(&tongs.queue);
 
     let authorities: Vec<String> = fleet
         .nodes()
@@ -542,7 +443,7 @@ async fn run_tongs(
         authorities.clone(),
         sampling.clone(),
     ));
-    let tally = offer(&target, rate, duration).await;
+    let tally = offer(&tongs.url, rate, duration).await;
     sampling.cancel();
     let points = sampler.await.context("the limit sampler")?;
     let unloaded_us = by_node(&registry, &authorities, |endpoint| {
@@ -551,13 +452,7 @@ async fn run_tongs(
     let cooldowns = by_node(&registry, &authorities, |endpoint| {
         Some(endpoint.cooldowns())
     });
-    token.cancel();
-    if tokio::time::timeout(Duration::from_secs(30), server)
-        .await
-        .is_err()
-    {
-        eprintln!("overload: tongs did not finish draining within 30 s");
-    }
+    tongs.stop("overload").await;
     Ok((
         tally?,
         Samples {
@@ -618,17 +513,6 @@ async fn sample(
 // ---------------------------------------------------------------------------------------------------
 // HAProxy as a real process.
 
-async fn haproxy_version() -> Option<String> {
-    let output = tokio::process::Command::new("haproxy")
-        .arg("-v")
-        .output()
-        .await
-        .ok()?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let first = text.lines().next().unwrap_or("haproxy").trim().to_owned();
-    Some(first)
-}
-
 fn haproxy_config(port: u16, fleet: &Fleet) -> String {
     let mut text = format!(
         "global\n    maxconn 4000\n\n\
@@ -648,66 +532,23 @@ fn haproxy_config(port: u16, fleet: &Fleet) -> String {
     text
 }
 
-async fn run_haproxy(fleet: &Fleet, rate: f64, duration: Duration) -> Result<Tally> {
-    let dir = std::env::temp_dir().join(format!("tongs-overload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = haproxy_in(&dir, fleet, rate, duration).await;
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
-async fn haproxy_in(dir: &Path, fleet: &Fleet, rate: f64, duration: Duration) -> Result<Tally> {
-    // A free port: bind one, note it, let it go for HAProxy.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .context("finding a free port for HAProxy")?
-        .port();
-    let config_path = dir.join("haproxy.cfg");
-    let log_path = dir.join("haproxy.log");
-    std::fs::write(&config_path, haproxy_config(port, fleet))
+/// HAProxy in front of `fleet` as a process of its own, under the load; stopped once the load is over.
+async fn run_haproxy(
+    haproxy: &Path,
+    fleet: &Fleet,
+    rate: f64,
+    duration: Duration,
+) -> Result<Tally> {
+    let dir = TempDir::new("overload")?;
+    let addr = support::free_addr()?;
+    let config_path = dir.path().join("haproxy.cfg");
+    std::fs::write(&config_path, haproxy_config(addr.port(), fleet))
         .with_context(|| format!("writing {}", config_path.display()))?;
-    let log = std::fs::File::create(&log_path)
-        .with_context(|| format!("creating {}", log_path.display()))?;
-    let mut child = tokio::process::Command::new("haproxy")
-        .arg("-db")
-        .arg("-f")
-        .arg(&config_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log.try_clone().context("HAProxy's log file")?))
-        .stderr(Stdio::from(log))
-        .kill_on_drop(true)
-        .spawn()
-        .context("starting haproxy")?;
-
-    let listening = async {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = child.try_wait().context("watching haproxy")? {
-                bail!(
-                    "haproxy exited ({status}) before listening:\n{}",
-                    std::fs::read_to_string(&log_path).unwrap_or_default()
-                );
-            }
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "haproxy did not listen on 127.0.0.1:{port} within 10 s:\n{}",
-                    std::fs::read_to_string(&log_path).unwrap_or_default()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    };
-    let tally = match listening.await {
-        Ok(()) => offer(&format!("http://127.0.0.1:{port}"), rate, duration).await,
-        Err(err) => Err(err),
-    };
-    let _ = child.kill().await;
+    let command = support::haproxy_command(haproxy, &config_path);
+    let mut process = Process::spawn("haproxy", command, dir.path().join("haproxy.log"))?;
+    process.wait_listening(addr, Duration::from_secs(10))?;
+    let tally = offer(&format!("http://{addr}"), rate, duration).await;
+    drop(process);
     tally
 }
 
@@ -734,23 +575,13 @@ fn print_table(runs: &[Run], capacity: f64, duration: Duration, p99_bound: Durat
             format!(
                 "{} ({})",
                 tally.refusal.len(),
-                tally
-                    .refusals
-                    .iter()
-                    .map(|(reason, n)| format!("{reason}: {n}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                stats::by_kind(&tally.refusals)
             )
         };
         let errors = if tally.errors.is_empty() {
             "0".to_owned()
         } else {
-            tally
-                .errors
-                .iter()
-                .map(|(kind, n)| format!("{kind}: {n}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            stats::by_kind(&tally.errors)
         };
         let peaks = run
             .nodes

@@ -40,9 +40,7 @@
 mod support;
 
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -60,6 +58,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+use support::stats::percentile;
 use support::{Process, TempDir, TongsProcess, Usage};
 
 /// Endpoint `i` listens (as far as tongs can tell) on this address plus `i`. 127.0.0.1, where tongs and
@@ -233,7 +232,7 @@ impl FakeEndpoints {
             open: AtomicU64::new(0),
             accept_errors: AtomicU64::new(0),
         });
-        let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+        let cpus = support::cpus();
         let mut addr = SocketAddr::from(([0, 0, 0, 0], 0));
         let mut tasks = Vec::new();
         for _ in 0..cpus {
@@ -436,10 +435,9 @@ fn tongs_config(endpoints: usize, port: u16, heartbeats: bool) -> String {
     if !heartbeats {
         text.push_str("health: { enabled: false }\n");
     }
-    text.push_str("discovery:\n  static:\n");
-    for index in 0..endpoints {
-        let _ = writeln!(text, "    - url: http://{}", endpoint_addr(index, port));
-    }
+    text.push_str(&support::static_discovery(
+        (0..endpoints).map(|index| format!("http://{}", endpoint_addr(index, port))),
+    ));
     text
 }
 
@@ -604,18 +602,7 @@ fn system_cpu(pid: u32) -> Duration {
             rest.split_whitespace().nth(12)?.parse::<u64>().ok()
         })
         .unwrap_or(0);
-    let per_second = Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|out| {
-            String::from_utf8_lossy(&out.stdout)
-                .trim()
-                .parse::<f64>()
-                .ok()
-        })
-        .unwrap_or(100.0);
-    Duration::from_secs_f64(ticks as f64 / per_second)
+    Duration::from_secs_f64(ticks as f64 / support::clock_ticks())
 }
 
 /// tongs' "Max open files" soft limit, from /proc.
@@ -949,10 +936,7 @@ async fn stream_run(
 }
 
 async fn tongs_streams(settings: &Settings, upstream: &SseUpstream) -> Result<StreamRun> {
-    let config = format!(
-        "discovery:\n  static:\n    - url: http://{}\n",
-        upstream.addr
-    );
+    let config = support::static_discovery([format!("http://{}", upstream.addr)]);
     let tongs = TongsProcess::start(&config)
         .await
         .context("tongs for streams")?;
@@ -974,7 +958,7 @@ async fn nginx_streams(
     let dir = TempDir::new("scale-nginx")?;
     std::fs::create_dir_all(dir.path().join("tmp"))?;
     let addr = support::free_addr()?;
-    let workers = std::thread::available_parallelism().map_or(1, usize::from);
+    let workers = support::cpus();
     // A client and an upstream connection per stream, all of them possibly on one worker.
     let connections = (settings.streams * 2 + 256).max(4096);
     // `zone` shares the upstream's state between the workers (as tongs' counters are shared), least_conn
@@ -1004,16 +988,7 @@ async fn nginx_streams(
     );
     let conf_path = dir.path().join("nginx.conf");
     std::fs::write(&conf_path, conf)?;
-    let mut command = Command::new(nginx);
-    command
-        .arg("-e")
-        .arg("stderr")
-        .arg("-c")
-        .arg(&conf_path)
-        .arg("-p")
-        .arg(dir.path())
-        .arg("-g")
-        .arg("daemon off;");
+    let command = support::nginx_command(nginx, &conf_path, dir.path());
     let mut process = Process::spawn("nginx", command, dir.path().join("nginx.log"))?;
     process.wait_listening(addr, Duration::from_secs(10))?;
     // Let the master start its workers before the idle figure.
@@ -1027,14 +1002,6 @@ async fn nginx_streams(
 
 // ---------------------------------------------------------------------------------------------------
 // Report.
-
-fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
-    if sorted.is_empty() {
-        return None;
-    }
-    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
-    Some(sorted[rank.min(sorted.len() - 1)])
-}
 
 fn mib(kib: u64) -> String {
     format!("{:.1} MiB", kib as f64 / 1024.0)
@@ -1376,7 +1343,7 @@ async fn run(settings: Settings) -> Result<()> {
     if let Some(limit) = runs[1].fd_limit
         && runs[1].reached_fd_limit()
     {
-        let cpus = std::thread::available_parallelism().map_or(1, usize::from) as u64;
+        let cpus = support::cpus() as u64;
         let fits = (limit.saturating_sub(500) / (cpus + 1) / 1000 * 1000) as usize;
         if fits > settings.baseline && fits < settings.endpoints {
             runs.push(fleet_run(&settings, &fake, fits, true).await?);
@@ -1474,7 +1441,7 @@ fn check_smoke(runs: &[FleetRun], streams: &[StreamRun]) -> Result<()> {
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it, and then
     // gets the smoke run.
-    let full = std::env::args().any(|arg| arg == "--bench");
+    let full = support::benchmarking();
     let settings = Settings::from_env(full)?;
     if !full {
         println!(
@@ -1482,9 +1449,5 @@ fn main() -> Result<()> {
             settings.endpoints, settings.streams
         );
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("the bench's runtime")?;
-    runtime.block_on(run(settings))
+    support::block_on(run(settings))
 }

@@ -34,7 +34,7 @@ use tongs::demo::{ClientOutcome, DemoOptions, LoadGenerator, LoadPlan, demo_flee
 use tongs::metrics::RUNTIME_TASKS;
 use tongs::sim::{Fleet, FleetConfig, InterruptionKind, RandomInterruptions};
 
-use support::{TongsProcess, env_duration, env_number};
+use support::{TongsProcess, env_duration, env_number, fleet, stats};
 
 /// Mean time between two random interruptions of one node, and how long one lasts on average.
 const INTERRUPTION_INTERVAL: Duration = Duration::from_secs(60);
@@ -108,13 +108,9 @@ impl Settings {
 
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this binary without it.
-    let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let smoke = !support::benchmarking();
     let settings = Settings::from_env(smoke)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    runtime.block_on(run(settings))
+    support::block_on(run(settings))
 }
 
 /// The demo's six GPU classes, calm, then random interruptions of every kind on every node.
@@ -137,15 +133,6 @@ fn fleet_config(settings: &Settings) -> FleetConfig {
         });
     }
     config
-}
-
-/// Requests per second the fleet completes when every node serves at its capacity.
-fn capacity(config: &FleetConfig) -> f64 {
-    config
-        .nodes
-        .iter()
-        .map(|node| node.capacity as f64 / node.service_time.mean.get().as_secs_f64())
-        .sum()
 }
 
 /// When a sample was taken.
@@ -241,24 +228,12 @@ fn print_row(sample: &Sample, warmup: Duration) {
 
 async fn run(settings: Settings) -> Result<()> {
     let fleet_config = fleet_config(&settings);
-    let capacity = capacity(&fleet_config);
+    let capacity = fleet::capacity(&fleet_config);
     let rps = capacity * settings.load;
     println!("# tongs soak");
     println!();
     println!("date: {}", support::now_utc());
     println!("machine: {}", support::machine());
-    let nodes: Vec<String> = fleet_config
-        .nodes
-        .iter()
-        .map(|n| {
-            format!(
-                "{} {}×{} ms",
-                n.name,
-                n.capacity,
-                n.service_time.mean.get().as_millis()
-            )
-        })
-        .collect();
     let interruptions = if settings.interruptions {
         format!(
             "random interruptions on every node (refuse, blackhole, gateway-503, slow ×{SLOW_FACTOR}; \
@@ -282,7 +257,7 @@ async fn run(settings: Settings) -> Result<()> {
          stream, client timeout {} s. {} s of load, a sample every {} s, warm-up {} s, then {} s after \
          the load has settled.",
         fleet_config.nodes.len(),
-        nodes.join(", "),
+        fleet::describe(&fleet_config),
         settings.seed,
         settings.load * 100.0,
         CLIENT_TIMEOUT.as_secs(),
@@ -303,11 +278,7 @@ async fn run(settings: Settings) -> Result<()> {
     let fleet = Fleet::start(&fleet_config, horizon)
         .await
         .context("starting the simulated fleet")?;
-    let mut config = String::from("discovery:\n  static:\n");
-    for url in fleet.urls() {
-        config.push_str(&format!("    - url: {url}\n"));
-    }
-    let tongs = TongsProcess::start(&config)
+    let tongs = TongsProcess::start(&support::static_discovery(fleet.urls()))
         .await
         .context("starting tongs")?;
 
@@ -379,7 +350,6 @@ async fn run(settings: Settings) -> Result<()> {
             r.failures(),
         )
     });
-    let failures: Vec<String> = failures.iter().map(|(k, n)| format!("{k}: {n}")).collect();
     println!(
         "requests: {sent} sent, {succeeded} succeeded ({:.2} %), {rejected} refused by tongs, failures: {}; \
          interruptions injected: {}; tongs' CPU time: {:.1} s",
@@ -387,7 +357,7 @@ async fn run(settings: Settings) -> Result<()> {
         if failures.is_empty() {
             "none".to_owned()
         } else {
-            failures.join(", ")
+            stats::by_kind(&failures)
         },
         fleet.interruptions_injected(),
         tongs.process.usage().cpu.as_secs_f64(),

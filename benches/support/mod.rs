@@ -2,14 +2,24 @@
 //! free loopback ports, processes started and stopped cleanly (tongs' release binary, nginx, HAProxy,
 //! Caddy), and their resource use read from `/proc` (CPU time, RSS, open file descriptors, threads).
 //!
-//! Included by each benchmark with `#[path = "support/mod.rs"] mod support;`; not every benchmark uses
-//! every helper.
+//! The simulated fleets they build (`fleet`), tongs started in their own process (`in_process`) and the
+//! figures they compute (`stats`) are in this folder's modules.
+//!
+//! Included by each benchmark with `#[path = "support/mod.rs"] mod support;` (`"../support/mod.rs"` from
+//! a benchmark's own folder); not every benchmark uses every helper.
 #![allow(dead_code)]
 
+pub mod fleet;
+pub mod in_process;
+pub mod stats;
+
+use std::fmt::Display;
 use std::fs::File;
+use std::future::Future;
 use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
@@ -18,9 +28,36 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
+/// Whether this is the benchmark itself: `cargo bench` passes `--bench`; `cargo test --all-targets` runs
+/// the binary without it (a smoke pass, or nothing).
+pub fn benchmarking() -> bool {
+    std::env::args().any(|arg| arg == "--bench")
+}
+
+/// Runs `main` to its end on a multi-threaded tokio runtime.
+pub fn block_on<T>(main: impl Future<Output = Result<T>>) -> Result<T> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?
+        .block_on(main)
+}
+
+/// The value behind `mutex`, even if a task panicked holding it.
+pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The CPUs this process may run on (1 when that cannot be read).
+pub fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 /// "2 CPUs, Intel(R) Xeon(R) ..., 23.4 GiB": what a figure was measured on.
 pub fn machine() -> String {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let cpus = cpus();
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let model = cpuinfo
         .lines()
@@ -62,6 +99,19 @@ pub fn env_number<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
             .with_context(|| format!("{name}={text:?} is not a number")),
         Err(_) => Ok(default),
     }
+}
+
+/// A list of names from the environment (`default` when unset), each read by `parse`; at least one.
+pub fn env_list<T>(name: &str, default: &str, parse: impl Fn(&str) -> Result<T>) -> Result<Vec<T>> {
+    let text = std::env::var(name).unwrap_or_else(|_| default.to_owned());
+    let list = text
+        .split_whitespace()
+        .map(parse)
+        .collect::<Result<Vec<_>>>()?;
+    if list.is_empty() {
+        bail!("{name} is empty (known: {default})");
+    }
+    Ok(list)
 }
 
 /// A free port on 127.0.0.1 (bound, then released for a process to take).
@@ -115,6 +165,35 @@ http {{
     uwsgi_temp_path {dir}/tmp/uwsgi;
     scgi_temp_path {dir}/tmp/scgi;"
     )
+}
+
+/// nginx in the foreground on the configuration file `config`, with `prefix` as its prefix directory
+/// and its errors on stderr.
+pub fn nginx_command(binary: &Path, config: &Path, prefix: &Path) -> Command {
+    let mut command = Command::new(binary);
+    command
+        .args(["-e", "stderr", "-c"])
+        .arg(config)
+        .arg("-p")
+        .arg(prefix)
+        .args(["-g", "daemon off;"]);
+    command
+}
+
+/// HAProxy in the foreground (`-db`) on the configuration file `config`.
+pub fn haproxy_command(binary: &Path, config: &Path) -> Command {
+    let mut command = Command::new(binary);
+    command.arg("-db").arg("-f").arg(config);
+    command
+}
+
+/// tongs' configuration for a fixed list of endpoints: `discovery.static`, one `url` a line.
+pub fn static_discovery(urls: impl IntoIterator<Item = impl Display>) -> String {
+    let mut yaml = String::from("discovery:\n  static:\n");
+    for url in urls {
+        yaml.push_str(&format!("    - url: {url}\n"));
+    }
+    yaml
 }
 
 /// The tongs binary cargo built for this benchmark (the release profile under `cargo bench`).
@@ -200,7 +279,8 @@ fn kib_field(text: &str, name: &str) -> Option<u64> {
         .ok()
 }
 
-fn clock_ticks() -> f64 {
+/// Clock ticks per second, the unit of CPU times in `/proc` (`getconf CLK_TCK`; 100 when it fails).
+pub fn clock_ticks() -> f64 {
     Command::new("getconf")
         .arg("CLK_TCK")
         .output()
@@ -283,17 +363,23 @@ impl Process {
         self.child.as_mut().and_then(|child| child.try_wait().ok()?)
     }
 
+    /// An error with the end of the log if the process has exited (it should still be starting).
+    fn still_starting(&mut self) -> Result<()> {
+        match self.exited() {
+            Some(status) => bail!(
+                "{} exited at start-up ({status}):\n{}",
+                self.name,
+                self.log_tail()
+            ),
+            None => Ok(()),
+        }
+    }
+
     /// Waits (at most `limit`) until `addr` accepts TCP connections.
     pub fn wait_listening(&mut self, addr: SocketAddr, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
-            if let Some(status) = self.exited() {
-                bail!(
-                    "{} exited at start-up ({status}):\n{}",
-                    self.name,
-                    self.log_tail()
-                );
-            }
+            self.still_starting()?;
             if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
                 return Ok(());
             }
@@ -310,13 +396,7 @@ impl Process {
     pub async fn wait_ok(&mut self, url: &str, limit: Duration) -> Result<()> {
         let deadline = Instant::now() + limit;
         while Instant::now() < deadline {
-            if let Some(status) = self.exited() {
-                bail!(
-                    "{} exited at start-up ({status}):\n{}",
-                    self.name,
-                    self.log_tail()
-                );
-            }
+            self.still_starting()?;
             if matches!(get(url).await, Ok((200, _))) {
                 return Ok(());
             }

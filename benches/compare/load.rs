@@ -18,6 +18,9 @@ use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tongs::demo::build_request;
 
+use super::support::lock;
+use super::support::stats::{latency_histogram, micros};
+
 /// A client gives up after this long.
 pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -39,14 +42,12 @@ pub struct Tally {
 
 impl Tally {
     fn new() -> Tally {
-        let histogram =
-            || Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("constant bounds are valid");
         Tally {
             sent: 0,
             succeeded: 0,
-            latency: histogram(),
-            first_byte: histogram(),
-            rejected: histogram(),
+            latency: latency_histogram(),
+            first_byte: latency_histogram(),
+            rejected: latency_histogram(),
             failures: BTreeMap::new(),
             last_success: Duration::ZERO,
         }
@@ -55,20 +56,6 @@ impl Tally {
     pub fn failed(&self) -> u64 {
         self.failures.values().sum()
     }
-}
-
-fn micros(duration: Duration) -> u64 {
-    u64::try_from(duration.as_micros())
-        .unwrap_or(u64::MAX)
-        .max(1)
-}
-
-pub fn ms(histogram: &Histogram<u64>, quantile: f64) -> Option<f64> {
-    (!histogram.is_empty()).then(|| histogram.value_at_quantile(quantile) as f64 / 1000.0)
-}
-
-pub fn max_ms(histogram: &Histogram<u64>) -> Option<f64> {
-    (!histogram.is_empty()).then(|| histogram.max() as f64 / 1000.0)
 }
 
 enum Outcome {
@@ -140,12 +127,6 @@ pub async fn offer(
     tasks.close();
     tasks.wait().await;
     std::mem::replace(&mut *lock(&tally), Tally::new())
-}
-
-fn lock(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
-    tally
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Bodies the simulated nodes send with a 503: their own load shedding and the gateway's page. Any

@@ -2,7 +2,7 @@
 //! interruptible GPU nodes, one after another in one run; prints one table and writes it to
 //! `benches/RESULTS.md` (or `RESULTS`).
 //!
-//!     bash benches/compare                       # installs the peers, then runs this
+//!     bash benches/compare/run                   # installs the peers, then runs this
 //!     SCENARIOS="steady churn" PROXIES="tongs nginx" DURATION=20s cargo bench --bench compare
 //!
 //! Scenarios (each proxy gets a fresh fleet with the same seed, and the same load):
@@ -30,31 +30,29 @@
 //! proxy, two seconds of steady load, checking that each configuration starts and serves.
 #![forbid(unsafe_code)]
 
-#[path = "support/mod.rs"]
+#[path = "../support/mod.rs"]
 mod support;
 
-#[path = "compare_parts/load.rs"]
 mod load;
-#[path = "compare_parts/peers.rs"]
 mod peers;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use tokio::time::Instant;
-use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, NodeSpec, ResponseKind};
+use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, ResponseKind};
 
-use load::{CLIENT_TIMEOUT, max_ms, ms, offer, wrk};
+use load::{CLIENT_TIMEOUT, offer, wrk};
 use peers::{Upstream, origin_config, start_proxy};
-use support::{Process, TempDir, env_duration, env_number, find_program};
+use support::stats::{self, max_ms, quantile_ms};
+use support::{Process, TempDir, env_duration, env_list, env_number, find_program, fleet};
 
 /// The fleet: name, requests served at once, mean service time in ms. Slowest / fastest = 5.
-const NODES: [(&str, usize, u64); 6] = [
+const NODES: [fleet::Node; 6] = [
     ("a100", 8, 120),
     ("l40s", 4, 200),
     ("rtx4090", 4, 250),
@@ -73,13 +71,9 @@ const ALL_SCENARIOS: &str = "steady churn overload streaming throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive nginx haproxy caddy";
 
 fn main() -> Result<()> {
-    let smoke = !std::env::args().any(|arg| arg == "--bench");
+    let smoke = !support::benchmarking();
     let settings = Settings::from_env(smoke)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    runtime.block_on(run(settings))
+    support::block_on(run(settings))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,23 +170,12 @@ struct Settings {
 
 impl Settings {
     fn from_env(smoke: bool) -> Result<Settings> {
-        let list =
-            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.to_owned());
         let scenarios = if smoke {
             vec![Scenario::Steady]
         } else {
-            list("SCENARIOS", ALL_SCENARIOS)
-                .split_whitespace()
-                .map(Scenario::parse)
-                .collect::<Result<Vec<_>>>()?
+            env_list("SCENARIOS", ALL_SCENARIOS, Scenario::parse)?
         };
-        let proxies = list("PROXIES", ALL_PROXIES)
-            .split_whitespace()
-            .map(Proxy::parse)
-            .collect::<Result<Vec<_>>>()?;
-        if scenarios.is_empty() || proxies.is_empty() {
-            bail!("SCENARIOS and PROXIES must each name at least one");
-        }
+        let proxies = env_list("PROXIES", ALL_PROXIES, Proxy::parse)?;
         let results = match std::env::var("RESULTS") {
             Ok(path) if path.trim().is_empty() => None,
             Ok(path) => Some(PathBuf::from(path)),
@@ -235,37 +218,18 @@ impl Settings {
 // ---------------------------------------------------------------------------------------------------
 // The fleet.
 
-/// Σ capacity ÷ mean service time, requests per second.
-fn fleet_capacity() -> f64 {
-    NODES
-        .iter()
-        .map(|&(_, capacity, mean_ms)| capacity as f64 * 1000.0 / mean_ms as f64)
-        .sum()
-}
-
 fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
-    FleetConfig {
-        seed,
-        nodes: NODES
-            .iter()
-            .map(|&(name, capacity, mean_ms)| {
-                let mut spec = NodeSpec::new(name, Duration::from_millis(mean_ms));
-                spec.service_time.spread = SPREAD;
-                spec.capacity = capacity;
-                spec.queue = if scenario == Scenario::Overload {
-                    OVERLOAD_NODE_QUEUE
-                } else {
-                    NODE_QUEUE
-                };
-                spec.response = if scenario == Scenario::Streaming {
-                    ResponseKind::Sse
-                } else {
-                    ResponseKind::Json
-                };
-                spec
-            })
-            .collect(),
-    }
+    let queue = if scenario == Scenario::Overload {
+        OVERLOAD_NODE_QUEUE
+    } else {
+        NODE_QUEUE
+    };
+    let response = if scenario == Scenario::Streaming {
+        ResponseKind::Sse
+    } else {
+        ResponseKind::Json
+    };
+    fleet::config(seed, &NODES, SPREAD, queue, response)
 }
 
 /// The churn schedule, as shares of the measured window: (node, kind, starts at, lasts). Each kind hits
@@ -304,14 +268,6 @@ async fn churn(fleet: Arc<Fleet>, begin: Instant, window: Duration) {
     }
 }
 
-/// Waits until no request is left at any node (at most a minute).
-async fn wait_idle(fleet: &Fleet) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while fleet.nodes().iter().any(|node| node.stats().in_flight > 0) && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // One row of the table.
 
@@ -336,13 +292,11 @@ struct Row {
 }
 
 async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) -> Result<Row> {
+    let config = fleet_config(scenario, settings.seed);
     let fleet = Arc::new(
-        Fleet::start(
-            &fleet_config(scenario, settings.seed),
-            Duration::from_secs(24 * 3600),
-        )
-        .await
-        .context("starting the simulated fleet")?,
+        Fleet::start(&config, Duration::from_secs(24 * 3600))
+            .await
+            .context("starting the simulated fleet")?,
     );
     let upstreams: Vec<Upstream> = fleet
         .nodes()
@@ -360,7 +314,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     } else {
         settings.duration
     };
-    let rate = fleet_capacity() * scenario.load();
+    let rate = fleet::capacity(&config) * scenario.load();
     eprintln!(
         "compare: {} through {} ({:.0} req/s for {:?})",
         scenario.name(),
@@ -398,14 +352,14 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         label: running.label.clone(),
         requests: tally.sent,
         succeeded: tally.succeeded,
-        p50: ms(&tally.latency, 0.5),
-        p99: ms(&tally.latency, 0.99),
+        p50: quantile_ms(&tally.latency, 0.5),
+        p99: quantile_ms(&tally.latency, 0.99),
         max: max_ms(&tally.latency),
-        first_byte_p50: ms(&tally.first_byte, 0.5),
-        first_byte_p99: ms(&tally.first_byte, 0.99),
+        first_byte_p50: quantile_ms(&tally.first_byte, 0.5),
+        first_byte_p99: quantile_ms(&tally.first_byte, 0.99),
         rejected: tally.rejected.len(),
-        rejected_p50: ms(&tally.rejected, 0.5),
-        rejected_p99: ms(&tally.rejected, 0.99),
+        rejected_p50: quantile_ms(&tally.rejected, 0.5),
+        rejected_p99: quantile_ms(&tally.rejected, 0.99),
         failures: tally.failures.clone(),
         // Successes over the time they took: requests still waiting in a queue when the window ends
         // are served after it, and that time counts.
@@ -419,7 +373,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         tally.succeeded + tally.rejected.len() + tally.failed()
     );
     drop(running);
-    wait_idle(&fleet).await;
+    fleet::wait_idle(&fleet, Duration::from_millis(50)).await;
     Ok(row)
 }
 
@@ -429,7 +383,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
 async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     let need = |name: &str| {
         find_program(name).with_context(|| {
-            format!("`{name}` is not installed: `bash benches/compare` installs it")
+            format!("`{name}` is not installed: `bash benches/compare/run` installs it")
         })
     };
     let (nginx, wrk_path) = (need("nginx")?, need("wrk")?);
@@ -438,13 +392,7 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     let ports = [support::free_addr()?.port(), support::free_addr()?.port()];
     let config_path = dir.path().join("origin.conf");
     std::fs::write(&config_path, origin_config(dir.path(), &ports))?;
-    let mut command = Command::new(&nginx);
-    command
-        .args(["-e", "stderr", "-c"])
-        .arg(&config_path)
-        .arg("-p")
-        .arg(dir.path())
-        .args(["-g", "daemon off;"]);
+    let command = support::nginx_command(&nginx, &config_path, dir.path());
     let mut origin = Process::spawn("origin nginx", command, dir.path().join("origin.log"))?;
     for port in ports {
         origin.wait_listening(([127, 0, 0, 1], port).into(), Duration::from_secs(10))?;
@@ -543,16 +491,13 @@ async fn run(settings: Settings) -> Result<()> {
             "tongs: NOT its defaults; TONGS_CONFIG adds: {extra}"
         )?;
     }
-    let capacity = fleet_capacity();
+    let config = fleet_config(Scenario::Steady, settings.seed);
+    let capacity = fleet::capacity(&config);
     writeln!(
         header,
         "fleet: {} (name capacity×mean), lognormal spread {SPREAD}, node queue {NODE_QUEUE} \
          ({OVERLOAD_NODE_QUEUE} in overload), seed {}; capacity Σ capacity ÷ mean = {capacity:.1} req/s",
-        NODES
-            .iter()
-            .map(|(name, capacity, mean)| format!("{name} {capacity}×{mean} ms"))
-            .collect::<Vec<_>>()
-            .join(", "),
+        fleet::describe(&config),
         settings.seed,
     )?;
     writeln!(
@@ -592,7 +537,7 @@ async fn run(settings: Settings) -> Result<()> {
     if let Some(path) = &settings.results {
         let header: String = header.lines().map(|line| format!("- {line}\n")).collect();
         let text = format!(
-            "# tongs against the peers\n\nWritten by `bash benches/compare` (`benches/compare.rs`); what the \
+            "# tongs against the peers\n\nWritten by `bash benches/compare/run` (`benches/compare/`); what the \
              figures mean and where tongs loses: `benches/README.md`.\n\n{header}\n{table}\n{verdicts}"
         );
         std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
@@ -648,11 +593,7 @@ fn table(rows: &[Row]) -> String {
         let failures = if row.failures.is_empty() {
             "0".to_owned()
         } else {
-            row.failures
-                .iter()
-                .map(|(kind, n)| format!("{kind}: {n}"))
-                .collect::<Vec<_>>()
-                .join(", ")
+            stats::by_kind(&row.failures)
         };
         let first_byte = match (row.first_byte_p50, row.first_byte_p99) {
             (None, None) => "–".to_owned(),

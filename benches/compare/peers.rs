@@ -1,7 +1,6 @@
 //! The contenders as processes: tongs' release binary with its defaults, and nginx, HAProxy and Caddy
 //! each configured as well as it allows for the job; and the nginx origin of the throughput scenario.
 
-use std::fmt::Write as _;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -50,7 +49,7 @@ pub async fn start_proxy(
 ) -> Result<Running> {
     let program = |name: &str| {
         find_program(name).with_context(|| {
-            format!("`{name}` is not installed: `bash benches/compare` installs it (apt-get install {name})")
+            format!("`{name}` is not installed: `bash benches/compare/run` installs it (apt-get install {name})")
         })
     };
     if proxy.is_tongs() {
@@ -61,10 +60,11 @@ pub async fn start_proxy(
             config.push_str("concurrency: { limit: adaptive }\n");
             label.push_str(", limit: adaptive");
         }
-        config.push_str("discovery:\n  static:\n");
-        for upstream in upstreams {
-            writeln!(config, "    - url: http://{}", upstream.addr)?;
-        }
+        config.push_str(&support::static_discovery(
+            upstreams
+                .iter()
+                .map(|upstream| format!("http://{}", upstream.addr)),
+        ));
         let tongs = TongsProcess::start(&config).await?;
         if settings.show_configs {
             println!("tongs configuration:\n```yaml\n{config}```");
@@ -82,13 +82,8 @@ pub async fn start_proxy(
         Proxy::Nginx => {
             std::fs::create_dir_all(dir.path().join("tmp"))?;
             let config = nginx_config(dir.path(), &addr.to_string(), upstreams);
-            let mut command = Command::new(&binary);
-            command
-                .args(["-e", "stderr", "-c"])
-                .arg(dir.path().join("nginx.conf"))
-                .arg("-p")
-                .arg(dir.path())
-                .args(["-g", "daemon off;"]);
+            let command =
+                support::nginx_command(&binary, &dir.path().join("nginx.conf"), dir.path());
             (
                 "nginx.conf",
                 config,
@@ -98,11 +93,7 @@ pub async fn start_proxy(
         }
         Proxy::Haproxy => {
             let config = haproxy_config(&addr.to_string(), upstreams);
-            let mut command = Command::new(&binary);
-            command
-                .arg("-db")
-                .arg("-f")
-                .arg(dir.path().join("haproxy.cfg"));
+            let command = support::haproxy_command(&binary, &dir.path().join("haproxy.cfg"));
             (
                 "haproxy.cfg",
                 config,
@@ -145,15 +136,11 @@ pub async fn start_proxy(
     })
 }
 
-fn cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from)
-}
-
 /// nginx OSS: least_conn shared by the workers (`zone`); no active checks in the open-source build,
 /// so passive ones mirroring tongs' breaker (3 failures, 5 s out); retries on errors, timeouts and
 /// 502/503/504, POST included (`non_idempotent`), on another server, 3 tries; no queue in OSS.
 fn nginx_config(dir: &Path, listen: &str, upstreams: &[Upstream]) -> String {
-    let head = support::nginx_head(dir, cpus(), 8192, "nginx");
+    let head = support::nginx_head(dir, support::cpus(), 8192, "nginx");
     let servers: String = upstreams
         .iter()
         .map(|u| format!("        server {} max_fails=3 fail_timeout=5s;\n", u.addr))
@@ -219,7 +206,7 @@ backend fleet
     option httpchk GET /health
     default-server check inter 2s fastinter 250ms downinter 2s fall 2 rise 2 observe layer7 error-limit 3 on-error mark-down
 {servers}",
-        threads = cpus(),
+        threads = support::cpus(),
     )
 }
 
