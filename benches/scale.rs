@@ -784,17 +784,7 @@ fn sse_answer(request: &Request<Incoming>, shared: Arc<SseShared>) -> Response<S
         outcome.fetch_add(1, Ordering::Relaxed);
         shared.open.fetch_sub(1, Ordering::Relaxed);
     });
-    let mut response = Response::new(body.boxed_unsync());
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-cache"),
-    );
-    response
+    tongs::sim::sse_response(body.boxed_unsync())
 }
 
 /// One streaming request on its own connection: the event numbers received, in order, once the stream

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs); microsocks and tinyproxy
 # play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/transports.rs); nginx, HAProxy and Caddy
 # are the peers whose configurations the comparison benchmark's smoke pass starts and serves through
-# (benches/compare.rs, run by `cargo test --all-targets`).
+# (benches/compare/, run by `cargo test --all-targets`).
 export PATH=$PATH:/usr/sbin:/sbin
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)

@@ -19,7 +19,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-pub use node::{Condition, Node, NodeStats};
+pub use node::{Condition, Node, NodeStats, sse_response};
 pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
 
 use crate::config::{ConfigError, HumanDuration, Problem, load_validated, parse_validated};

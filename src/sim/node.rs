@@ -556,7 +556,12 @@ fn stream_tokens(
             serving.finish();
         }
     });
-    let mut response = Response::new(body.boxed());
+    sse_response(body.boxed())
+}
+
+/// A Server-Sent Events response around `body`, with the headers an inference server sends.
+pub fn sse_response<B>(body: B) -> Response<B> {
+    let mut response = Response::new(body);
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,
