@@ -66,6 +66,11 @@ impl Endpoint {
         }
     }
 
+    /// When the endpoint last answered a request (ms on the [`super::millis`] clock; 0: never).
+    pub fn last_answer_ms(&self) -> u64 {
+        self.latency_at.load(Ordering::Relaxed)
+    }
+
     /// The raw estimate in microseconds (0 before the first observation), for debug output.
     pub fn latency_us(&self) -> u64 {
         f64::from_bits(self.latency.load(Ordering::Relaxed)) as u64

@@ -207,6 +207,8 @@ impl Proxy {
         };
         let now = Instant::now();
         endpoint.record_success(now);
+        self.last_answer
+            .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
         self.observe_latency(settings, endpoint, first_byte, now);
         endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);

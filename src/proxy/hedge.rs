@@ -69,6 +69,7 @@ impl HedgeBudget {
 /// when it counts as stalled.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timing {
+    pub started: Instant,
     pub hedge_at: Instant,
     pub stall_at: Instant,
 }
@@ -84,10 +85,18 @@ impl Timing {
             .mul_f64(settings.stall_multiplier)
             .max(hedge_after * 2);
         Timing {
+            started,
             hedge_at: started + hedge_after,
             stall_at: started + stall_after,
         }
     }
+}
+
+/// Whether an attempt at `endpoint` started at `started` is alone in waiting: some endpoint answered
+/// since it started (`last_answer`, ms on the endpoints' clock) but this one did not.
+fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
+    let since = crate::endpoint::millis(started);
+    last_answer.load(Ordering::Relaxed) > since && endpoint.last_answer_ms() <= since
 }
 
 /// The attempt to run: its slot, its request, and whether it may be hedged.
@@ -114,8 +123,14 @@ impl Proxy {
         Duration::from_micros(micros)
     }
 
-    /// Counts a stalled attempt at `endpoint`.
-    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint) {
+    /// An attempt at `endpoint` started at `started` reached its stall point. It counts as stalled
+    /// only if the rest of the fleet answered something since it started while this endpoint answered
+    /// nothing: when every node is slow (a burst of long requests, say) no node is stalled, only the
+    /// one that stopped while the others go on.
+    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) {
+        if !stalled_alone(&self.last_answer, endpoint, started) {
+            return;
+        }
         let may_eject = self.may_eject(settings);
         endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
     }
@@ -157,7 +172,7 @@ impl Proxy {
                 }
                 () = tokio::time::sleep_until(timing.stall_at), if !first_stalled => {
                     first_stalled = true;
-                    self.stalled(settings, &first_endpoint);
+                    self.stalled(settings, &first_endpoint, started);
                 }
             }
         };
@@ -184,7 +199,7 @@ impl Proxy {
                 },
                 () = tokio::time::sleep_until(timing.stall_at), if !first_stalled && !first_done => {
                     first_stalled = true;
-                    self.stalled(settings, &first_endpoint);
+                    self.stalled(settings, &first_endpoint, started);
                 }
             }
         }
@@ -197,7 +212,7 @@ impl Proxy {
     /// attempt would leave a node that merely slowed down no way to show it still works, and it would
     /// be taken for stalled. At most one such attempt runs per endpoint.
     fn beaten(
-        &self,
+        self: &Arc<Self>,
         settings: &ProxySettings,
         attempt: impl Future<Output = Attempt> + Send + 'static,
         endpoint: &Arc<Endpoint>,
@@ -208,15 +223,13 @@ impl Proxy {
             return;
         }
         let endpoint = Arc::clone(endpoint);
-        let breaker = settings.breaker.clone();
-        let registry = Arc::clone(&self.registry);
-        let max_ejected_percent = settings.max_ejected_percent;
+        let settings = settings.clone();
+        let proxy = Arc::clone(self);
         tokio::spawn(async move {
             tokio::select! {
                 outcome = attempt => drop(outcome),
                 () = tokio::time::sleep_until(timing.stall_at) => {
-                    let may_eject = super::may_eject(&registry, max_ejected_percent);
-                    endpoint.record_stall(&breaker, Instant::now(), may_eject);
+                    proxy.stalled(&settings, &endpoint, timing.started);
                 }
             }
             endpoint.end_investigation();
@@ -302,6 +315,34 @@ mod tests {
             slow.stall_at - now,
             Duration::from_millis(3200),
             "8 x 400 ms"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_counts_only_when_the_rest_of_the_fleet_answered_meanwhile() {
+        let endpoint = Endpoint::new(
+            1,
+            "http://a:1",
+            crate::config::EndpointUrl::parse("http://a:1").unwrap(),
+            1,
+        );
+        let fleet = AtomicU64::new(0);
+        let started = Instant::now();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(
+            !stalled_alone(&fleet, &endpoint, started),
+            "nobody answered"
+        );
+        let later = crate::endpoint::millis(Instant::now());
+        fleet.store(later, Ordering::Relaxed);
+        assert!(
+            stalled_alone(&fleet, &endpoint, started),
+            "others answered, it did not"
+        );
+        endpoint.observe_latency(Duration::from_millis(5), later, 10_000);
+        assert!(
+            !stalled_alone(&fleet, &endpoint, started),
+            "it answered too"
         );
     }
 }

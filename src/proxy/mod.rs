@@ -122,6 +122,8 @@ pub struct Proxy {
     /// The fleet's latency: an EWMA over every endpoint's samples (microseconds, f64 bits), the
     /// estimate of endpoints that have none of their own yet.
     fleet_latency: AtomicU64,
+    /// When any endpoint last answered (ms on the endpoints' clock): the fleet is making progress.
+    last_answer: AtomicU64,
     stats: Arc<ProxyStats>,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
@@ -163,6 +165,7 @@ impl Proxy {
             registry,
             queue,
             fleet_latency: AtomicU64::new(0),
+            last_answer: AtomicU64::new(0),
             settings: ArcSwap::from_pointee(settings),
             stats: Arc::default(),
             upgrades: TaskTracker::new(),

@@ -74,6 +74,8 @@ impl Condition {
 /// Counters of one node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeStats {
+    /// Inference requests that reached the node (heartbeats not counted), answered or not.
+    pub received: u64,
     /// Requests answered with a complete response.
     pub served: u64,
     /// Requests refused by the node's own load shedding (503 + Retry-After).
@@ -93,6 +95,7 @@ pub struct NodeStats {
 
 struct Shared {
     spec: NodeSpec,
+    received: AtomicU64,
     capacity: Arc<Semaphore>,
     waiting: AtomicUsize,
     in_flight: AtomicUsize,
@@ -133,6 +136,7 @@ impl Node {
         let (condition, _) = watch::channel(Condition::Up);
         let shared = Arc::new(Shared {
             capacity: Arc::new(Semaphore::new(spec.capacity)),
+            received: AtomicU64::new(0),
             spec,
             waiting: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
@@ -190,6 +194,7 @@ impl Node {
     pub fn stats(&self) -> NodeStats {
         let s = &self.shared;
         NodeStats {
+            received: s.received.load(Ordering::Relaxed),
             served: s.served.load(Ordering::Relaxed),
             shed: s.shed.load(Ordering::Relaxed),
             gateway_503: s.gateway_503.load(Ordering::Relaxed),
@@ -424,6 +429,7 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
         return full(StatusCode::OK, "application/json", body);
     }
 
+    shared.received.fetch_add(1, Ordering::Relaxed);
     let in_flight = InFlight::new(&shared);
     let permit = match Arc::clone(&shared.capacity).try_acquire_owned() {
         Ok(permit) => permit,

@@ -14,6 +14,7 @@ mod support;
 mod backpressure;
 mod balancing;
 mod forwarding;
+mod gray;
 mod latency;
 mod limits;
 mod resilience;

@@ -1,0 +1,325 @@
+//! Gray failures and stalls: nodes whose health checks pass while their requests hang, streams that go
+//! silent after their first chunk, and hedging's budget when every node is slow.
+//!
+//! The nodes are the simulator's (`tongs::sim`), standing in for GPU nodes: its `gray` interruption
+//! answers `/health` and accepts connections while requests hang and streams stall after their first
+//! chunk. The proxy keeps real time (its workers run runtimes of their own, over real sockets), so the
+//! tests poll its state with deadlines; the bounds they assert are a few times the rule they check, so a
+//! loaded machine does not fail them, while a proxy that waited on a hung node (seconds to minutes)
+//! would.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+
+use crate::support::*;
+use tongs::sim::{Condition, InterruptionKind, NodeSpec, ResponseKind};
+
+/// Heartbeats as a user would run them, but quicker, so the tests need not wait long for a verdict.
+const HEALTH: &str = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
+
+fn gray() -> Condition {
+    Condition::Interrupted {
+        kind: InterruptionKind::Gray,
+        factor: 1.0,
+    }
+}
+
+fn nodes(count: usize, mean_ms: u64) -> Vec<NodeSpec> {
+    sim_nodes(count, Duration::from_millis(mean_ms), |spec| {
+        spec.service_time.spread = 0.1;
+        spec.capacity = 32;
+        spec.queue = 64;
+        spec.response = ResponseKind::Json;
+    })
+}
+
+/// Sends `count` GETs at `rate` per second (open loop: a slow answer does not slow the sending), and
+/// returns each one's status and latency.
+async fn open_loop(url: &str, count: usize, rate: f64) -> Vec<(u16, Duration)> {
+    let gap = Duration::from_secs_f64(1.0 / rate);
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..count {
+        tokio::time::sleep_until(start + gap * i as u32).await;
+        let url = url.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let sent = Instant::now();
+            let (status, _) = get(&url).await;
+            (status, sent.elapsed())
+        }));
+    }
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(task.await.unwrap());
+    }
+    results
+}
+
+/// `(series value)` of one sample on the admin port's /metrics page.
+async fn metric(proxy: &TestProxy, series: &str) -> f64 {
+    let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
+    text.lines()
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("no {series} in /metrics"))
+}
+
+/// The state /debug/endpoints gives the endpoint at `url`.
+async fn state_of(proxy: &TestProxy, url: &str) -> String {
+    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    json["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["url"] == url)
+        .map(|e| e["state"].as_str().unwrap_or_default().to_owned())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gray_node_under_steady_load_costs_no_request_and_little_time() {
+    let fleet = sim_fleet(11, nodes(3, 60)).await;
+    let urls = fleet.urls();
+    let proxy = start_proxy(config_with(HEALTH, &urls)).await;
+    let url = proxy.url("/v1/generate");
+    // Warm up: every node has answered, so each has its own latency estimate.
+    for (status, _) in open_loop(&url, 30, 60.0).await {
+        assert_eq!(status, 200);
+    }
+
+    fleet.nodes()[1].set_condition(gray());
+    let results = open_loop(&url, 240, 60.0).await;
+    let failed = results.iter().filter(|(status, _)| *status != 200).count();
+    let slowest = results.iter().map(|(_, took)| *took).max().unwrap();
+    println!("{failed} of 240 failed; slowest {slowest:?}");
+    assert_eq!(failed, 0, "a gray node cost requests");
+    // A hung attempt is hedged after 250 ms (3 x 60 ms, floored) or, past the hedge budget, waits to
+    // its stall point (500 ms) until the node is marked stalled; then one normal answer. A proxy that
+    // waited for the hung node would take the whole response timeout.
+    assert!(
+        slowest < Duration::from_millis(2500),
+        "slowest request took {slowest:?}"
+    );
+    assert_eq!(state_of(&proxy, &urls[1]).await, "stalled");
+    assert!(metric(&proxy, "tongs_hedges_total").await >= 1.0);
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_health_recovers_before_its_worker_is_not_trusted_until_it_answers() {
+    let fleet = sim_fleet(12, nodes(2, 40)).await;
+    let urls = fleet.urls();
+    let proxy = start_proxy(config_with(HEALTH, &urls)).await;
+    let url = proxy.url("/v1/generate");
+    for (status, _) in open_loop(&url, 20, 50.0).await {
+        assert_eq!(status, 200);
+    }
+
+    // The node vanishes: heartbeats declare it unhealthy.
+    let node = &fleet.nodes()[0];
+    node.set_condition(Condition::Interrupted {
+        kind: InterruptionKind::Blackhole,
+        factor: 1.0,
+    });
+    let (p, u) = (&proxy, &urls[0]);
+    eventually_async(
+        "heartbeats mark the node unhealthy",
+        Duration::from_secs(10),
+        move || async move { state_of(p, u).await == "unhealthy" },
+    )
+    .await;
+    // Its health endpoint comes back before its worker does.
+    node.set_condition(gray());
+    eventually_async(
+        "heartbeats pass again",
+        Duration::from_secs(10),
+        move || async move { state_of(p, u).await != "unhealthy" },
+    )
+    .await;
+    let results = open_loop(&url, 150, 50.0).await;
+    let failed = results.iter().filter(|(status, _)| *status != 200).count();
+    let slowest = results.iter().map(|(_, took)| *took).max().unwrap();
+    println!("{failed} of 150 failed; slowest {slowest:?}");
+    assert_eq!(failed, 0);
+    assert!(slowest < Duration::from_millis(2500), "slowest {slowest:?}");
+    assert_eq!(state_of(&proxy, &urls[0]).await, "stalled");
+
+    // The worker recovers: only a real request may bring the node back, and one does.
+    node.set_condition(Condition::Up);
+    let request = &url;
+    eventually_async(
+        "a probe request finds the node answering again",
+        Duration::from_secs(90),
+        move || async move {
+            let (status, _) = get(request).await;
+            assert_eq!(status, 200);
+            matches!(state_of(p, u).await.as_str(), "healthy" | "slow-start")
+        },
+    )
+    .await;
+    proxy.stop().await;
+}
+
+/// One streamed request: the time its first chunk arrived, and how and when the stream ended.
+async fn stream_until_it_ends(
+    url: &str,
+    on_first_chunk: impl FnOnce(),
+) -> (Duration, Result<(), String>) {
+    let request = http::Request::get(url)
+        .header("accept", "text/event-stream")
+        .body(full(Bytes::new()))
+        .unwrap();
+    let response = client().request(request).await.expect("response headers");
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut first = Some(on_first_chunk);
+    let mut first_at = None;
+    loop {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if frame.is_data()
+                    && let Some(callback) = first.take()
+                {
+                    callback();
+                    first_at = Some(Instant::now());
+                }
+            }
+            Some(Err(err)) => {
+                let stalled_for = first_at.map(|at| at.elapsed()).unwrap_or_default();
+                return (stalled_for, Err(err.to_string()));
+            }
+            None => {
+                let stalled_for = first_at.map(|at| at.elapsed()).unwrap_or_default();
+                return (stalled_for, Ok(()));
+            }
+        }
+    }
+}
+
+fn sse_nodes(count: usize) -> Vec<NodeSpec> {
+    sim_nodes(count, Duration::from_millis(600), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = 20;
+        spec.response = ResponseKind::Sse;
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_limit() {
+    let fleet = sim_fleet(13, sse_nodes(1)).await;
+    let proxy = start_proxy(config_with(HEALTH, &fleet.urls())).await;
+    let url = proxy.url("/v1/stream");
+    // A whole stream first, so the endpoint knows its typical gap between chunks (~27 ms).
+    let (_, ended) = stream_until_it_ends(&url, || {}).await;
+    assert_eq!(ended, Ok(()));
+
+    let node = &fleet.nodes()[0];
+    let (stalled_for, ended) = stream_until_it_ends(&url, || node.set_condition(gray())).await;
+    println!("stream ended {ended:?} {stalled_for:?} after its first chunk");
+    assert!(
+        ended.is_err(),
+        "a stalled stream must end as an error the client sees"
+    );
+    // The idle limit is max(10 x 27 ms, stream.idle_min = 2 s).
+    assert!(
+        stalled_for < Duration::from_secs(6),
+        "ended {stalled_for:?} after it stalled"
+    );
+    assert!(metric(&proxy, "tongs_streams_cut_total").await >= 1.0);
+    let failures = metric(
+        &proxy,
+        &format!(
+            "tongs_endpoint_failures_total{{endpoint=\"{}\"}}",
+            fleet.urls()[0]
+        ),
+    )
+    .await;
+    assert!(failures >= 1.0, "the stalled stream counts as a failure");
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_node_heartbeats_declare_gone_ends_at_once() {
+    let fleet = sim_fleet(14, sse_nodes(1)).await;
+    // An idle limit far beyond the test, so only the heartbeats' verdict can end the stream.
+    let extra = format!("{HEALTH}stream: {{ idle_min: 60s }}\n");
+    let proxy = start_proxy(config_with(&extra, &fleet.urls())).await;
+    let url = proxy.url("/v1/stream");
+    let node = &fleet.nodes()[0];
+    let blackhole = Condition::Interrupted {
+        kind: InterruptionKind::Blackhole,
+        factor: 1.0,
+    };
+    let (stalled_for, ended) = stream_until_it_ends(&url, || node.set_condition(blackhole)).await;
+    println!("stream ended {ended:?} {stalled_for:?} after its node went silent");
+    assert!(ended.is_err());
+    // Heartbeats every 100 ms while changing, 300 ms timeout, two failures: about a second.
+    assert!(stalled_for < Duration::from_secs(10), "{stalled_for:?}");
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hedging_stays_within_its_budget_when_every_node_is_slow() {
+    let fleet = sim_fleet(15, nodes(3, 30)).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    let url = proxy.url("/v1/generate");
+    for (status, _) in open_loop(&url, 30, 60.0).await {
+        assert_eq!(status, 200);
+    }
+    let received_before: u64 = fleet.nodes().iter().map(|n| n.stats().received).sum();
+    // Every node turns 20 x slower: every attempt passes its hedge delay (max(3 x 30 ms, 250 ms)).
+    for node in fleet.nodes() {
+        node.set_condition(Condition::Interrupted {
+            kind: InterruptionKind::Slow,
+            factor: 20.0,
+        });
+    }
+    let results = open_loop(&url, 200, 40.0).await;
+    let failed = results.iter().filter(|(status, _)| *status != 200).count();
+    assert_eq!(failed, 0);
+    let received: u64 = fleet
+        .nodes()
+        .iter()
+        .map(|n| n.stats().received)
+        .sum::<u64>()
+        - received_before;
+    let hedges = metric(&proxy, "tongs_hedges_total").await;
+    println!("200 requests: {received} attempts reached the nodes, {hedges} hedges");
+    // 10 % of the requests plus the burst a quiet spell saves (10) per worker thread.
+    let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    assert!(
+        hedges <= 200.0 * 0.1 + 10.0 * workers + 30.0 * 0.1,
+        "{hedges} hedges for 200 requests"
+    );
+    assert!(
+        received as f64 <= 200.0 + hedges,
+        "{received} attempts for 200 requests and {hedges} hedges"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deep_heartbeat_finds_a_node_whose_health_endpoint_lies() {
+    let fleet = sim_fleet(16, nodes(2, 30)).await;
+    let urls = fleet.urls();
+    let deep = "health:\n  interval: 200ms\n  fast_interval: 100ms\n  timeout: 300ms\n  request:\n    \
+                method: POST\n    path: /v1/completions\n    headers: { content-type: application/json }\n    \
+                body: '{\"prompt\": \"ping\", \"max_tokens\": 1}'\n    expected_status: 200\n";
+    let proxy = start_proxy(config_with(deep, &urls)).await;
+    // No client request at all: the heartbeats alone find the wedged worker behind a live /health.
+    fleet.nodes()[0].set_condition(gray());
+    let (p, u) = (&proxy, &urls[0]);
+    eventually_async(
+        "the deep heartbeat marks the gray node unhealthy",
+        Duration::from_secs(10),
+        move || async move { state_of(p, u).await == "unhealthy" },
+    )
+    .await;
+    assert_ne!(state_of(&proxy, &urls[1]).await, "unhealthy");
+    proxy.stop().await;
+}
