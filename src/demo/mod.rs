@@ -60,7 +60,8 @@ const PROFILES: [(&str, u64, usize); 6] = [
 ];
 
 /// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
-/// the run (so every run shows all four), plus seeded random interruptions on every node.
+/// the run (so every run with as many nodes as kinds shows them all), plus seeded random interruptions
+/// on every node.
 pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
     let run = options.duration.as_secs_f64();
     let nodes = (0..options.nodes.max(1))

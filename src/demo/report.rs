@@ -63,6 +63,8 @@ pub fn snapshot(
                 health: endpoint.map_or("-", |e| {
                     if !e.is_healthy() {
                         "unhealthy"
+                    } else if e.is_stalled() {
+                        "stalled"
                     } else if e.is_suspect() {
                         "suspect"
                     } else {
