@@ -26,6 +26,8 @@ pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Everything a client saw in one measured window.
 pub struct Tally {
+    /// Requests sent, warm-up included.
+    pub offered: u64,
     pub sent: u64,
     pub succeeded: u64,
     /// Latency of successes to the end of the body, µs.
@@ -36,6 +38,8 @@ pub struct Tally {
     pub rejected: Histogram<u64>,
     /// Every other failure, by kind.
     pub failures: BTreeMap<String, u64>,
+    /// Streams that broke after their first chunk: from their last chunk to the break, µs.
+    pub stall_end: Histogram<u64>,
     /// When the last success completed, from the start of the measured window.
     pub last_success: Duration,
 }
@@ -43,12 +47,14 @@ pub struct Tally {
 impl Tally {
     fn new() -> Tally {
         Tally {
+            offered: 0,
             sent: 0,
             succeeded: 0,
             latency: latency_histogram(),
             first_byte: latency_histogram(),
             rejected: latency_histogram(),
             failures: BTreeMap::new(),
+            stall_end: latency_histogram(),
             last_success: Duration::ZERO,
         }
     }
@@ -59,9 +65,15 @@ impl Tally {
 }
 
 enum Outcome {
-    Succeeded { first_byte: Duration },
+    Succeeded {
+        first_byte: Duration,
+    },
     Rejected,
     Failed(String),
+    /// A stream that broke after its first chunk, this long after its last one.
+    Broke {
+        silent: Duration,
+    },
 }
 
 type LoadClient = Client<HttpConnector, Full<Bytes>>;
@@ -98,8 +110,10 @@ pub async fn offer(
         let recorded = since >= warmup;
         let request = build_request(target, index, stream);
         let (client, tally) = (client.clone(), Arc::clone(&tally));
-        if recorded {
-            lock(&tally).sent += 1;
+        {
+            let mut tally = lock(&tally);
+            tally.offered += 1;
+            tally.sent += u64::from(recorded);
         }
         tasks.spawn(async move {
             let began = Instant::now();
@@ -120,6 +134,10 @@ pub async fn offer(
                 }
                 Outcome::Rejected => tally.rejected.saturating_record(took),
                 Outcome::Failed(kind) => *tally.failures.entry(kind).or_default() += 1,
+                Outcome::Broke { silent } => {
+                    *tally.failures.entry("broken".into()).or_default() += 1;
+                    tally.stall_end.saturating_record(micros(silent));
+                }
             }
         });
         index += 1;
@@ -142,14 +160,23 @@ async fn exchange(client: &LoadClient, request: Request<Full<Bytes>>, stream: bo
     let status = response.status();
     let mut body = response.into_body();
     let mut first_byte = None;
+    let mut last_chunk = None;
     let mut text = Vec::new();
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
-            return Outcome::Failed("broken".into());
+            return match last_chunk {
+                Some(at) => Outcome::Broke {
+                    silent: Instant::now().saturating_duration_since(at),
+                },
+                None => Outcome::Failed("broken".into()),
+            };
         };
         if let Ok(data) = frame.into_data() {
             if first_byte.is_none() && !data.is_empty() {
                 first_byte = Some(began.elapsed());
+            }
+            if !data.is_empty() {
+                last_chunk = Some(Instant::now());
             }
             if text.len() < 64 * 1024 {
                 text.extend_from_slice(&data);

@@ -12,6 +12,10 @@
 //!   `gateway-503`, `slow` — on a different node, spread over the run at the same offsets for every proxy;
 //! - `overload`: the same fleet at 2× its capacity; nodes answer 503 + Retry-After beyond a small line;
 //! - `streaming`: every request an SSE token stream, 60 % load; time to first byte and to the end;
+//! - `gray`: the churn fleet at 50 % with gray failures — two nodes whose health passes while their
+//!   requests hang, one whose health comes back before its worker does — and a partition;
+//! - `stalls`: every request an SSE stream at 50 %, with a gray node that stalls its streams after their
+//!   first chunk, a partition and a reset mid-stream; how long a stalled stream takes to end;
 //! - `throughput`: an nginx origin that answers at once, wrk at a fixed number of connections (closed
 //!   loop), as many requests per second as each proxy takes; the origin alone is the baseline.
 //!
@@ -67,7 +71,7 @@ const NODE_QUEUE: usize = 8;
 const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
-const ALL_SCENARIOS: &str = "steady churn overload streaming throughput";
+const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive nginx haproxy caddy";
 
 fn main() -> Result<()> {
@@ -82,6 +86,8 @@ enum Scenario {
     Churn,
     Overload,
     Streaming,
+    Gray,
+    Stalls,
     Throughput,
 }
 
@@ -92,6 +98,8 @@ impl Scenario {
             "churn" => Scenario::Churn,
             "overload" => Scenario::Overload,
             "streaming" => Scenario::Streaming,
+            "gray" => Scenario::Gray,
+            "stalls" => Scenario::Stalls,
             "throughput" => Scenario::Throughput,
             other => bail!("SCENARIOS: unknown scenario {other:?} (known: {ALL_SCENARIOS})"),
         })
@@ -103,6 +111,8 @@ impl Scenario {
             Scenario::Churn => "churn",
             Scenario::Overload => "overload",
             Scenario::Streaming => "streaming",
+            Scenario::Gray => "gray",
+            Scenario::Stalls => "stalls",
             Scenario::Throughput => "throughput",
         }
     }
@@ -110,7 +120,7 @@ impl Scenario {
     /// Offered load as a share of the fleet's capacity.
     fn load(self) -> f64 {
         match self {
-            Scenario::Churn => 0.5,
+            Scenario::Churn | Scenario::Gray | Scenario::Stalls => 0.5,
             Scenario::Overload => 2.0,
             _ => 0.6,
         }
@@ -224,7 +234,7 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
     } else {
         NODE_QUEUE
     };
-    let response = if scenario == Scenario::Streaming {
+    let response = if scenario.streams() {
         ResponseKind::Sse
     } else {
         ResponseKind::Json
@@ -243,10 +253,51 @@ const CHURN: [(&str, InterruptionKind, f64, f64); 5] = [
 ];
 const SLOW_FACTOR: f64 = 5.0;
 
-/// Drives the churn schedule from `begin` (the start of the measured window) over `window`.
-async fn churn(fleet: Arc<Fleet>, begin: Instant, window: Duration) {
+/// The gray schedule: two nodes wedge behind a live health endpoint, one node is partitioned, and one
+/// comes back from a partition with its health before its worker (blackhole, then gray).
+const GRAY: [(&str, InterruptionKind, f64, f64); 5] = [
+    ("rtx4090", InterruptionKind::Gray, 0.10, 0.30),
+    ("l40s", InterruptionKind::Blackhole, 0.25, 0.15),
+    ("a10", InterruptionKind::Gray, 0.45, 0.30),
+    ("rtx3090", InterruptionKind::Blackhole, 0.60, 0.10),
+    ("rtx3090", InterruptionKind::Gray, 0.70, 0.15),
+];
+
+/// The stall schedule, on streams: a gray node stalls its streams after their first chunk, a partition
+/// silences streams mid-flight, a reset cuts them.
+const STALLS: [(&str, InterruptionKind, f64, f64); 4] = [
+    ("l40s", InterruptionKind::Gray, 0.10, 0.25),
+    ("rtx4090", InterruptionKind::Blackhole, 0.40, 0.15),
+    ("a10", InterruptionKind::Refuse, 0.65, 0.10),
+    ("a100", InterruptionKind::Gray, 0.80, 0.10),
+];
+
+impl Scenario {
+    /// Every request an SSE stream.
+    fn streams(self) -> bool {
+        matches!(self, Scenario::Streaming | Scenario::Stalls)
+    }
+
+    /// The interruptions driven during the measured window, if any.
+    fn schedule(self) -> &'static [(&'static str, InterruptionKind, f64, f64)] {
+        match self {
+            Scenario::Churn => &CHURN,
+            Scenario::Gray => &GRAY,
+            Scenario::Stalls => &STALLS,
+            _ => &[],
+        }
+    }
+}
+
+/// Drives `schedule` from `begin` (the start of the measured window) over `window`.
+async fn churn(
+    fleet: Arc<Fleet>,
+    schedule: &[(&str, InterruptionKind, f64, f64)],
+    begin: Instant,
+    window: Duration,
+) {
     let mut events: Vec<(Duration, &str, Condition)> = Vec::new();
-    for (node, kind, at, lasts) in CHURN {
+    for &(node, kind, at, lasts) in schedule {
         let factor = if kind == InterruptionKind::Slow {
             SLOW_FACTOR
         } else {
@@ -286,6 +337,11 @@ struct Row {
     rejected_p50: Option<f64>,
     rejected_p99: Option<f64>,
     failures: BTreeMap<String, u64>,
+    /// Broken streams: from their last chunk to their end, ms.
+    stall_end_p50: Option<f64>,
+    stall_end_max: Option<f64>,
+    /// Requests that reached the nodes per request sent (retries and hedges add to it).
+    attempts_per_request: f64,
     per_second: f64,
     cpu_per_request: Option<Duration>,
     peak_rss_kib: Option<u64>,
@@ -309,7 +365,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     let running = start_proxy(proxy, &upstreams, settings).await?;
     // Let active health checks see every node once before the load.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let duration = if scenario == Scenario::Churn {
+    let duration = if !scenario.schedule().is_empty() {
         settings.churn_duration
     } else {
         settings.duration
@@ -323,8 +379,16 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         duration
     );
     let start = Instant::now();
-    let schedule = (scenario == Scenario::Churn)
-        .then(|| tokio::spawn(churn(Arc::clone(&fleet), start + settings.warmup, duration)));
+    let received_before: u64 = fleet.nodes().iter().map(|n| n.stats().received).sum();
+    let schedule = (!scenario.schedule().is_empty()).then(|| {
+        let events = scenario.schedule();
+        tokio::spawn(churn(
+            Arc::clone(&fleet),
+            events,
+            start + settings.warmup,
+            duration,
+        ))
+    });
     let cpu_before = tokio::spawn({
         let pids = running.pids();
         let at = start + settings.warmup;
@@ -338,9 +402,15 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         rate,
         settings.warmup,
         duration,
-        scenario == Scenario::Streaming,
+        scenario.streams(),
     )
     .await;
+    let received: u64 = fleet
+        .nodes()
+        .iter()
+        .map(|n| n.stats().received)
+        .sum::<u64>()
+        - received_before;
     let usage = running.usage();
     let cpu_before = cpu_before.await.unwrap_or_default();
     if let Some(schedule) = schedule {
@@ -361,6 +431,9 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         rejected_p50: quantile_ms(&tally.rejected, 0.5),
         rejected_p99: quantile_ms(&tally.rejected, 0.99),
         failures: tally.failures.clone(),
+        stall_end_p50: quantile_ms(&tally.stall_end, 0.5),
+        stall_end_max: max_ms(&tally.stall_end),
+        attempts_per_request: received as f64 / tally.offered.max(1) as f64,
         // Successes over the time they took: requests still waiting in a queue when the window ends
         // are served after it, and that time counts.
         per_second: tally.succeeded as f64 / duration.max(tally.last_success).as_secs_f64(),
@@ -445,6 +518,9 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
                 rejected_p50: None,
                 rejected_p99: None,
                 failures,
+                stall_end_p50: None,
+                stall_end_max: None,
+                attempts_per_request: f64::NAN,
                 per_second: result.per_second,
                 cpu_per_request: proxy
                     .map(|_| after.cpu.saturating_sub(before.cpu) / result.requests.max(1) as u32),
@@ -502,8 +578,9 @@ async fn run(settings: Settings) -> Result<()> {
     )?;
     writeln!(
         header,
-        "load: open loop, {} s measured after {} s unrecorded (churn {} s); steady and streaming at 60 %, \
-         churn at 50 %, overload at 200 % of capacity; client timeout {} s; throughput: wrk -t1 -c{} for {} s",
+        "load: open loop, {} s measured after {} s unrecorded (churn, gray and stalls {} s); steady and \
+         streaming at 60 %, churn, gray and stalls at 50 %, overload at 200 % of capacity; client timeout {} s; \
+         throughput: wrk -t1 -c{} for {} s",
         settings.duration.as_secs_f64(),
         settings.warmup.as_secs_f64(),
         settings.churn_duration.as_secs_f64(),
@@ -578,11 +655,12 @@ fn table(rows: &[Row]) -> String {
     let _ = writeln!(
         out,
         "| scenario | proxy | requests | success % | p50 ms | p99 ms | max ms | first byte p50 / p99 ms \
-         | rejected | rejection p50 / p99 ms | other failures | req/s | CPU µs / req | peak RSS MiB |"
+         | rejected | rejection p50 / p99 ms | other failures | broken stream: last chunk to end p50 / max ms \
+         | attempts / req | req/s | CPU µs / req | peak RSS MiB |"
     );
     let _ = writeln!(
         out,
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"
     );
     for row in rows {
         let success = if row.requests > 0 {
@@ -599,6 +677,15 @@ fn table(rows: &[Row]) -> String {
             (None, None) => "–".to_owned(),
             (p50, p99) => format!("{} / {}", cell(p50), cell(p99)),
         };
+        let stall_end = match (row.stall_end_p50, row.stall_end_max) {
+            (None, None) => "–".to_owned(),
+            (p50, max) => format!("{} / {}", cell(p50), cell(max)),
+        };
+        let attempts = if row.attempts_per_request.is_finite() {
+            format!("{:.3}", row.attempts_per_request)
+        } else {
+            "–".to_owned()
+        };
         let rejection = if row.rejected > 0 {
             format!("{} / {}", cell(row.rejected_p50), cell(row.rejected_p99))
         } else {
@@ -606,7 +693,7 @@ fn table(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {success:.2} | {} | {} | {} | {first_byte} | {} | {rejection} | {failures} | {:.1} | {} | {} |",
+            "| {} | {} | {} | {success:.2} | {} | {} | {} | {first_byte} | {} | {rejection} | {failures} | {stall_end} | {attempts} | {:.1} | {} | {} |",
             row.scenario.name(),
             row.label,
             row.requests,
@@ -638,6 +725,8 @@ fn verdicts(rows: &[Row]) -> String {
         Scenario::Churn,
         Scenario::Overload,
         Scenario::Streaming,
+        Scenario::Gray,
+        Scenario::Stalls,
     ] {
         let of: Vec<&Row> = rows.iter().filter(|r| r.scenario == scenario).collect();
         let peers: Vec<&&Row> = of
@@ -676,6 +765,49 @@ fn verdicts(rows: &[Row]) -> String {
                 cell(tongs.max),
             );
         }
+    }
+    // The gray-failure targets: every request served where a node survives, the slowest unstreamed
+    // answer under 4 s, p99 at most 0.8 x the best peer's, at most 10 % more attempts than requests
+    // (hedges and retries together); a stalled stream ended within 3 s of its last chunk.
+    for tongs in rows
+        .iter()
+        .filter(|r| matches!(r.scenario, Scenario::Gray | Scenario::Stalls))
+        .filter(|r| r.proxy.is_some_and(Proxy::is_tongs))
+    {
+        let best_p99 = rows
+            .iter()
+            .filter(|r| r.scenario == tongs.scenario && r.proxy.is_some_and(|p| !p.is_tongs()))
+            .filter_map(|r| r.p99)
+            .fold(f64::INFINITY, f64::min);
+        let p99_ok = tongs.p99.is_some_and(|p99| p99 <= 0.8 * best_p99);
+        let attempts_ok = tongs.attempts_per_request <= 1.10;
+        let timing = if tongs.scenario == Scenario::Gray {
+            format!(
+                "max under 4 s {} ({} ms)",
+                yes(tongs.max.is_some_and(|max| max < 4000.0)),
+                cell(tongs.max)
+            )
+        } else {
+            format!(
+                "stalled streams ended within 3 s {} (max {} ms)",
+                yes(tongs.stall_end_max.is_none_or(|max| max <= 3000.0)),
+                cell(tongs.stall_end_max)
+            )
+        };
+        let _ = writeln!(
+            out,
+            "- {}, {}: 100 % success {} ({:.2} %); {timing}; p99 ≤ 0.8 × best peer {} ({} vs {} ms); \
+             attempts per request ≤ 1.10 {} ({:.3})",
+            tongs.scenario.name(),
+            tongs.label,
+            yes(tongs.succeeded == tongs.requests),
+            100.0 * success(tongs),
+            yes(p99_ok),
+            cell(tongs.p99),
+            cell(best_p99.is_finite().then_some(best_p99)),
+            yes(attempts_ok),
+            tongs.attempts_per_request,
+        );
     }
     let throughput: Vec<&Row> = rows
         .iter()
