@@ -379,7 +379,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         duration
     );
     let start = Instant::now();
-    let received_before: u64 = fleet.nodes().iter().map(|n| n.stats().received).sum();
+    let received_before: u64 = fleet.requests_received();
     let schedule = (!scenario.schedule().is_empty()).then(|| {
         let events = scenario.schedule();
         tokio::spawn(churn(
@@ -405,12 +405,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         scenario.streams(),
     )
     .await;
-    let received: u64 = fleet
-        .nodes()
-        .iter()
-        .map(|n| n.stats().received)
-        .sum::<u64>()
-        - received_before;
+    let received: u64 = fleet.requests_received() - received_before;
     let usage = running.usage();
     let cpu_before = cpu_before.await.unwrap_or_default();
     if let Some(schedule) = schedule {

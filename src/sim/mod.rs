@@ -277,6 +277,11 @@ impl Fleet {
     pub fn interruptions_injected(&self) -> u64 {
         self.nodes.iter().map(|n| n.stats().interruptions).sum()
     }
+
+    /// Inference requests that reached the nodes so far (every attempt a proxy sent), over all nodes.
+    pub fn requests_received(&self) -> u64 {
+        self.nodes.iter().map(|n| n.stats().received).sum()
+    }
 }
 
 #[cfg(test)]

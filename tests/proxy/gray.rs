@@ -271,7 +271,7 @@ async fn hedging_stays_within_its_budget_when_every_node_is_slow() {
     for (status, _) in open_loop(&url, 30, 60.0).await {
         assert_eq!(status, 200);
     }
-    let received_before: u64 = fleet.nodes().iter().map(|n| n.stats().received).sum();
+    let received_before: u64 = fleet.requests_received();
     // Every node turns 20 x slower: every attempt passes its hedge delay (max(3 x 30 ms, 250 ms)).
     for node in fleet.nodes() {
         node.set_condition(Condition::Interrupted {
@@ -282,12 +282,7 @@ async fn hedging_stays_within_its_budget_when_every_node_is_slow() {
     let results = open_loop(&url, 200, 40.0).await;
     let failed = results.iter().filter(|(status, _)| *status != 200).count();
     assert_eq!(failed, 0);
-    let received: u64 = fleet
-        .nodes()
-        .iter()
-        .map(|n| n.stats().received)
-        .sum::<u64>()
-        - received_before;
+    let received: u64 = fleet.requests_received() - received_before;
     let hedges = metric(&proxy, "tongs_hedges_total").await;
     println!("200 requests: {received} attempts reached the nodes, {hedges} hedges");
     // 10 % of the requests plus the burst a quiet spell saves (10) per worker thread.
