@@ -118,12 +118,13 @@ pub struct BreakerConfig {
     /// Largest share of the endpoints (percent) that may be ejected at once; beyond it failures are counted
     /// but endpoints stay in service, so a blip that hits everything cannot eject the whole fleet.
     pub max_ejected_percent: u32,
-    /// Gray failures: attempts in a row that stall — lose to a hedge, or wait `stall_multiplier` times
-    /// the endpoint's expected time to first byte — while heartbeats pass, which mark the endpoint
-    /// stalled: ejected, its waiting requests moved at once, and closed again only by a real request.
+    /// Gray failures: attempts in a row that stall — still without an answer at their stall point while
+    /// other endpoints answer and heartbeats pass — which mark the endpoint stalled: ejected, its
+    /// waiting requests moved at once, and closed again only by a real request.
     pub consecutive_stalls: u32,
     /// An attempt still without an answer after this many times its endpoint's expected time to first
-    /// byte (2 ..= 1000) counts as stalled.
+    /// byte (2 ..= 1000), and twice the hedge delay, counts as stalled, and gets a second attempt
+    /// elsewhere beside it when no hedge runs yet.
     pub stall_multiplier: f64,
 }
 
@@ -135,7 +136,7 @@ impl Default for BreakerConfig {
             max_ejection: HumanDuration::from_secs(60),
             max_ejected_percent: 50,
             consecutive_stalls: 2,
-            stall_multiplier: 8.0,
+            stall_multiplier: 6.0,
         }
     }
 }

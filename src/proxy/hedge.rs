@@ -22,7 +22,7 @@ use super::attempt::{Attempt, Sending, Slot};
 use super::request::Template;
 use super::{Proxy, ProxySettings, WorkerPath};
 use crate::endpoint::Endpoint;
-use crate::retry::ReplayBody;
+use crate::retry::{FailureKind, ReplayBody};
 use crate::upstream::UpstreamBody;
 
 /// One worker's allowance of hedges: every request deposits `hedge.max_extra_percent` hundredths of a
@@ -99,6 +99,15 @@ fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant)
     last_answer.load(Ordering::Relaxed) > since && endpoint.last_answer_ms() <= since
 }
 
+/// What a second attempt beside a running one is paid from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Spend {
+    /// A hedge: the hedge budget and the retry budget.
+    Hedge,
+    /// An attempt past its stall point with no hedge beside it: the retry budget alone.
+    Retry,
+}
+
 /// The attempt to run: its slot, its request, and whether it may be hedged.
 pub(super) struct Race<'a> {
     pub slot: Slot,
@@ -127,12 +136,14 @@ impl Proxy {
     /// only if the rest of the fleet answered something since it started while this endpoint answered
     /// nothing: when every node is slow (a burst of long requests, say) no node is stalled, only the
     /// one that stopped while the others go on.
-    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) {
+    /// Returns whether it counted.
+    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) -> bool {
         if !stalled_alone(&self.last_answer, endpoint, started) {
-            return;
+            return false;
         }
         let may_eject = self.may_eject(settings);
         endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
+        true
     }
 
     /// Runs an attempt, hedged if it has no answer in time: the first to commit wins; when both fail,
@@ -158,25 +169,43 @@ impl Proxy {
             started,
             self.expected_first_byte(settings, &first_endpoint, started),
         );
-        let mut may_hedge = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
+        let replayable = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
+        let mut may_hedge = replayable;
         let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
         let mut first_stalled = false;
-        let hedge = loop {
+        // One timer, set to the next moment that matters: the hedge, then the stall point.
+        let timer = tokio::time::sleep_until(timing.hedge_at);
+        tokio::pin!(timer);
+        let (second, spent) = loop {
+            let wake = if may_hedge {
+                timing.hedge_at.min(sending.deadline)
+            } else if !first_stalled {
+                timing.stall_at
+            } else {
+                return first.await;
+            };
+            timer.as_mut().reset(wake);
             tokio::select! {
                 outcome = &mut first => return outcome,
-                () = tokio::time::sleep_until(timing.hedge_at.min(sending.deadline)), if may_hedge => {
-                    may_hedge = false;
-                    if let Some(hedge) = self.start_hedge(settings, worker, tried, template, &sending.body) {
-                        break hedge;
+                () = &mut timer => {
+                    let spend = if std::mem::take(&mut may_hedge) {
+                        Spend::Hedge
+                    } else {
+                        first_stalled = true;
+                        // Stalled and still unhedged (the hedge budget was spent, or no endpoint had
+                        // room then): a second attempt elsewhere beside it, as a retry.
+                        if !self.stalled(settings, &first_endpoint, started) || !replayable {
+                            continue;
+                        }
+                        Spend::Retry
+                    };
+                    if let Some(second) = self.start_hedge(settings, worker, tried, template, &sending.body, spend) {
+                        break (second, spend);
                     }
-                }
-                () = tokio::time::sleep_until(timing.stall_at), if !first_stalled => {
-                    first_stalled = true;
-                    self.stalled(settings, &first_endpoint, started);
                 }
             }
         };
-        let (slot, request) = hedge;
+        let (slot, request) = second;
         let mut second = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
         let (mut first_done, mut second_done) = (false, false);
         loop {
@@ -188,7 +217,9 @@ impl Proxy {
                 },
                 outcome = &mut second, if !second_done => match outcome {
                     Attempt::Committed(committed) => {
-                        self.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+                        if spent == Spend::Hedge {
+                            self.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
+                        }
                         if !first_done {
                             self.beaten(settings, first, &first_endpoint, timing, first_stalled);
                         }
@@ -237,7 +268,7 @@ impl Proxy {
     }
 
     /// A second attempt on an endpoint not yet tried, if one has room now, no request is queued
-    /// for a slot, and both budgets allow.
+    /// for a slot, and the budgets `spend` names allow.
     fn start_hedge(
         &self,
         settings: &ProxySettings,
@@ -245,17 +276,24 @@ impl Proxy {
         tried: &mut Tried,
         template: &Template,
         body: &ReplayBody,
+        spend: Spend,
     ) -> Option<(Slot, Request<UpstreamBody>)> {
-        if !self.queue.is_empty() || !worker.hedges.withdraw() {
+        let hedge = spend == Spend::Hedge;
+        if !self.queue.is_empty() || (hedge && !worker.hedges.withdraw()) {
             return None;
         }
+        let refund = || {
+            if hedge {
+                worker.hedges.refund();
+            }
+        };
         let Pick::Slot(slot) = self.pick(settings, tried) else {
-            worker.hedges.refund();
+            refund();
             return None;
         };
         // The retry budget is asked last: its withdrawal cannot be given back.
         let Some(attempt_body) = body.for_attempt().filter(|_| worker.budget.withdraw()) else {
-            worker.hedges.refund();
+            refund();
             if slot.probe {
                 slot.outstanding.endpoint().release_probe(Instant::now());
             }
@@ -264,8 +302,16 @@ impl Proxy {
         let endpoint = Arc::clone(slot.outstanding.endpoint());
         tried.push(endpoint.id());
         self.stats.attempts.fetch_add(1, Ordering::Relaxed);
-        self.stats.hedges.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
+        if hedge {
+            self.stats.hedges.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
+        } else {
+            self.stats.retries.count(FailureKind::Timeout);
+            tracing::debug!(
+                endpoint = endpoint.url(),
+                "a stalled attempt gets a second one"
+            );
+        }
         Some((slot, template.build(&endpoint, attempt_body)))
     }
 }
@@ -313,8 +359,8 @@ mod tests {
         );
         assert_eq!(
             slow.stall_at - now,
-            Duration::from_millis(3200),
-            "8 x 400 ms"
+            Duration::from_millis(2400),
+            "6 x 400 ms, and twice the hedge delay"
         );
     }
 

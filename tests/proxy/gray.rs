@@ -285,15 +285,14 @@ async fn hedging_stays_within_its_budget_when_every_node_is_slow() {
     let received: u64 = fleet.requests_received() - received_before;
     let hedges = metric(&proxy, "tongs_hedges_total").await;
     println!("200 requests: {received} attempts reached the nodes, {hedges} hedges");
-    // 10 % of the requests plus the burst a quiet spell saves (10) per worker thread.
+    // 10 % of the requests plus the burst a quiet spell saves (10) per worker thread: the hedge budget,
+    // counted where it costs, at the nodes.
     let workers = std::thread::available_parallelism().map_or(1, usize::from) as f64;
+    let allowed = 200.0 * 0.1 + 10.0 * workers;
+    assert!(hedges <= allowed, "{hedges} hedges for 200 requests");
     assert!(
-        hedges <= 200.0 * 0.1 + 10.0 * workers + 30.0 * 0.1,
-        "{hedges} hedges for 200 requests"
-    );
-    assert!(
-        received as f64 <= 200.0 + hedges,
-        "{received} attempts for 200 requests and {hedges} hedges"
+        received as f64 <= 200.0 + allowed,
+        "{received} attempts reached the nodes for 200 requests"
     );
     proxy.stop().await;
 }
