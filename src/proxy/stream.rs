@@ -80,13 +80,17 @@ impl StreamGuard for Streamed {
     }
 }
 
-/// Resolves when `endpoint` is declared unhealthy by heartbeats, or stalled.
-fn gone(endpoint: &Arc<Endpoint>) -> GoneSignal {
+/// Resolves when `endpoint` is stalled, or declared unhealthy by heartbeats while some other endpoint
+/// of `registry` is healthy: when none is, tongs' own network or the health path is more likely broken
+/// than every node at once (panic mode), and streams that still flow are left alone.
+fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>) -> GoneSignal {
     let mut signal = endpoint.gone_signal();
     let endpoint = Arc::clone(endpoint);
+    let registry = Arc::clone(registry);
     Box::pin(async move {
         loop {
-            if !endpoint.is_healthy() || endpoint.is_stalled() {
+            let unhealthy = !endpoint.is_healthy() && registry.counts().healthy() > 0;
+            if unhealthy || endpoint.is_stalled() {
                 return;
             }
             if signal.changed().await.is_err() {
@@ -118,7 +122,7 @@ pub fn watch(
             max_ejected_percent: settings.max_ejected_percent,
         }),
         idle: Some(limit),
-        gone: Some(gone(&endpoint)),
+        gone: Some(gone(&endpoint, registry)),
     }
 }
 

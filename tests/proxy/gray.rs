@@ -168,7 +168,7 @@ async fn a_node_whose_health_recovers_before_its_worker_is_not_trusted_until_it_
 /// One streamed request: the time its first chunk arrived, and how and when the stream ended.
 async fn stream_until_it_ends(
     url: &str,
-    on_first_chunk: impl FnOnce(),
+    on_first_chunk: impl FnOnce(&[u8]),
 ) -> (Duration, Result<(), String>) {
     let request = http::Request::get(url)
         .header("accept", "text/event-stream")
@@ -182,10 +182,10 @@ async fn stream_until_it_ends(
     loop {
         match body.frame().await {
             Some(Ok(frame)) => {
-                if frame.is_data()
+                if let Some(data) = frame.data_ref()
                     && let Some(callback) = first.take()
                 {
-                    callback();
+                    callback(data);
                     first_at = Some(Instant::now());
                 }
             }
@@ -215,11 +215,11 @@ async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_lim
     let proxy = start_proxy(config_with(HEALTH, &fleet.urls())).await;
     let url = proxy.url("/v1/stream");
     // A whole stream first, so the endpoint knows its typical gap between chunks (~27 ms).
-    let (_, ended) = stream_until_it_ends(&url, || {}).await;
+    let (_, ended) = stream_until_it_ends(&url, |_| {}).await;
     assert_eq!(ended, Ok(()));
 
     let node = &fleet.nodes()[0];
-    let (stalled_for, ended) = stream_until_it_ends(&url, || node.set_condition(gray())).await;
+    let (stalled_for, ended) = stream_until_it_ends(&url, |_| node.set_condition(gray())).await;
     println!("stream ended {ended:?} {stalled_for:?} after its first chunk");
     assert!(
         ended.is_err(),
@@ -245,17 +245,28 @@ async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_lim
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_node_heartbeats_declare_gone_ends_at_once() {
-    let fleet = sim_fleet(14, sse_nodes(1)).await;
+    // Two nodes: with none healthy at all, tongs takes its own network for broken (panic mode) and
+    // leaves flowing streams alone.
+    let fleet = sim_fleet(14, sse_nodes(2)).await;
     // An idle limit far beyond the test, so only the heartbeats' verdict can end the stream.
     let extra = format!("{HEALTH}stream: {{ idle_min: 60s }}\n");
     let proxy = start_proxy(config_with(&extra, &fleet.urls())).await;
     let url = proxy.url("/v1/stream");
-    let node = &fleet.nodes()[0];
     let blackhole = Condition::Interrupted {
         kind: InterruptionKind::Blackhole,
         factor: 1.0,
     };
-    let (stalled_for, ended) = stream_until_it_ends(&url, || node.set_condition(blackhole)).await;
+    // The node that serves the stream names itself in every event.
+    let silence = |chunk: &[u8]| {
+        let text = String::from_utf8_lossy(chunk);
+        let node = fleet
+            .nodes()
+            .iter()
+            .find(|node| text.contains(&format!("\"node\":\"{}\"", node.name())))
+            .expect("the first event names its node");
+        node.set_condition(blackhole);
+    };
+    let (stalled_for, ended) = stream_until_it_ends(&url, silence).await;
     println!("stream ended {ended:?} {stalled_for:?} after its node went silent");
     assert!(ended.is_err());
     // Heartbeats every 100 ms while changing, 300 ms timeout, two failures: about a second.
