@@ -4,10 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/cli.rs;
-# a real Prometheus scrapes tongs (tests/prometheus.rs); headless Chromium loads the status page
-# (tests/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy.rs); microsocks and tinyproxy
-# play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/transports.rs); nginx, HAProxy and Caddy
+# Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/config/cli.rs;
+# a real Prometheus scrapes tongs (tests/admin/prometheus.rs); headless Chromium loads the status page
+# (tests/admin/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy/); microsocks and tinyproxy
+# play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/upstream/transports.rs); nginx, HAProxy and Caddy
 # are the peers whose configurations the comparison benchmark's smoke pass starts and serves through
 # (benches/compare/, run by `cargo test --all-targets`).
 export PATH=$PATH:/usr/sbin:/sbin
