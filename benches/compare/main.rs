@@ -25,6 +25,7 @@
 //! open-source build has them; retries on connect errors, timeouts and 502/503/504, POST included, on
 //! another server; 1 s connect timeout; 10 s per-try timeout; a queue where there is one. Their
 //! configuration files are printed with `SHOW_CONFIGS=1`.
+//! `TONGS_LOG=tongs=debug` keeps tongs' own log in `target/bench-tongs-PORT.log`.
 //!
 //! Environment: SCENARIOS, PROXIES (default all), DURATION (measured time of the open-loop scenarios,
 //! default 30s), CHURN_DURATION (default 60s), WARMUP (unrecorded load first, default 3s), SEED (1),

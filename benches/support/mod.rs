@@ -456,13 +456,22 @@ impl TongsProcess {
         let text = format!("listen: {addr}\nadmin: {{ listen: {admin} }}\n{config}");
         let path = dir.path().join("tongs.yaml");
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        // TONGS_LOG (a RUST_LOG filter) keeps tongs' log in target/ for a look at why requests failed.
+        let (filter, log) = match std::env::var("TONGS_LOG") {
+            Ok(filter) => {
+                let log = PathBuf::from(format!("target/bench-tongs-{}.log", addr.port()));
+                eprintln!("tongs' log ({filter}): {}", log.display());
+                (filter, log)
+            }
+            Err(_) => ("warn".to_owned(), dir.path().join("tongs.log")),
+        };
         let mut command = Command::new(tongs_binary());
         command
             .arg("run")
             .arg("--config")
             .arg(&path)
-            .env("RUST_LOG", "warn");
-        let mut process = Process::spawn("tongs", command, dir.path().join("tongs.log"))?;
+            .env("RUST_LOG", filter);
+        let mut process = Process::spawn("tongs", command, log)?;
         process
             .wait_ok(&format!("http://{admin}/readyz"), Duration::from_secs(30))
             .await?;
