@@ -31,8 +31,9 @@ pub type Guard = Box<dyn Send>;
 /// What the request path holds while an endpoint's answer streams (dropped when it ends), and is told
 /// as the stream goes.
 pub trait StreamGuard: Send {
-    /// A chunk arrived `gap` after the one before (the first: after the commit). Returns how long the
-    /// stream may now stay silent before its node is taken for failed (`None`: no limit).
+    /// A chunk arrived after tongs had waited `gap` for it (time the client was not reading does not
+    /// count; a chunk already there when asked for is not reported). Returns how long the stream may
+    /// now stay silent before its node is taken for failed (`None`: no limit).
     fn chunk(&mut self, gap: Duration) -> Option<Duration>;
     /// tongs is ending the stream with an error: it was silent past its limit, or its endpoint was
     /// declared gone.
@@ -91,8 +92,10 @@ pin_project! {
             #[pin]
             idle: Sleep,
             idle_limit: Option<Duration>,
-            // When the last chunk (or the commit) was.
-            last: Instant,
+            // Since when tongs has waited for the endpoint's next frame (`None`: it has not since the
+            // last one). Only tongs' own wait counts: while a slow client is not reading, hyper does not
+            // poll the body, and that time is not the endpoint's silence.
+            waiting: Option<Instant>,
             // Resolves when the endpoint is declared gone.
             gone: Option<GoneSignal>,
             // `None` once the stream has ended: what it holds (the endpoint's in-flight count) goes right there.
@@ -121,16 +124,15 @@ impl ProxyBody {
         deadline: Sleep,
         total: Duration,
     ) -> Self {
-        let last = Instant::now();
         ProxyBody {
             kind: Kind::Upstream {
                 first,
                 body,
                 deadline,
                 total,
-                idle: tokio::time::sleep_until(idle_until(last, watch.idle)),
+                idle: tokio::time::sleep_until(idle_until(Instant::now(), watch.idle)),
                 idle_limit: watch.idle,
-                last,
+                waiting: None,
                 gone: watch.gone,
                 held: Some(watch.guard),
                 finish: None,
@@ -186,7 +188,7 @@ impl Body for ProxyBody {
                 total,
                 mut idle,
                 idle_limit,
-                last,
+                waiting,
                 gone,
                 held,
                 finish,
@@ -204,11 +206,11 @@ impl Body for ProxyBody {
                 };
                 match body.poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
-                        let now = Instant::now();
-                        if frame.is_data() {
-                            *idle_limit = guard.chunk(now.saturating_duration_since(*last));
-                            *last = now;
-                            idle.as_mut().reset(idle_until(now, *idle_limit));
+                        // A frame that was there when asked for says nothing of the endpoint's pace.
+                        if let Some(since) = waiting.take()
+                            && frame.is_data()
+                        {
+                            *idle_limit = guard.chunk(since.elapsed());
                         }
                         return Poll::Ready(Some(Ok(frame)));
                     }
@@ -220,7 +222,13 @@ impl Body for ProxyBody {
                         ended(held, finish);
                         return Poll::Ready(None);
                     }
-                    Poll::Pending => {}
+                    Poll::Pending => {
+                        if waiting.is_none() {
+                            let now = Instant::now();
+                            *waiting = Some(now);
+                            idle.as_mut().reset(idle_until(now, *idle_limit));
+                        }
+                    }
                 }
                 if deadline.poll(cx).is_ready() {
                     ended(held, finish);
@@ -279,5 +287,106 @@ impl Body for ProxyBody {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use http_body_util::channel::{Channel, Sender};
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+
+    use super::*;
+
+    /// The body's next frame (the body is not `Unpin`, so `BodyExt::frame` does not apply).
+    async fn next_frame(mut body: Pin<&mut ProxyBody>) -> Option<Result<Frame<Bytes>, BoxError>> {
+        std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
+    }
+
+    /// Records the gaps it is told of; the idle limit is always 2 s.
+    struct Gaps(Arc<Mutex<Vec<Duration>>>);
+
+    impl StreamGuard for Gaps {
+        fn chunk(&mut self, gap: Duration) -> Option<Duration> {
+            self.0.lock().unwrap().push(gap);
+            Some(Duration::from_secs(2))
+        }
+
+        fn cut(&mut self, _why: Cut) {}
+    }
+
+    /// An endpoint's streamed body over a real HTTP/1.1 connection (in memory), and the sender that
+    /// feeds it.
+    async fn upstream() -> (Incoming, Sender<Bytes, BoxError>) {
+        let (client, server) = tokio::io::duplex(64 * 1024);
+        let (sender, body) = Channel::<Bytes, BoxError>::new(1);
+        let body = Mutex::new(Some(body));
+        tokio::spawn(async move {
+            let service = service_fn(move |_request: http::Request<Incoming>| {
+                let body = body.lock().unwrap().take().expect("one request");
+                async move { Ok::<_, std::convert::Infallible>(http::Response::new(body)) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(server), service)
+                .await;
+        });
+        let (mut request, connection) = hyper::client::conn::http1::handshake::<
+            _,
+            http_body_util::Empty<Bytes>,
+        >(TokioIo::new(client))
+        .await
+        .unwrap();
+        tokio::spawn(connection);
+        let response = request
+            .send_request(http::Request::new(http_body_util::Empty::new()))
+            .await
+            .unwrap();
+        (response.into_body(), sender)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn time_the_client_spends_not_reading_is_not_the_endpoints_silence() {
+        let (incoming, mut sender) = upstream().await;
+        let gaps = Arc::new(Mutex::new(Vec::new()));
+        let watch = Watch {
+            guard: Box::new(Gaps(Arc::clone(&gaps))),
+            idle: Some(Duration::from_secs(2)),
+            gone: None,
+        };
+        let deadline = tokio::time::sleep(Duration::from_secs(3600));
+        let mut body = std::pin::pin!(ProxyBody::upstream(
+            None,
+            incoming,
+            watch,
+            deadline,
+            Duration::from_secs(3600),
+        ));
+
+        sender.send_data(Bytes::from_static(b"a")).await.unwrap();
+        let frame = next_frame(body.as_mut()).await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "a");
+        // The client reads nothing for 5 s, well past the 2 s idle limit; the endpoint is quiet too.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        // Asked again, the endpoint has nothing yet: tongs' wait starts now, so this is not a stall.
+        let next =
+            tokio::time::timeout(Duration::from_millis(500), next_frame(body.as_mut())).await;
+        assert!(next.is_err(), "still waiting, not cut: {next:?}");
+        sender.send_data(Bytes::from_static(b"b")).await.unwrap();
+        let frame = next_frame(body.as_mut()).await.unwrap().unwrap();
+        assert_eq!(frame.into_data().unwrap(), "b");
+        // ("a" may have been there when first asked for, which reports no gap.)
+        let gaps = gaps.lock().unwrap().clone();
+        let last = gaps.last().expect("tongs waited for \"b\"");
+        assert!(
+            *last < Duration::from_secs(1),
+            "the gap is tongs' own wait, not the client's 5 s: {gaps:?}"
+        );
+
+        // Silent past its limit while tongs waits: cut.
+        let cut = next_frame(body.as_mut()).await.unwrap();
+        let error = cut.expect_err("cut after 2 s of silence");
+        assert!(error.is::<StreamCut>(), "{error}");
     }
 }
