@@ -1,13 +1,20 @@
 //! Picking an endpoint over a registry snapshot: by expected latency (`balancer.policy:
 //! expected-latency`, the default) or by outstanding requests alone (`least-outstanding`).
 //!
-//! The load of an endpoint is `(outstanding + 1) × expected latency / weight`: the time a new request
-//! would wait behind those already there, per unit of the endpoint's capacity (linkerd's and Finagle's
-//! peak-EWMA cost). Under `least-outstanding` the latency factor is 1, leaving `(outstanding + 1) /
-//! weight`. Comparing `o + 1` rather than `o` makes weights matter even when every endpoint is idle,
-//! and spreads concurrent load in proportion to weight (weight 3 takes three requests for every one a
-//! weight-1 endpoint takes). Ratios are compared by cross-multiplication, so no floats. An endpoint
-//! without an estimate of its own is ranked by the fleet's.
+//! The load of an endpoint is the time to first byte a new request there should expect, over its
+//! weight. Under `expected-latency` that is what its answers took when it held as many requests as it
+//! would with this one (`Endpoint::rank_latency_us`): a GPU server that answers eight at once in
+//! 120 ms keeps its share up to eight, where the single-worker model of linkerd's and Finagle's
+//! peak-EWMA cost, `(outstanding + 1) × latency`, would send the fourth request to an idle node four
+//! times slower. Loads not yet seen are assumed to queue (that same product), until answers show
+//! otherwise. Each request already there also adds an eighth of that, divided by the weight
+//! ([`LOAD_SPREAD`]), so nodes about as fast share the load in proportion to their weights. The expected latency is never below the endpoint's silence: how long attempts there have
+//! waited with none answered, so a node that stops answering loses its share as its silence grows.
+//! Under `least-outstanding` the load is `(outstanding + 1) / weight`: comparing `o + 1` rather than
+//! `o` makes weights matter even when every endpoint is idle, and spreads concurrent load in proportion
+//! to weight (weight 3 takes three requests for every one a weight-1 endpoint takes). Ratios are
+//! compared by cross-multiplication, so no floats. An endpoint without an estimate of its own is
+//! ranked by the fleet's.
 //!
 //! Small sets (up to [`FULL_SCAN_MAX`]) are scanned fully with a random tie-break, which is exact and
 //! cheap. Larger sets use the power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized
@@ -59,6 +66,15 @@ impl PickContext {
 /// An eligible endpoint and how it may be used.
 pub type Picked<'a> = (&'a Arc<Endpoint>, Eligibility);
 
+/// Under `expected-latency`, each request an endpoint already holds adds `1 ÷ (LOAD_SPREAD × weight)`
+/// of its expected latency to its cost, even where its answers show no slowdown yet: nodes about as
+/// fast share the load rather than the one measured a little faster taking all of it, a node not
+/// picked for a while is tried again (what was learnt of it does not go stale), and weights (slow
+/// start's included) set how many requests an endpoint takes for every one another takes. Small
+/// against a real difference in speed: a node twice as fast keeps its share up to eight requests
+/// ahead.
+const LOAD_SPREAD: u64 = 8;
+
 /// Largest set scanned fully; above it, power of two choices.
 pub const FULL_SCAN_MAX: usize = 32;
 
@@ -81,9 +97,8 @@ pub fn pick<'a>(
     }
 }
 
-/// An eligible candidate with its load as a fraction compared by cross-multiplication:
-/// `(outstanding + 1) × latency estimate` over the effective weight (the estimate is 1 for the plain
-/// least-outstanding policy).
+/// An eligible candidate with its load as a fraction compared by cross-multiplication (see the
+/// module's doc).
 struct Candidate<'a> {
     endpoint: &'a Arc<Endpoint>,
     eligibility: Eligibility,
@@ -103,19 +118,26 @@ fn candidate<'a>(
     if eligibility == Eligibility::No {
         return None;
     }
+    let weight = endpoint.effective_weight(now_ms, ctx.slow_start_ms);
+    let outstanding = endpoint.outstanding();
+    let load = match ctx.neutral_latency_us {
+        // expected × (SPREAD × w + o) ÷ (SPREAD × w), with the weight in thousandths.
+        Some(neutral) => {
+            let expected =
+                endpoint.rank_latency_us(now_ms, outstanding, neutral, ctx.latency_decay_ms);
+            let share = LOAD_SPREAD.saturating_mul(weight);
+            (
+                u128::from(expected)
+                    * u128::from(share.saturating_add(outstanding.saturating_mul(1000))),
+                share,
+            )
+        }
+        None => (u128::from(outstanding.saturating_add(1)), weight),
+    };
     Some(Candidate {
         endpoint,
         eligibility,
-        load: (
-            u128::from(endpoint.outstanding().saturating_add(1))
-                * u128::from(match ctx.neutral_latency_us {
-                    Some(neutral) => {
-                        endpoint.latency_estimate(now_ms, neutral, ctx.latency_decay_ms)
-                    }
-                    None => 1,
-                }),
-            endpoint.effective_weight(now_ms, ctx.slow_start_ms),
-        ),
+        load,
     })
 }
 
@@ -194,6 +216,8 @@ fn two_choices<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
+
     use crate::config::EndpointUrl;
     use crate::endpoint::Outstanding;
 
@@ -238,6 +262,78 @@ mod tests {
         for _ in 0..50 {
             assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 1);
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_endpoint_that_stopped_answering_loses_its_share_as_its_silence_grows() {
+        let endpoints = fleet(&[1, 1]);
+        let now_ms = crate::endpoint::millis(Instant::now());
+        for endpoint in &endpoints {
+            endpoint.observe_latency(Duration::from_millis(200), now_ms, 10_000);
+        }
+        let latency_ctx = || PickContext {
+            neutral_latency_us: Some(200_000),
+            ..PickContext::at(Instant::now())
+        };
+        // Endpoint 0 holds one attempt that has not answered; endpoint 1 holds two that did.
+        let _quiet = endpoints[0].start_request();
+        let _waiting = endpoints[0].start_waiting(Instant::now());
+        let _answered = [endpoints[1].start_request(), endpoints[1].start_request()];
+        assert_eq!(
+            pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
+            0,
+            "2 × 200 ms beats 3 × 200 ms while the wait is young"
+        );
+        tokio::time::advance(Duration::from_millis(700)).await;
+        assert_eq!(
+            pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
+            1,
+            "700 ms of silence ranks it as a 700 ms endpoint: 2 × 700 ms > 3 × 200 ms"
+        );
+        let later = crate::endpoint::millis(Instant::now());
+        endpoints[0].observe_latency(Duration::from_millis(150), later, 10_000);
+        assert_eq!(
+            pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
+            0,
+            "an answer ends the silence"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_answers_many_at_once_keeps_its_share_until_it_slows() {
+        let endpoints = fleet(&[1, 1]);
+        let now_ms = crate::endpoint::millis(Instant::now());
+        let ms = Duration::from_millis;
+        let latency_ctx = || PickContext {
+            neutral_latency_us: Some(200_000),
+            ..PickContext::at(Instant::now())
+        };
+        // Endpoint 0 is a batching GPU server: 100 ms whether it holds 1 or 8. Endpoint 1 takes 300 ms.
+        for in_flight in 1..=8 {
+            endpoints[0].observe_latency(ms(100), now_ms, 10_000);
+            endpoints[0].observe_load_latency(ms(100), in_flight, now_ms, 10_000);
+        }
+        endpoints[1].observe_latency(ms(300), now_ms, 10_000);
+        endpoints[1].observe_load_latency(ms(300), 1, now_ms, 10_000);
+        // Tried just now (an endpoint idle and untried for the decay time is tried at once).
+        drop(endpoints[1].start_waiting(Instant::now()));
+        let held: Vec<_> = (0..5).map(|_| endpoints[0].start_request()).collect();
+        assert_eq!(
+            pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
+            0,
+            "at 6 in flight it still answers in 100 ms: better than an idle 300 ms node \
+             (a single-worker model would say 600 ms)"
+        );
+        // Beyond the loads it was seen at, it is assumed to queue: at 26, 100 ms × 26 ÷ 8 = 325 ms.
+        let more: Vec<_> = (0..20).map(|_| endpoints[0].start_request()).collect();
+        assert_eq!(pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(), 1);
+        drop(more);
+        // Seen slowing down at its current load (queueing inside), it loses its share.
+        for _ in 0..8 {
+            endpoints[0].observe_load_latency(ms(900), 6, now_ms, 10_000);
+        }
+        assert_eq!(pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(), 1);
+        drop(held);
     }
 
     #[test]

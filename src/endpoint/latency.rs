@@ -44,6 +44,82 @@ impl Endpoint {
         (estimate + (neutral_us as f64 - estimate) * drift).max(1.0) as u64
     }
 
+    /// Records an answer's time to first byte under the load it started at: `in_flight` requests here,
+    /// itself included. An EWMA per load bucket, weight 1/4: the buckets the endpoint works in follow
+    /// it within a few answers. What was learnt before a spell of `decay_ms` without answers is
+    /// forgotten, so a node that comes back is judged by what it does now. Call before
+    /// [`Endpoint::observe_latency`], which marks the answer.
+    pub fn observe_load_latency(
+        &self,
+        sample: Duration,
+        in_flight: u64,
+        now_ms: u64,
+        decay_ms: u64,
+    ) {
+        if now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) >= decay_ms {
+            for slot in &self.by_load {
+                slot.store(0, Ordering::Relaxed);
+            }
+        }
+        let sample = u64::try_from(sample.as_micros()).unwrap_or(u64::MAX).max(1);
+        let slot = &self.by_load[load_bucket(in_flight)];
+        let old = slot.load(Ordering::Relaxed);
+        let next = if old == 0 {
+            sample
+        } else {
+            old - old / 4 + sample / 4
+        };
+        slot.store(next, Ordering::Relaxed);
+    }
+
+    /// The time to first byte a new request here should expect (µs), with `outstanding` requests
+    /// already in flight: what answers took at that load. A GPU server answers several requests at once
+    /// (a batch, or a few workers), so its latency stays flat until it is full and grows beyond; a
+    /// single worker's grows with every request queued. Which one a node is shows in what its answers
+    /// took at each load. At a load not yet seen, the nearest lower one is extrapolated as if every
+    /// request beyond queued (`× n ÷ that load`), which a node then disproves or confirms by answering;
+    /// with nothing seen (or nothing for `decay_ms`), the estimate × n, the same assumption. An idle
+    /// endpoint nobody tried for `decay_ms` (a new one, or one slow once and avoided since) ranks at 0:
+    /// the next request finds out what it is like now.
+    ///
+    /// Never below the endpoint's silence: while it keeps attempts waiting and has answered none of
+    /// them for longer, a node that went quiet (a wedged worker behind a live health check) ranks worse
+    /// with every moment, before any hedge or stall timer judges it; its first answer ends it.
+    pub fn rank_latency_us(
+        &self,
+        now_ms: u64,
+        outstanding: u64,
+        neutral_us: u64,
+        decay_ms: u64,
+    ) -> u64 {
+        let n = outstanding.saturating_add(1);
+        let tried_at = self.tried_at.load(Ordering::Relaxed);
+        if outstanding == 0 && (tried_at == 0 || now_ms.saturating_sub(tried_at) >= decay_ms) {
+            return 0;
+        }
+        let fresh = now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) < decay_ms;
+        let bucket = load_bucket(n);
+        let seen = if fresh {
+            (0..=bucket).rev().find_map(|b| {
+                let latency = self.by_load[b].load(Ordering::Relaxed);
+                (latency > 0).then(|| {
+                    if b == bucket {
+                        latency
+                    } else {
+                        latency.saturating_mul(n) / bucket_load(b)
+                    }
+                })
+            })
+        } else {
+            None
+        };
+        let expected = seen.unwrap_or_else(|| {
+            self.latency_estimate(now_ms, neutral_us, decay_ms)
+                .saturating_mul(n)
+        });
+        expected.max(self.silence_ms(now_ms).saturating_mul(1000))
+    }
+
     /// A streamed answer from here sent a chunk `gap` after the one before: feeds the typical gap that
     /// sets a stream's idle limit. An EWMA with weight 1/16: steady enough that one slow chunk does not
     /// move it much, quick enough to follow a node that changes pace.
@@ -74,5 +150,32 @@ impl Endpoint {
     /// The raw estimate in microseconds (0 before the first observation), for debug output.
     pub fn latency_us(&self) -> u64 {
         f64::from_bits(self.latency.load(Ordering::Relaxed)) as u64
+    }
+}
+
+/// Load buckets of [`Endpoint::observe_load_latency`]: requests in flight 1, 2, 3–4, 5–8, 9–16, 17+.
+pub const LOAD_BUCKETS: usize = 6;
+
+fn load_bucket(in_flight: u64) -> usize {
+    let bits = 64 - in_flight.max(1).saturating_sub(1).leading_zeros() as usize;
+    bits.min(LOAD_BUCKETS - 1)
+}
+
+/// The load a bucket stands for when it is extrapolated from: its highest.
+fn bucket_load(bucket: usize) -> u64 {
+    1 << bucket
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loads_fall_in_power_of_two_buckets() {
+        let buckets: Vec<usize> = [0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 1000]
+            .into_iter()
+            .map(load_bucket)
+            .collect();
+        assert_eq!(buckets, [0, 0, 1, 2, 2, 3, 3, 4, 4, 5, 5]);
     }
 }

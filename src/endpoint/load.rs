@@ -77,15 +77,19 @@ impl Endpoint {
     /// Applies the limit settings (on creation and on reload). An adaptive limiter keeps what it learnt
     /// when only other settings changed.
     pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
+        self.held_until.store(0, Ordering::Relaxed);
         let mut limiter = self.lock_limiter();
         let limit = match settings.mode {
             LimitMode::None => {
                 *limiter = None;
+                self.configured_limit.store(u64::MAX, Ordering::Relaxed);
                 u64::MAX
             }
             LimitMode::Static => {
                 *limiter = None;
-                u64::from(settings.initial)
+                let limit = u64::from(settings.initial);
+                self.configured_limit.store(limit, Ordering::Relaxed);
+                limit
             }
             LimitMode::Adaptive => {
                 let state = match limiter.take() {
@@ -113,19 +117,39 @@ impl Endpoint {
         }
     }
 
-    /// The endpoint pushed back: the adaptive limit drops at once. False when it has no adaptive limit.
-    pub fn limit_back_pressure(&self, now: Instant) -> bool {
+    /// The endpoint pushed back while it still served others of ours: the adaptive limit drops at
+    /// once; without one, the endpoint is held to what it held (at least one) for [`HOLD`], so
+    /// requests beyond what it takes wait in tongs' queue, in order, instead of each finding out by a
+    /// refusal. A node still at capacity when the hold lifts refuses again and is held again.
+    pub fn limit_back_pressure(&self, now: Instant) {
+        // The refused request still counts as outstanding here; the node holds the others.
+        let holding = self.outstanding().saturating_sub(1);
         let mut limiter = self.lock_limiter();
-        match limiter.as_mut() {
-            Some(state) => {
-                // The refused request still counts as outstanding here; the node holds the others.
-                let holding = self.outstanding().saturating_sub(1);
-                let limit = state.on_back_pressure(self.millis(now), holding);
-                drop(limiter);
-                self.store_limit(u64::from(limit));
-                true
+        let limit = match limiter.as_mut() {
+            Some(state) => u64::from(state.on_back_pressure(self.millis(now), holding)),
+            None => {
+                let until = self.millis(now + HOLD).max(1);
+                self.held_until.store(until, Ordering::Relaxed);
+                holding
+                    .max(1)
+                    .min(self.configured_limit.load(Ordering::Relaxed))
             }
-            None => false,
+        };
+        drop(limiter);
+        self.store_limit(limit);
+    }
+
+    /// Lifts a hold whose time is over at `now_ms` (see [`Endpoint::limit_back_pressure`]).
+    pub(super) fn lift_hold(&self, now_ms: u64) {
+        let until = self.held_until.load(Ordering::Relaxed);
+        if until != 0
+            && now_ms >= until
+            && self
+                .held_until
+                .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.store_limit(self.configured_limit.load(Ordering::Relaxed));
         }
     }
 
@@ -173,6 +197,47 @@ impl Endpoint {
     /// Whether the endpoint asked for back-off that has not ended at `now_ms`.
     pub fn cooling_down(&self, now_ms: u64) -> bool {
         self.cooldown_until.load(Ordering::Relaxed) > now_ms
+    }
+}
+
+/// How long a node that refused while busy is held to what it held, without an adaptive limit.
+pub const HOLD: Duration = Duration::from_secs(2);
+
+/// An attempt waiting for its endpoint's first byte, from its start until it answered or failed.
+#[derive(Debug)]
+pub struct Waiting<'a> {
+    endpoint: &'a Endpoint,
+}
+
+impl Endpoint {
+    /// Counts an attempt as waiting for its first byte here until the guard is dropped.
+    pub fn start_waiting(&self, now: Instant) -> Waiting<'_> {
+        let now_ms = self.millis(now).max(1);
+        self.tried_at.store(now_ms, Ordering::Relaxed);
+        if self.waiting.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.waiting_since.store(now_ms, Ordering::Relaxed);
+        }
+        Waiting { endpoint: self }
+    }
+
+    /// How long the endpoint has kept attempts waiting without answering any, in milliseconds at
+    /// `now_ms` (0 while none waits): since its last answer or since attempts began to wait, whichever
+    /// is later. A stream that is flowing does not count; only attempts still without a first byte do.
+    pub fn silence_ms(&self, now_ms: u64) -> u64 {
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let since = self
+            .waiting_since
+            .load(Ordering::Relaxed)
+            .max(self.last_answer_ms());
+        now_ms.saturating_sub(since)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.endpoint.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

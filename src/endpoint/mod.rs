@@ -32,6 +32,7 @@ use crate::limit::Limiter;
 use self::counts::Counted;
 pub use self::counts::FleetCounts;
 use self::gate::{GATE_CLOSED, GATE_PROBING};
+pub use self::latency::LOAD_BUCKETS;
 pub use self::load::Outstanding;
 pub use self::view::{EndpointState, EndpointView};
 
@@ -83,6 +84,9 @@ pub struct Endpoint {
     cooldown_until: AtomicU64,
     /// Slow start began at this millisecond (0: not ramping).
     ramp_start: AtomicU64,
+    /// Without an adaptive limit, a node that refused while busy is held to what it held until this
+    /// millisecond (0: not held).
+    held_until: AtomicU64,
     weight: u32,
     /// A draining endpoint takes no new requests; in-flight ones finish.
     draining: AtomicBool,
@@ -94,6 +98,15 @@ pub struct Endpoint {
     latency: AtomicU64,
     /// ... and the millisecond of its last observation.
     latency_at: AtomicU64,
+    /// Time to first byte by the requests in flight when an attempt started (see `latency`): an EWMA
+    /// in microseconds per load bucket (0: none seen at that load).
+    by_load: [AtomicU64; LOAD_BUCKETS],
+    /// Attempts here waiting for their first byte ...
+    waiting: AtomicU64,
+    /// ... and the millisecond the endpoint last went from none waiting to some ...
+    waiting_since: AtomicU64,
+    /// ... and the millisecond an attempt last started here (0: never).
+    tried_at: AtomicU64,
     // Everything below is read off the pick's path.
     /// The URL as configured or discovered, for logs and debug output.
     url: String,
@@ -126,6 +139,8 @@ pub struct Endpoint {
     cooldowns: AtomicU64,
     /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
     limiter: Mutex<Option<Limiter>>,
+    /// The limit the configuration sets without an adaptive limiter (`u64::MAX`: none).
+    configured_limit: AtomicU64,
     /// Called when a slot here comes free (wakes whoever waits for one).
     slot_freed: OnceLock<SlotFreed>,
     /// The registry's counts this endpoint is counted in, and what it adds to them now.
@@ -202,11 +217,16 @@ impl Endpoint {
             suspect: AtomicBool::new(false),
             latency: AtomicU64::new(0),
             latency_at: AtomicU64::new(0),
+            by_load: Default::default(),
+            waiting: AtomicU64::new(0),
+            waiting_since: AtomicU64::new(0),
+            tried_at: AtomicU64::new(0),
             gate: AtomicU64::new(GATE_CLOSED),
             breaker: Mutex::new(Breaker::default()),
             streak: AtomicU32::new(0),
             cooldown_until: AtomicU64::new(0),
             ramp_start: AtomicU64::new(0),
+            held_until: AtomicU64::new(0),
             gone: watch::channel(0).0,
             stalled: AtomicBool::new(false),
             stall_events: AtomicU64::new(0),
@@ -224,6 +244,7 @@ impl Endpoint {
             heartbeat_ok: AtomicBool::new(false),
             origin: Origin::default(),
             limit_cap: u64::MAX,
+            configured_limit: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -255,6 +276,7 @@ impl Endpoint {
 
     /// Whether a new request may go here at `now_ms` (see [`millis`]).
     pub fn eligibility(&self, now_ms: u64, ignore_health: bool) -> Eligibility {
+        self.lift_hold(now_ms);
         let unwell = !self.healthy.load(Ordering::Relaxed) || self.suspect.load(Ordering::Relaxed);
         if self.outstanding.load(Ordering::Relaxed) >= self.limit.load(Ordering::Relaxed)
             || self.draining.load(Ordering::Relaxed)
@@ -351,6 +373,43 @@ mod tests {
         drop(b);
         assert_eq!(ep.outstanding(), 0);
         assert_eq!(ep.requests(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_refuses_while_busy_is_held_to_what_it_held_for_a_while() {
+        let ep = endpoint("http://127.0.0.1:1");
+        let settings = crate::limit::LimitSettings::from_config(&Default::default());
+        ep.apply_limit(&settings, Instant::now());
+        assert_eq!(ep.limit(), None, "no limit by default");
+        let held: Vec<_> = (0..3).map(|_| ep.start_request()).collect();
+        // The third request was refused while the node held the other two.
+        ep.limit_back_pressure(Instant::now());
+        assert_eq!(ep.limit(), Some(2));
+        let now_ms = millis(Instant::now());
+        assert_eq!(ep.eligibility(now_ms, false), Eligibility::No, "full");
+        tokio::time::advance(load::HOLD).await;
+        let now_ms = millis(Instant::now());
+        assert_eq!(
+            ep.eligibility(now_ms, false),
+            Eligibility::Yes,
+            "the hold lifted"
+        );
+        assert_eq!(ep.limit(), None);
+
+        // A static limit is never raised by a hold, and a refusal holding nothing keeps one slot.
+        let settings = crate::limit::LimitSettings {
+            mode: crate::config::LimitMode::Static,
+            initial: 1,
+            ..settings
+        };
+        ep.apply_limit(&settings, Instant::now());
+        ep.limit_back_pressure(Instant::now());
+        assert_eq!(ep.limit(), Some(1));
+        drop(held);
+        let lone = ep.start_request();
+        ep.limit_back_pressure(Instant::now());
+        assert_eq!(ep.limit(), Some(1), "at least one");
+        drop(lone);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Finding an endpoint for an attempt: a pick among the endpoints not yet tried, and the queue while
 //! none has room.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -11,16 +12,16 @@ use crate::admission::{Priority, Refusal, Waited};
 use crate::balance::{self, PickContext};
 use crate::breaker::Admission;
 use crate::config::BalancePolicy;
-use crate::endpoint::{Eligibility, EndpointId};
+use crate::endpoint::{Eligibility, Endpoint, EndpointId};
 
-/// Endpoint ids already tried by one request (no allocation; more than fit are not excluded).
+/// Endpoint ids a pick leaves out (no allocation; more than fit are not excluded).
 #[derive(Clone, Copy, Default)]
-pub(super) struct Tried {
+pub(super) struct Exclude {
     ids: [EndpointId; 16],
     len: usize,
 }
 
-impl Tried {
+impl Exclude {
     pub fn push(&mut self, id: EndpointId) {
         if self.len < self.ids.len() {
             self.ids[self.len] = id;
@@ -30,6 +31,67 @@ impl Tried {
 
     pub fn as_slice(&self) -> &[EndpointId] {
         &self.ids[..self.len]
+    }
+}
+
+/// The endpoints one request already tried, and those of them that only turned it away for being
+/// busy.
+#[derive(Default)]
+pub(super) struct Tried {
+    ids: Exclude,
+    /// Busy endpoints with the requests of ours they held when they refused: such an endpoint may
+    /// be tried again once it holds fewer, that is once it freed a slot (one that held none was paused
+    /// for its `Retry-After`, which its eligibility already waits out). Empty (no allocation) unless a
+    /// node pushed back.
+    busy: Vec<(Arc<Endpoint>, u64)>,
+    /// The next acquire waits in the queue before it looks.
+    wait_first: bool,
+}
+
+impl Tried {
+    pub fn push(&mut self, id: EndpointId) {
+        self.ids.push(id);
+    }
+
+    pub fn len(&self) -> usize {
+        self.ids.len
+    }
+
+    /// The next attempt waits in the queue for a slot to free before it looks, as a new arrival
+    /// would when the queue is not empty.
+    pub fn wait_first(&mut self) {
+        self.wait_first = true;
+    }
+
+    /// `endpoint` turned the request away for being busy while it held `holding` other requests.
+    pub fn mark_busy(&mut self, endpoint: &Arc<Endpoint>, holding: u64) {
+        self.busy.retain(|(known, _)| known.id() != endpoint.id());
+        self.busy.push((Arc::clone(endpoint), holding));
+    }
+
+    /// What a pick leaves out now: every endpoint tried, except busy ones that freed a slot since.
+    fn exclusions(&self) -> Exclude {
+        if self.busy.is_empty() {
+            return self.ids;
+        }
+        let mut exclude = Exclude::default();
+        for &id in self.ids.as_slice() {
+            let freed = self
+                .busy
+                .iter()
+                .any(|(busy, holding)| busy.id() == id && busy.outstanding() < (*holding).max(1));
+            if !freed {
+                exclude.push(id);
+            }
+        }
+        exclude
+    }
+
+    /// Whether a busy endpoint that may free a slot is still up: worth waiting for.
+    fn busy_may_free(&self) -> bool {
+        self.busy
+            .iter()
+            .any(|(busy, _)| busy.is_available() && busy.is_healthy() && !busy.is_ejected())
     }
 }
 
@@ -49,7 +111,8 @@ pub(super) enum Stop {
 }
 
 impl Proxy {
-    /// A slot on an endpoint not yet tried, waiting in the queue while none has one.
+    /// A slot on an endpoint not yet tried, waiting in the queue while none has one (and, after
+    /// [`Tried::wait_first`], until a slot frees or the head's recheck, before the first look).
     ///
     /// A first attempt waits whenever nothing can take it (every endpoint full, cooling down, down, or
     /// none discovered yet). A retry waits only if some untried endpoint is up and merely full or cooling
@@ -58,14 +121,15 @@ impl Proxy {
     pub(super) async fn acquire(
         &self,
         settings: &ProxySettings,
-        tried: &Tried,
+        tried: &mut Tried,
         priority: Priority,
         deadline: Instant,
         queued: &mut Duration,
         last_failure: &mut Option<Failure>,
     ) -> Result<Slot, Stop> {
+        let wait_first = std::mem::take(&mut tried.wait_first);
         let queue = &self.queue;
-        if queue.is_empty() {
+        if queue.is_empty() && !wait_first {
             match self.pick(settings, tried) {
                 Pick::Slot(slot) => return Ok(slot),
                 Pick::Nowhere => return Err(Stop::Nowhere),
@@ -89,7 +153,7 @@ impl Proxy {
             Ok(ticket) => ticket,
             Err(reason) => return Err(Stop::Refused(self.refusal(reason))),
         };
-        let mut look = ticket.is_head();
+        let mut look = ticket.is_head() && !wait_first;
         let result = loop {
             if look {
                 match self.pick(settings, tried) {
@@ -104,7 +168,7 @@ impl Proxy {
                         ticket.requeue();
                         // A retry may have been woken by a slot on an endpoint it already tried: that
                         // slot is someone else's, so the wake goes down the line.
-                        if woken && tried.len > 0 {
+                        if woken && tried.len() > 0 {
                             ticket.pass_on();
                         }
                     }
@@ -130,6 +194,11 @@ impl Proxy {
     }
 
     /// A slot on an eligible endpoint not yet tried, or whether waiting may give one.
+    ///
+    /// Untried endpoints come first. An endpoint that turned this request away for being busy is
+    /// offered again only when no untried one is left to take it or to wait for, and only once it
+    /// freed a slot: every endpoint busy is "later", not "broken", so the request waits for the next
+    /// free slot rather than failing with a busy node's refusal while capacity is about to free up.
     pub(super) fn pick(&self, settings: &ProxySettings, tried: &Tried) -> Pick {
         let now = Instant::now();
         let snapshot = self.registry.snapshot();
@@ -143,9 +212,48 @@ impl Proxy {
             },
             latency_decay_ms: millis_of(settings.latency_decay),
         };
-        let mut exclude = *tried;
+        if let Some(slot) = self.slot_among(&snapshot, tried.ids, &mut ctx) {
+            return Pick::Slot(slot);
+        }
+        // Nothing now. A first attempt waits for anything; a retry for an untried endpoint that is up
+        // and merely full or cooling down, else for a busy one.
+        if tried.len() == 0 {
+            return Pick::Wait;
+        }
+        let now_ms = crate::endpoint::millis(now);
+        let worth_waiting = snapshot.iter().any(|e| {
+            !tried.ids.as_slice().contains(&e.id())
+                && e.is_available()
+                && e.is_healthy()
+                && !e.is_ejected()
+                && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
+        });
+        if worth_waiting {
+            return Pick::Wait;
+        }
+        if tried.busy.is_empty() {
+            return Pick::Nowhere;
+        }
+        if let Some(slot) = self.slot_among(&snapshot, tried.exclusions(), &mut ctx) {
+            return Pick::Slot(slot);
+        }
+        if tried.busy_may_free() {
+            Pick::Wait
+        } else {
+            Pick::Nowhere
+        }
+    }
+
+    /// A slot on an eligible endpoint outside `exclude`, claimed (with the breaker's probe when that is
+    /// what is left).
+    fn slot_among(
+        &self,
+        snapshot: &[Arc<Endpoint>],
+        mut exclude: Exclude,
+        ctx: &mut PickContext,
+    ) -> Option<Slot> {
         for _ in 0..6 {
-            let Some((endpoint, eligibility)) = balance::pick(&snapshot, exclude.as_slice(), &ctx)
+            let Some((endpoint, eligibility)) = balance::pick(snapshot, exclude.as_slice(), ctx)
             else {
                 // Panic mode: when no endpoint passes its heartbeats, more likely tongs' own network or
                 // the health path is broken than every node died at once, so heartbeats are ignored
@@ -154,11 +262,11 @@ impl Proxy {
                     ctx.ignore_health = true;
                     continue;
                 }
-                break;
+                return None;
             };
             let probe = match eligibility {
                 Eligibility::Yes => false,
-                _ => match endpoint.admit(now) {
+                _ => match endpoint.admit(ctx.now) {
                     Admission::Admit => false,
                     Admission::Probe => true,
                     Admission::Reject => {
@@ -169,32 +277,15 @@ impl Proxy {
             };
             // The pick saw room; another worker may have taken the last slot since.
             match endpoint.try_start_request() {
-                Some(outstanding) => return Pick::Slot(Slot { outstanding, probe }),
+                Some(outstanding) => return Some(Slot { outstanding, probe }),
                 None => {
                     if probe {
-                        endpoint.release_probe(now);
+                        endpoint.release_probe(ctx.now);
                     }
                     exclude.push(endpoint.id());
                 }
             }
         }
-        // Nothing now. A first attempt waits for anything; a retry only for an endpoint that is up and
-        // merely full or cooling down.
-        if tried.len == 0 {
-            return Pick::Wait;
-        }
-        let now_ms = crate::endpoint::millis(now);
-        let worth_waiting = snapshot.iter().any(|e| {
-            !tried.as_slice().contains(&e.id())
-                && e.is_available()
-                && e.is_healthy()
-                && !e.is_ejected()
-                && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
-        });
-        if worth_waiting {
-            Pick::Wait
-        } else {
-            Pick::Nowhere
-        }
+        None
     }
 }

@@ -106,6 +106,8 @@ impl Proxy {
             pending: probe,
         };
         let attempt_started = Instant::now();
+        // Until this attempt answers or fails, it counts towards the endpoint's silence (see `balance`).
+        let _waiting = endpoint.start_waiting(attempt_started);
         let mut gone = endpoint.gone_signal();
         let grace = settings.suspect_grace;
         let per_try = (Instant::now() + settings.response_headers_timeout).min(deadline);
@@ -144,11 +146,10 @@ impl Proxy {
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {
                 // A node that refuses while still serving others of ours is saying "fewer at once":
-                // with an adaptive limit the cut answers it; without one the node fills up again and
-                // refuses again, each refusal cheap and retried elsewhere. Pausing it for Retry-After
-                // would idle a node that is busy: under standing overload every node would sit paused
-                // for most of each second while requests waited. A node refusing with nothing else of
-                // ours in flight is paused as it asked.
+                // its limit drops to what it held (see `Endpoint::limit_back_pressure`). Pausing it
+                // for Retry-After would idle a node that is busy: under standing overload every node
+                // would sit paused for most of each second while requests waited. A node refusing
+                // with nothing else of ours in flight is paused as it asked.
                 let busy = endpoint.outstanding() > 1;
                 if busy {
                     endpoint.pushed_back_while_busy();
@@ -210,6 +211,12 @@ impl Proxy {
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
+        endpoint.observe_load_latency(
+            first_byte,
+            outstanding.in_flight_at_start(),
+            crate::endpoint::millis(now),
+            millis_of(settings.latency_decay),
+        );
         self.observe_latency(settings, endpoint, first_byte, now);
         endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
         Attempt::Committed(Committed {

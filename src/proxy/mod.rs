@@ -45,7 +45,7 @@ use crate::config::{BalancePolicy, Config};
 use crate::http::{ProxyBody, ProxyError, describe};
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::registry::Registry;
-use crate::retry::{BodyError, ReplayBody, RetryBudget, RetryPolicy};
+use crate::retry::{BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy};
 use crate::upstream::UpstreamClient;
 
 /// Everything the request path reads from the configuration, replaced whole by a reload.
@@ -300,11 +300,15 @@ impl Proxy {
         let mut last_failure: Option<Failure> = None;
         // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
         let mut queued = Duration::ZERO;
-        for attempt in 1..=settings.retry.max_attempts().max(1) {
+        // Attempts turned away by a busy endpoint (see below).
+        let mut bounced = 0;
+        let mut attempt = 0;
+        while attempt < settings.retry.max_attempts().max(1) {
+            attempt += 1;
             let slot = match self
                 .acquire(
                     settings,
-                    &tried,
+                    &mut tried,
                     priority,
                     deadline,
                     &mut queued,
@@ -354,24 +358,45 @@ impl Proxy {
                 error = %failure.error,
                 "attempt failed"
             );
+            let kind = failure.kind;
+            // A busy endpoint's refusal says "later", not "broken": it does not use up one of
+            // `retry.max_attempts`, and once every endpoint turned the request away it waits in the
+            // queue for the next free slot (see `acquire`). Bounded, so a fleet refusing for good
+            // still gets its answer passed on.
+            let bounce = kind == FailureKind::BackPressure && bounced < MAX_BOUNCES;
+            if bounce {
+                attempt -= 1;
+            }
             let retry = retries_wanted
                 && settings.retry.should_retry(
                     attempt,
-                    failure.kind,
+                    kind,
                     body.replayable(),
                     Instant::now() < deadline,
                 );
-            let kind = failure.kind;
+            if bounce && retry {
+                bounced += 1;
+                // Its answer still holds this request's slot there.
+                let holding = failure.endpoint.outstanding().saturating_sub(1);
+                tried.mark_busy(&failure.endpoint, holding);
+            }
             last_failure = Some(failure);
             if !retry {
                 break;
             }
             if !worker.budget.withdraw() {
-                self.stats
-                    .retries
-                    .budget_exhausted
-                    .fetch_add(1, Ordering::Relaxed);
-                break;
+                // The budget keeps retries from multiplying the load on a failing fleet. A request a
+                // busy endpoint turned away adds none by waiting in the queue for a slot to free, as
+                // any new arrival would; it just may not go straight to another endpoint.
+                if bounce {
+                    tried.wait_first();
+                } else {
+                    self.stats
+                        .retries
+                        .budget_exhausted
+                        .fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
             }
             self.stats.retries.count(kind);
             let backoff = settings.retry.backoff(attempt);
@@ -391,6 +416,9 @@ impl Proxy {
         }
     }
 }
+
+/// Refusals from busy endpoints one request may take on top of `retry.max_attempts`.
+const MAX_BOUNCES: u32 = 4;
 
 /// Whether one more endpoint of `registry` may be ejected without exceeding `max_ejected_percent`.
 fn may_eject(registry: &Registry, max_ejected_percent: u32) -> bool {

@@ -362,14 +362,40 @@ async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
     let proxy = start_proxy(config_with("", &[node.url()])).await;
     let url = proxy.url("/v1/generate");
 
+    // Turned away by the only endpoint, the request waits in the queue for the cooldown to end
+    // instead of failing, and is served then: back-pressure says "later", not "broken".
     let pushed = ask(&url, &[]).await;
-    assert_eq!(pushed.status, 429, "the only endpoint's answer: {pushed:?}");
+    println!(
+        "request refused with Retry-After: 1 answered after {:?}",
+        pushed.took
+    );
+    assert_eq!(pushed.status, 200, "{pushed:?}");
+    assert!(
+        pushed.took >= Duration::from_millis(800),
+        "the cooldown was respected: {pushed:?}"
+    );
     let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
     assert_eq!(endpoint.cooldowns(), 1);
     assert_eq!(endpoint.failures(), 0, "back-pressure is not a failure");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        2,
+        "the refusal, then its retry"
+    );
 
-    // Sent during the cooldown: it waits in the queue instead of hitting the node, and goes once the
-    // cooldown ends.
+    // A 429 again, and a second request sent during the cooldown it starts: that one waits in the
+    // queue instead of hitting the node, and goes once the cooldown ends.
+    hits.store(0, Ordering::SeqCst);
+    let refused = tokio::spawn({
+        let url = url.clone();
+        async move { ask(&url, &[]).await }
+    });
+    eventually_async(
+        "the node refused the first request",
+        Duration::from_secs(10),
+        || async { endpoint.cooldowns() == 2 },
+    )
+    .await;
     let waited = ask(&url, &[]).await;
     println!(
         "request sent during a 1 s cooldown answered after {:?}",
@@ -377,15 +403,16 @@ async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
     );
     assert_eq!(waited.status, 200, "{waited:?}");
     assert!(
-        waited.took >= Duration::from_millis(800),
+        waited.took >= Duration::from_millis(500),
         "the cooldown was respected: {waited:?}"
     );
+    assert_eq!(refused.await.unwrap().status, 200);
     assert_eq!(
         hits.load(Ordering::SeqCst),
-        2,
-        "nothing reached the node while it cooled down"
+        3,
+        "the refusal, then both requests after the cooldown"
     );
-    assert_eq!(proxy.app_queue.stats().admitted.load(Ordering::Relaxed), 1);
+    assert_eq!(proxy.app_queue.stats().admitted.load(Ordering::Relaxed), 3);
     proxy.stop().await;
 }
 
@@ -519,5 +546,124 @@ async fn a_retry_waits_in_the_queue_for_a_full_endpoint_it_has_not_tried() {
         "{second:?}"
     );
     assert_eq!(*arrivals.lock().unwrap(), ["first", "second"]);
+    proxy.stop().await;
+}
+
+/// A node that serves one request at a time, when the gate lets it, and refuses any other with 503 and
+/// `Retry-After` (a model server's "busy"); counts its refusals.
+async fn one_at_a_time(gate: Gate, refusals: Arc<AtomicUsize>) -> Backend {
+    let busy = Arc::new(AtomicBool::new(false));
+    backend(move |_request: Request<Incoming>| {
+        let (gate, refusals, busy) = (gate.clone(), Arc::clone(&refusals), Arc::clone(&busy));
+        async move {
+            if busy.swap(true, Ordering::SeqCst) {
+                refusals.fetch_add(1, Ordering::SeqCst);
+                return Response::builder()
+                    .status(503)
+                    .header("retry-after", "1")
+                    .body(full("busy"))
+                    .unwrap();
+            }
+            gate.pass().await;
+            busy.store(false, Ordering::SeqCst);
+            Response::new(full("ok"))
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_request_every_busy_node_turned_away_waits_for_the_next_free_slot() {
+    // Two nodes of one slot each, both serving, and a third request: each node refuses it as busy.
+    // That is "later", not "broken": the request waits in tongs' queue and is served once a slot
+    // frees, instead of getting a busy node's 503.
+    let gate = Gate::default();
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let a = one_at_a_time(gate.clone(), Arc::clone(&refusals)).await;
+    let b = one_at_a_time(gate.clone(), Arc::clone(&refusals)).await;
+    let proxy = start_proxy(config_with("", &[a.url(), b.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let send = || {
+        let url = url.clone();
+        tokio::spawn(async move { ask(&url, &[]).await })
+    };
+    let serving = [send(), send()];
+    let registry = Arc::clone(&proxy.app_registry);
+    eventually(
+        "both nodes serve one request",
+        Duration::from_secs(10),
+        || registry.snapshot().iter().all(|e| e.outstanding() == 1),
+    )
+    .await;
+    let turned_away = send();
+    eventually(
+        "both nodes refused the third request",
+        Duration::from_secs(10),
+        || refusals.load(Ordering::SeqCst) >= 2,
+    )
+    .await;
+    queued(&proxy, 1).await;
+    assert!(!turned_away.is_finished(), "it waits rather than failing");
+
+    gate.release(3);
+    for task in serving {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    let answer = turned_away.await.unwrap();
+    assert_eq!(answer.status, 200, "served once a slot freed: {answer:?}");
+    assert_eq!(
+        refusals.load(Ordering::SeqCst),
+        2,
+        "it was sent again only once"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold_lifts() {
+    // No limit configured. The node serves one request at a time; the second request is refused, and
+    // from then on tongs holds the node to one: the third waits in tongs' queue instead of being sent
+    // to find out by a refusal of its own.
+    let gate = Gate::default();
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let node = one_at_a_time(gate.clone(), Arc::clone(&refusals)).await;
+    let proxy = start_proxy(config_with("", &[node.url()])).await;
+    let url = proxy.url("/v1/generate");
+    let send = || {
+        let url = url.clone();
+        tokio::spawn(async move { ask(&url, &[]).await })
+    };
+    let first = send();
+    let registry = Arc::clone(&proxy.app_registry);
+    eventually("the endpoint in service", Duration::from_secs(10), || {
+        !registry.snapshot().is_empty()
+    })
+    .await;
+    let endpoint = Arc::clone(&registry.snapshot()[0]);
+    eventually(
+        "the first request at the node",
+        Duration::from_secs(10),
+        || endpoint.outstanding() == 1,
+    )
+    .await;
+    let second = send();
+    eventually(
+        "the node refused the second",
+        Duration::from_secs(10),
+        || refusals.load(Ordering::SeqCst) == 1,
+    )
+    .await;
+    assert_eq!(endpoint.limit(), Some(1), "held to what it held");
+    let third = send();
+    queued(&proxy, 2).await;
+    assert_eq!(refusals.load(Ordering::SeqCst), 1, "the third was not sent");
+
+    // (The hold lasts 2 s; everything above takes milliseconds.)
+    gate.release(3);
+    for task in [first, second, third] {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
     proxy.stop().await;
 }
