@@ -186,6 +186,7 @@ impl Config {
             ("timeouts.total", self.timeouts.total, false),
             ("timeouts.idle", self.timeouts.idle, false),
             ("timeouts.header_read", self.timeouts.header_read, false),
+            ("timeouts.body_read", self.timeouts.body_read, false),
             ("shutdown.grace", self.shutdown.grace, false),
             ("health.interval", self.health.interval, false),
             ("health.fast_interval", self.health.fast_interval, false),

@@ -160,6 +160,9 @@ pub struct RetryConfig {
     /// Request bodies up to this size are kept for replay; a larger body streams, and its request is
     /// retried only if the endpoint received none of it (a connect failure).
     pub replay_limit_bytes: u64,
+    /// Memory all bodies kept for replay share, process-wide; over it a body streams (and is retried
+    /// only as a streamed body is).
+    pub replay_budget_bytes: u64,
     /// Retries may add at most this share of the request rate (percent) ...
     pub budget_percent: u32,
     /// ... plus this many retries per second, so a quiet proxy can still retry.
@@ -175,6 +178,7 @@ impl Default for RetryConfig {
             backoff_base: HumanDuration::from_millis(10),
             backoff_max: HumanDuration::from_millis(200),
             replay_limit_bytes: 4 * 1024 * 1024,
+            replay_budget_bytes: 128 * 1024 * 1024,
             budget_percent: 20,
             budget_min_per_second: 10,
         }

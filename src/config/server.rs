@@ -41,6 +41,8 @@ pub struct Timeouts {
     pub idle: HumanDuration,
     /// A client must send its complete request headers within this time of connecting (slowloris).
     pub header_read: HumanDuration,
+    /// A client may pause its request body at most this long between two pieces of it (408).
+    pub body_read: HumanDuration,
 }
 
 impl Default for Timeouts {
@@ -51,9 +53,15 @@ impl Default for Timeouts {
             total: HumanDuration::from_secs(100),
             idle: HumanDuration::from_secs(90),
             header_read: HumanDuration::from_secs(10),
+            body_read: HumanDuration::from_secs(30),
         }
     }
 }
+
+/// The default request body limit: room for the audio, images and long prompts inference requests
+/// carry (OpenAI's own limits are 25 MB for audio and 20 MB per image), without letting one client
+/// stream gigabytes through.
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 100 * 1024 * 1024;
 
 /// Limits on what a client may send.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -61,7 +69,7 @@ impl Default for Timeouts {
 pub struct Limits {
     /// Largest request head (request line plus headers) in bytes; larger gets 431. At least 8192.
     pub max_header_bytes: usize,
-    /// Largest request body in bytes; larger gets 413. Unset means no limit.
+    /// Largest request body in bytes; larger gets 413. `null` means no limit.
     pub max_body_bytes: Option<u64>,
 }
 
@@ -69,7 +77,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_header_bytes: 64 * 1024,
-            max_body_bytes: None,
+            max_body_bytes: Some(DEFAULT_MAX_BODY_BYTES),
         }
     }
 }
@@ -104,7 +112,7 @@ impl Limits {
         if self.max_body_bytes == Some(0) {
             problem(
                 "limits.max_body_bytes".into(),
-                "must be greater than zero (leave it out for no limit)".into(),
+                "must be greater than zero (null for no limit)".into(),
             );
         }
     }

@@ -112,6 +112,16 @@ pub const STREAMS_CUT: Spec = spec(
     "counter",
     "Committed streams tongs ended because they stalled or their endpoint was declared gone.",
 );
+pub const REPLAY_BYTES: Spec = spec(
+    "tongs_replay_bytes",
+    "gauge",
+    "Bytes of request bodies kept in memory for replay now (at most retry.replay_budget_bytes).",
+);
+pub const REPLAY_OVER_BUDGET: Spec = spec(
+    "tongs_replay_over_budget_total",
+    "counter",
+    "Request bodies streamed without replay because the replay budget was spent.",
+);
 pub const ENDPOINT_STALLS: Spec = spec(
     "tongs_endpoint_stalls_total",
     "counter",
@@ -195,7 +205,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 37] = [
+pub const CATALOG: [&Spec; 39] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -210,6 +220,8 @@ pub const CATALOG: [&Spec; 37] = [
     &HEDGES,
     &HEDGES_WON,
     &STREAMS_CUT,
+    &REPLAY_BYTES,
+    &REPLAY_OVER_BUDGET,
     &ENDPOINTS,
     &ENDPOINT_STATE,
     &ENDPOINT_OUTSTANDING,

@@ -9,9 +9,9 @@ use super::{
     ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES, ENDPOINT_HEARTBEAT,
     ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT, ENDPOINT_OUTSTANDING,
     ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS, FIRST_BYTE, HEDGES, HEDGES_WON,
-    Metrics, Outcome, ProxyStats, QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS,
-    REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
-    STREAMS_CUT, Spec, UPTIME,
+    Metrics, Outcome, ProxyStats, QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES,
+    REPLAY_OVER_BUDGET, REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS,
+    SALAD_LOOKUPS, STREAMS_CUT, Spec, UPTIME,
 };
 use crate::endpoint::{EndpointState, EndpointView};
 
@@ -156,6 +156,8 @@ fn render_state(out: &mut String, scrape: &Scrape) {
         (&HEDGES, &stats.hedges),
         (&HEDGES_WON, &stats.hedges_won),
         (&STREAMS_CUT, &stats.streams_cut),
+        (&REPLAY_BYTES, &stats.replay_bytes),
+        (&REPLAY_OVER_BUDGET, &stats.replay_over_budget),
     ] {
         header(out, spec);
         sample(out, spec.name, &[], load(counter));

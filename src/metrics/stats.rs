@@ -23,6 +23,10 @@ pub struct ProxyStats {
     pub hedges_won: AtomicU64,
     /// Committed streams ended because they stalled or their endpoint was declared gone.
     pub streams_cut: AtomicU64,
+    /// Bytes of request bodies kept for replay now (a gauge).
+    pub replay_bytes: AtomicU64,
+    /// Request bodies streamed without replay because the replay budget was spent.
+    pub replay_over_budget: AtomicU64,
 }
 
 /// Counters of retries, by reason.

@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::{Proxy, ProxySettings, millis_of};
 use crate::endpoint::{Endpoint, Outstanding};
 use crate::http::{ProxyError, describe};
-use crate::retry::{FailureKind, ReplayBody, classify_status, retry_after};
+use crate::retry::{BodyError, FailureKind, ReplayBody, classify_status, retry_after};
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
@@ -130,7 +130,18 @@ impl Proxy {
         let mut response = match sent {
             Some(Ok(Ok(response))) => response,
             Some(Ok(Err(err))) => {
-                let (kind, error) = self.classify(settings, endpoint, &err, body);
+                // The client's streamed body broke the attempt (too large, or paused too long): the
+                // client's fault, not the endpoint's, so its breaker is not told.
+                if let Some(error) = body.client_fault() {
+                    let error = match error {
+                        BodyError::TooLarge => ProxyError::BodyTooLarge {
+                            limit: settings.max_body_bytes.unwrap_or_default(),
+                        },
+                        _ => ProxyError::ClientTooSlow,
+                    };
+                    return Attempt::Failed(failed(FailureKind::Reset, error));
+                }
+                let (kind, error) = self.classify(endpoint, &err);
                 return Attempt::Failed(self.record(settings, failed(kind, error)));
             }
             Some(Err(_elapsed)) => {
@@ -299,15 +310,9 @@ impl Proxy {
 
     fn classify(
         &self,
-        settings: &ProxySettings,
         endpoint: &Endpoint,
         err: &hyper_util::client::legacy::Error,
-        body: &ReplayBody,
     ) -> (FailureKind, ProxyError) {
-        if body.exceeded_limit() {
-            let limit = settings.max_body_bytes.unwrap_or_default();
-            return (FailureKind::Reset, ProxyError::BodyTooLarge { limit });
-        }
         let detail = describe(err);
         if err.is_connect() {
             (

@@ -45,7 +45,9 @@ use crate::config::{BalancePolicy, Config};
 use crate::http::{ProxyBody, ProxyError, describe};
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::registry::Registry;
-use crate::retry::{BodyError, FailureKind, ReplayBody, RetryBudget, RetryPolicy};
+use crate::retry::{
+    BodyError, BodyRules, FailureKind, ReplayBody, ReplayBudget, RetryBudget, RetryPolicy,
+};
 use crate::upstream::UpstreamClient;
 
 /// Everything the request path reads from the configuration, replaced whole by a reload.
@@ -54,6 +56,10 @@ pub struct ProxySettings {
     pub response_headers_timeout: Duration,
     pub total_timeout: Duration,
     pub max_body_bytes: Option<u64>,
+    /// Longest pause in a request body (`timeouts.body_read`).
+    pub body_read_timeout: Duration,
+    /// Memory all bodies kept for replay share (`retry.replay_budget_bytes`).
+    pub replay_budget_bytes: u64,
     pub breaker: BreakerSettings,
     pub max_ejected_percent: u32,
     pub slow_start: Duration,
@@ -84,6 +90,8 @@ impl ProxySettings {
             response_headers_timeout: config.timeouts.response_headers.get(),
             total_timeout: config.timeouts.total.get(),
             max_body_bytes: config.limits.max_body_bytes,
+            body_read_timeout: config.timeouts.body_read.get(),
+            replay_budget_bytes: config.retry.replay_budget_bytes,
             breaker: BreakerSettings {
                 consecutive_failures: config.breaker.consecutive_failures,
                 base_ejection: config.breaker.base_ejection.get(),
@@ -125,6 +133,8 @@ pub struct Proxy {
     /// When any endpoint last answered (ms on the endpoints' clock): the fleet is making progress.
     last_answer: AtomicU64,
     stats: Arc<ProxyStats>,
+    /// The memory request bodies kept for replay share.
+    replay_budget: Arc<ReplayBudget>,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
     metrics: Arc<Metrics>,
@@ -161,13 +171,15 @@ impl Proxy {
         metrics: Arc<Metrics>,
         settings: ProxySettings,
     ) -> Self {
+        let stats = Arc::<ProxyStats>::default();
         Proxy {
             registry,
             queue,
             fleet_latency: AtomicU64::new(0),
             last_answer: AtomicU64::new(0),
+            replay_budget: ReplayBudget::new(settings.replay_budget_bytes, Arc::clone(&stats)),
             settings: ArcSwap::from_pointee(settings),
-            stats: Arc::default(),
+            stats,
             upgrades: TaskTracker::new(),
             metrics,
         }
@@ -181,6 +193,7 @@ impl Proxy {
     /// Applies reloaded settings: requests from now on use them; requests under way keep what they
     /// read.
     pub fn apply(&self, settings: ProxySettings) {
+        self.replay_budget.set_max(settings.replay_budget_bytes);
         self.settings.store(Arc::new(settings));
     }
 
@@ -265,11 +278,13 @@ impl Proxy {
         } else {
             0
         };
-        let prepared = tokio::time::timeout_at(
-            deadline,
-            ReplayBody::prepare(body, replay_limit, settings.max_body_bytes),
-        )
-        .await;
+        let rules = BodyRules {
+            replay_limit,
+            max_body: settings.max_body_bytes,
+            budget: &self.replay_budget,
+            idle: settings.body_read_timeout,
+        };
+        let prepared = tokio::time::timeout_at(deadline, ReplayBody::prepare(body, &rules)).await;
         let body = match prepared {
             Ok(Ok(body)) => body,
             Ok(Err(BodyError::TooLarge)) => {
@@ -283,7 +298,7 @@ impl Proxy {
                 };
                 return (self.reject(error, &request_id), Outcome::Invalid);
             }
-            Err(_elapsed) => {
+            Ok(Err(BodyError::Idle)) | Err(_) => {
                 let error = ProxyError::ClientTooSlow;
                 return (self.reject(error, &request_id), Outcome::Invalid);
             }

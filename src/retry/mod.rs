@@ -17,7 +17,7 @@ use tower::retry::budget::{Budget, TpsBudget};
 use crate::config::RetryConfig;
 
 pub use classify::{FailureKind, classify_status, retry_after};
-pub use replay::{BodyError, BodyTooLarge, ReplayBody};
+pub use replay::{BodyError, BodyIdle, BodyRules, BodyTooLarge, ReplayBody, ReplayBudget};
 
 /// The retry rules of one configuration.
 #[derive(Clone, Debug)]

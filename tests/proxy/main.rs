@@ -13,6 +13,7 @@ mod support;
 
 mod backpressure;
 mod balancing;
+mod bodies;
 mod forwarding;
 mod gray;
 mod latency;
