@@ -1,6 +1,7 @@
-//! Addresses no broad allow range admits: loopback, link-local and unspecified addresses. An `allow`
-//! range admits one of them only when the range lies inside its block, i.e. names it on purpose:
-//! `127.0.0.0/8` admits 127.0.0.2, `0.0.0.0/0` does not.
+//! Addresses no broad allow range admits: loopback, link-local and unspecified addresses, and
+//! Tailscale's own addresses inside its ranges. An `allow` range admits one of them only when the
+//! range lies inside its block, i.e. names it on purpose: `127.0.0.0/8` admits 127.0.0.2, while
+//! `0.0.0.0/0` or the default `100.64.0.0/10` admit neither 127.0.0.2 nor 100.100.100.100.
 //!
 //! Addresses are compared in canonical form: an IPv4-mapped IPv6 address (`::ffff:127.0.0.1`) is the
 //! IPv4 address it maps, and so is a mapped range.
@@ -15,10 +16,13 @@ pub enum Guard {
     /// Loopback, link-local or unspecified: this machine or its link (cloud metadata lives at
     /// 169.254.169.254), never a remote node.
     Local,
+    /// Inside Tailscale's ranges but no node's: its own service (100.100.100.100,
+    /// fd7a:115c:a1e0::53: MagicDNS and the local web interface) and its reserved 100.115.92.0/23.
+    Tailscale,
 }
 
 /// The guarded blocks.
-fn blocks() -> [(IpNet, Guard); 6] {
+fn blocks() -> [(IpNet, Guard); 9] {
     let v4 = |a, b, c, d, len| IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), len));
     let v6 = |addr: Ipv6Addr, len| IpNet::V6(Ipv6Net::new_assert(addr, len));
     [
@@ -31,6 +35,12 @@ fn blocks() -> [(IpNet, Guard); 6] {
             Guard::Local,
         ),
         (v6(Ipv6Addr::UNSPECIFIED, 128), Guard::Local),
+        (v4(100, 100, 100, 100, 32), Guard::Tailscale),
+        (v4(100, 115, 92, 0, 23), Guard::Tailscale),
+        (
+            v6(Ipv6Addr::new(0xfd7a, 0x115c, 0xa1e0, 0, 0, 0, 0, 0x53), 128),
+            Guard::Tailscale,
+        ),
     ]
 }
 

@@ -36,8 +36,10 @@ pub struct KubernetesConfig {
     pub port_name: String,
     /// Where an address taken from an annotation may point: `https://*.salad.cloud` style URL patterns
     /// (scheme, host with an optional leading `*.`, optional port) and CIDR ranges for IP addresses.
-    /// A loopback, link-local or unspecified address is admitted only by a range inside its block
-    /// (`127.0.0.0/8`, not `0.0.0.0/0`); for such a podIP, that range is what lets `pod-ip` serve it.
+    /// A loopback, link-local or unspecified address, or one of Tailscale's own (100.100.100.100,
+    /// fd7a:115c:a1e0::53, 100.115.92.0/23), is admitted only by a range inside its block (`127.0.0.0/8`,
+    /// not `0.0.0.0/0`; `100.100.100.100/32`, not the default `100.64.0.0/10`); for a podIP of the
+    /// first kind, that range is what lets `pod-ip` serve it.
     pub allow: Vec<String>,
     /// Write the URL found through the SaladCloud API into the pod's URL annotation, so every replica
     /// and `kubectl get pod` see it (needs `patch` on pods).
@@ -443,6 +445,52 @@ mod tests {
         ));
         assert!(!allowed(&["169.254.0.0/15"], "http", "169.254.169.254", 80));
         assert!(allowed(&["fe80::/64"], "http", "[fe80::1]", 80));
+    }
+
+    #[test]
+    fn the_default_ranges_leave_out_tailscales_own_addresses() {
+        let rules = KubernetesConfig::default().allow_rules();
+        let by_ip = |ip: &str| {
+            let ip: IpAddr = ip.parse().unwrap();
+            rules.iter().any(|rule| rule.allows_ip(ip))
+        };
+        let by_url = |ip: &str| {
+            rules
+                .iter()
+                .any(|rule| rule.allows_url("http", &host(ip), 80))
+        };
+        for ip in [
+            "100.100.100.100",
+            "::ffff:100.100.100.100",
+            "fd7a:115c:a1e0::53",
+            "100.115.92.0",
+            "100.115.93.255",
+        ] {
+            assert!(!by_ip(ip), "{ip}");
+            assert!(!by_url(ip), "{ip}");
+        }
+        for ip in [
+            "100.64.0.1",
+            "100.127.255.255",
+            "100.100.100.99",
+            "100.100.100.101",
+            "100.115.91.255",
+            "100.115.94.0",
+            "fd7a:115c:a1e0::54",
+            "::ffff:100.101.1.2",
+        ] {
+            assert!(by_ip(ip), "{ip}");
+            assert!(by_url(ip), "{ip}");
+        }
+        // A rule that names them admits them.
+        for (rule, ip) in [
+            ("100.100.100.100/32", "100.100.100.100"),
+            ("100.115.92.0/23", "100.115.93.1"),
+            ("fd7a:115c:a1e0::53/128", "fd7a:115c:a1e0::53"),
+        ] {
+            let rule = AllowRule::parse(rule).unwrap();
+            assert!(rule.allows_ip(ip.parse().unwrap()), "{ip}");
+        }
     }
 
     #[test]

@@ -737,6 +737,49 @@ mod tests {
     }
 
     #[test]
+    fn annotations_cannot_point_at_tailscales_own_addresses() {
+        for address in [
+            "100.100.100.100:80",
+            "[::ffff:100.100.100.100]:80",
+            "[fd7a:115c:a1e0::53]:80",
+            "100.115.92.1:8000",
+            "100.115.93.254:8000",
+        ] {
+            let pod = with(facts(), "tongs.dev/tailscale-address", address);
+            let derived = rules().derive(&pod, None);
+            assert_eq!(derived.state, PodState::NoAddress, "{address}");
+            assert_eq!(
+                derived.rejections[0].reason,
+                Reason::TailscaleNotAllowed,
+                "{address}"
+            );
+            let pod = with(facts(), "tongs.dev/url", &format!("http://{address}"));
+            let derived = rules().derive(&pod, None);
+            assert_eq!(derived.state, PodState::NoAddress, "{address}");
+            assert_eq!(
+                derived.rejections[0].reason,
+                Reason::UrlNotAllowed,
+                "{address}"
+            );
+        }
+        // Their neighbours are ordinary Tailscale addresses; a mapped one dials its IPv4 form.
+        for (address, url) in [
+            ("100.100.100.101:80", "http://100.100.100.101:80"),
+            ("100.115.94.1:80", "http://100.115.94.1:80"),
+            ("[::ffff:100.101.1.2]:80", "http://100.101.1.2:80"),
+        ] {
+            let pod = with(facts(), "tongs.dev/tailscale-address", address);
+            assert_eq!(url_of(&rules().derive(&pod, None)), Some(url), "{address}");
+        }
+        // A rule that names quad100 admits it.
+        let pod = with(facts(), "tongs.dev/tailscale-address", "100.100.100.100:80");
+        assert_eq!(
+            url_of(&allowing(&["100.100.100.100/32"]).derive(&pod, None)),
+            Some("http://100.100.100.100:80")
+        );
+    }
+
+    #[test]
     fn ipv6_tailscale_addresses_work() {
         let pod = with(
             facts(),
