@@ -592,6 +592,13 @@ mod tests {
             ("tongs.dev/weight", "0", Reason::BadWeight),
             ("tongs.dev/weight", "heavy", Reason::BadWeight),
             ("tongs.dev/max-outstanding", "-1", Reason::BadMaxOutstanding),
+            ("tongs.dev/url", "https://a..salad.cloud", Reason::BadUrl),
+            (
+                "tongs.dev/url",
+                "https://a.salad.cloud:99999",
+                Reason::BadUrl,
+            ),
+            ("tongs.dev/url", "http://100.64.0.1:0", Reason::BadUrl),
         ] {
             let derived = rules().derive(&with(facts(), key, value), None);
             assert_eq!(
