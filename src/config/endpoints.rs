@@ -41,7 +41,8 @@ pub struct EndpointUrl {
 }
 
 impl EndpointUrl {
-    /// Parses `http(s)://HOST[:PORT][/prefix]`; the error says what is wrong in words.
+    /// Parses `http(s)://HOST[:PORT][/prefix]`; the error says what is wrong in words. A written port
+    /// is 1 to 65535, and a host name has no empty label (one trailing dot, an absolute name, is fine).
     pub fn parse(url: &str) -> Result<EndpointUrl, String> {
         let uri: Uri = url
             .parse()
@@ -67,6 +68,8 @@ impl EndpointUrl {
                 "{url:?} carries credentials; put them in headers instead"
             ));
         }
+        check_port(url, &authority)?;
+        check_labels(url, authority.host())?;
         if uri.query().is_some() {
             return Err(format!("{url:?} has a query string; endpoints take none"));
         }
@@ -77,6 +80,44 @@ impl EndpointUrl {
             path_prefix,
         })
     }
+}
+
+/// The port, when the URL writes one, is 1 to 65535. The URI parser takes any digits there, and a port
+/// that does not fit reads as none: the scheme's default (443 for `https`) would be dialled instead.
+fn check_port(url: &str, authority: &http::uri::Authority) -> Result<(), String> {
+    // No credentials here (refused before), so what follows the host is `:PORT` or nothing.
+    let text = authority.as_str();
+    let after_host = match text.rfind(']') {
+        Some(end) => &text[end + 1..],
+        None => text.find(':').map_or("", |colon| &text[colon..]),
+    };
+    let Some(port) = after_host.strip_prefix(':') else {
+        return Ok(());
+    };
+    if port.is_empty() {
+        return Err(format!(
+            "{url:?} has an empty port: write one from 1 to 65535, or no colon for the scheme's default"
+        ));
+    }
+    match port.parse::<u16>() {
+        Ok(1..) => Ok(()),
+        _ => Err(format!("{url:?} has port {port}; a port is 1 to 65535")),
+    }
+}
+
+/// A host name's labels are not empty (`a..salad.cloud`, `.salad.cloud`): DNS has no such name, and
+/// the allowlist's patterns would compare text no resolver agrees with. An IPv6 literal has no labels.
+fn check_labels(url: &str, host: &str) -> Result<(), String> {
+    if host.starts_with('[') {
+        return Ok(());
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    if name.split('.').any(str::is_empty) {
+        return Err(format!(
+            "{url:?} has an empty label in host {host:?}: no dot may start the name or follow another"
+        ));
+    }
+    Ok(())
 }
 
 impl DiscoveryConfig {
@@ -95,5 +136,67 @@ impl DiscoveryConfig {
             }
         }
         self.kubernetes.validate(problems);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_1_to_65535_and_host_labels_are_not_empty() {
+        for (url, says) in [
+            ("http://10.0.0.7:0", "1 to 65535"),
+            ("http://10.0.0.7:99999", "1 to 65535"),
+            ("https://a.salad.cloud:65536", "1 to 65535"),
+            ("http://[::1]:0", "1 to 65535"),
+            ("http://[::1]:70000", "1 to 65535"),
+            ("http://10.0.0.7:", "1 to 65535"),
+            ("https://a..salad.cloud", "empty label"),
+            ("https://.salad.cloud", "empty label"),
+            ("https://a.salad.cloud..", "empty label"),
+            ("http://10..0.7:8000", "empty label"),
+        ] {
+            let err = EndpointUrl::parse(url).expect_err(url);
+            assert!(err.contains(says), "{url}: {err}");
+            assert!(err.contains(&format!("{url:?}")), "{url}: {err}");
+        }
+        for url in [
+            "http://10.0.0.7:1",
+            "http://10.0.0.7:65535",
+            "http://svc.ns.svc.cluster.local.:8000",
+            "http://[::1]",
+            "https://a-b.salad.cloud/v1",
+        ] {
+            assert!(EndpointUrl::parse(url).is_ok(), "{url}");
+        }
+    }
+
+    #[test]
+    fn bad_static_urls_are_named_by_field() {
+        let endpoint = |url: &str| StaticEndpoint {
+            url: url.into(),
+            weight: 1,
+        };
+        let config = DiscoveryConfig {
+            static_endpoints: vec![
+                endpoint("http://10.0.0.7:0"),
+                endpoint("http://10.0.0.8:8000"),
+                endpoint("http://10.0.0.9:99999"),
+                endpoint("https://a..salad.cloud"),
+            ],
+            ..DiscoveryConfig::default()
+        };
+        let mut problems = Vec::new();
+        config.validate(&mut problems);
+        let fields: Vec<_> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "discovery.static[0].url",
+                "discovery.static[2].url",
+                "discovery.static[3].url"
+            ]
+        );
     }
 }

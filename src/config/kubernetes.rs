@@ -11,6 +11,7 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 
 use super::Problem;
+use super::address::{canonical_range, range_admits};
 
 /// Pod discovery through the Kubernetes API.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -35,6 +36,10 @@ pub struct KubernetesConfig {
     pub port_name: String,
     /// Where an address taken from an annotation may point: `https://*.salad.cloud` style URL patterns
     /// (scheme, host with an optional leading `*.`, optional port) and CIDR ranges for IP addresses.
+    /// A loopback, link-local or unspecified address, or one of Tailscale's own (100.100.100.100,
+    /// fd7a:115c:a1e0::53, 100.115.92.0/23), is admitted only by a range inside its block (`127.0.0.0/8`,
+    /// not `0.0.0.0/0`; `100.100.100.100/32`, not the default `100.64.0.0/10`); for a podIP of the
+    /// first kind, that range is what lets `pod-ip` serve it.
     pub allow: Vec<String>,
     /// Write the URL found through the SaladCloud API into the pod's URL annotation, so every replica
     /// and `kubectl get pod` see it (needs `patch` on pods).
@@ -125,7 +130,8 @@ pub struct RegistrationConfig {
 /// One entry of the allowlist, parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AllowRule {
-    /// An IP range: addresses in it are allowed, by any scheme and port.
+    /// An IP range (canonical: IPv4-mapped ranges are IPv4): addresses in it are allowed, by any
+    /// scheme and port, guarded ones only when the range lies inside their block.
     Range(IpNet),
     /// A URL pattern: this scheme, this host (or, with `*.`, any name under it), any or this port.
     Url {
@@ -146,10 +152,10 @@ impl AllowRule {
     pub fn parse(text: &str) -> Result<AllowRule, String> {
         let text = text.trim();
         if let Ok(range) = text.parse::<IpNet>() {
-            return Ok(AllowRule::Range(range.trunc()));
+            return Ok(AllowRule::Range(canonical_range(range.trunc())));
         }
         if let Ok(ip) = text.parse::<IpAddr>() {
-            return Ok(AllowRule::Range(IpNet::from(ip)));
+            return Ok(AllowRule::Range(IpNet::from(ip.to_canonical())));
         }
         let (scheme, rest) = text.split_once("://").ok_or_else(|| {
             format!("{text:?} is neither a CIDR range (100.64.0.0/10) nor a URL pattern (https://*.salad.cloud)")
@@ -197,7 +203,9 @@ impl AllowRule {
     pub fn allows_url(&self, scheme: &str, host: &str, port: u16) -> bool {
         let host = host.trim_start_matches('[').trim_end_matches(']');
         match self {
-            AllowRule::Range(range) => host.parse::<IpAddr>().is_ok_and(|ip| range.contains(&ip)),
+            AllowRule::Range(range) => host
+                .parse::<IpAddr>()
+                .is_ok_and(|ip| range_admits(range, ip)),
             AllowRule::Url {
                 scheme: allowed_scheme,
                 host: pattern,
@@ -216,9 +224,10 @@ impl AllowRule {
         }
     }
 
-    /// Whether a bare address (a Tailscale `IP:port`) is allowed: only ranges speak of bare addresses.
+    /// Whether a bare address (a Tailscale `IP:port`, a podIP) is allowed: only ranges speak of bare
+    /// addresses.
     pub fn allows_ip(&self, ip: IpAddr) -> bool {
-        matches!(self, AllowRule::Range(range) if range.contains(&ip))
+        matches!(self, AllowRule::Range(range) if range_admits(range, ip))
     }
 }
 
@@ -395,6 +404,93 @@ mod tests {
         assert!(!range.allows_ip("10.0.0.1".parse().unwrap()));
         let url = AllowRule::parse("https://*.salad.cloud").unwrap();
         assert!(!url.allows_ip("100.64.0.1".parse().unwrap()));
+    }
+
+    /// `ip` as a URL's host.
+    fn host(ip: &str) -> String {
+        if ip.contains(':') {
+            format!("[{ip}]")
+        } else {
+            ip.to_owned()
+        }
+    }
+
+    #[test]
+    fn local_addresses_need_a_range_inside_their_block() {
+        let catch_all = ["0.0.0.0/0", "::/0"];
+        for ip in [
+            "127.0.0.1",
+            "127.0.0.9",
+            "::1",
+            "::ffff:127.0.0.1",
+            "169.254.169.254",
+            "::ffff:169.254.169.254",
+            "fe80::1",
+            "0.0.0.0",
+            "::",
+        ] {
+            assert!(!allowed(&catch_all, "http", &host(ip), 80), "{ip}");
+            let rule = AllowRule::parse(catch_all[usize::from(ip.contains(':'))]).unwrap();
+            assert!(!rule.allows_ip(ip.parse().unwrap()), "{ip}");
+        }
+        assert!(allowed(&catch_all, "http", "10.0.0.1", 80));
+        assert!(allowed(&["127.0.0.0/8"], "http", "[::ffff:127.0.0.5]", 80));
+        assert!(allowed(&["127.0.0.5"], "http", "127.0.0.5", 80));
+        assert!(allowed(&["::ffff:127.0.0.0/104"], "http", "127.0.0.5", 80));
+        assert!(allowed(
+            &["169.254.169.254/32"],
+            "http",
+            "169.254.169.254",
+            80
+        ));
+        assert!(!allowed(&["169.254.0.0/15"], "http", "169.254.169.254", 80));
+        assert!(allowed(&["fe80::/64"], "http", "[fe80::1]", 80));
+    }
+
+    #[test]
+    fn the_default_ranges_leave_out_tailscales_own_addresses() {
+        let rules = KubernetesConfig::default().allow_rules();
+        let by_ip = |ip: &str| {
+            let ip: IpAddr = ip.parse().unwrap();
+            rules.iter().any(|rule| rule.allows_ip(ip))
+        };
+        let by_url = |ip: &str| {
+            rules
+                .iter()
+                .any(|rule| rule.allows_url("http", &host(ip), 80))
+        };
+        for ip in [
+            "100.100.100.100",
+            "::ffff:100.100.100.100",
+            "fd7a:115c:a1e0::53",
+            "100.115.92.0",
+            "100.115.93.255",
+        ] {
+            assert!(!by_ip(ip), "{ip}");
+            assert!(!by_url(ip), "{ip}");
+        }
+        for ip in [
+            "100.64.0.1",
+            "100.127.255.255",
+            "100.100.100.99",
+            "100.100.100.101",
+            "100.115.91.255",
+            "100.115.94.0",
+            "fd7a:115c:a1e0::54",
+            "::ffff:100.101.1.2",
+        ] {
+            assert!(by_ip(ip), "{ip}");
+            assert!(by_url(ip), "{ip}");
+        }
+        // A rule that names them admits them.
+        for (rule, ip) in [
+            ("100.100.100.100/32", "100.100.100.100"),
+            ("100.115.92.0/23", "100.115.93.1"),
+            ("fd7a:115c:a1e0::53/128", "fd7a:115c:a1e0::53"),
+        ] {
+            let rule = AllowRule::parse(rule).unwrap();
+            assert!(rule.allows_ip(ip.parse().unwrap()), "{ip}");
+        }
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! an ignored `timeouts.conect` would leave a production proxy on a default nobody chose.
 //! Every key is documented in `config/tongs.yaml` and in the README's table.
 
+mod address;
 mod balance;
 mod duration;
 mod endpoints;
@@ -21,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+pub use address::{Guard, guard};
 pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};

@@ -44,6 +44,12 @@ impl Default for TailscaleConfig {
     fn default() -> Self {
         Self {
             proxy: String::new(),
+            // Whole, Tailscale's own 100.100.100.100 and fd7a:115c:a1e0::53 and its reserved
+            // 100.115.92.0/23 included, on purpose: these ranges only route, they admit nothing. What
+            // may become an endpoint is decided before (`discovery.kubernetes.allow` leaves those
+            // addresses out unless a rule names them; static endpoints are the operator's). An endpoint
+            // there was named on purpose, and from a pod in userspace networking only tailscaled
+            // reaches it: left out of these ranges it would be dialled directly, where it leads nowhere.
             ranges: vec!["100.64.0.0/10".into(), "fd7a:115c:a1e0::/48".into()],
         }
     }
@@ -144,6 +150,16 @@ impl UpstreamConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_ranges_route_tailscales_own_addresses_too() {
+        // Routing admits nothing (see the default): an endpoint there was named on purpose.
+        let ranges = TailscaleConfig::default().parsed_ranges();
+        for ip in ["100.100.100.100", "100.115.92.1", "fd7a:115c:a1e0::53"] {
+            let ip: std::net::IpAddr = ip.parse().unwrap();
+            assert!(ranges.iter().any(|range| range.contains(&ip)), "{ip}");
+        }
+    }
 
     #[test]
     fn proxy_urls_are_checked() {

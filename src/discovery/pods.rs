@@ -11,7 +11,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use super::object::WatchedPod;
-use crate::config::{AllowRule, EndpointUrl, KubernetesConfig, Rule};
+use crate::config::{AllowRule, EndpointUrl, Guard, KubernetesConfig, Rule, guard};
 use crate::endpoint::Origin;
 use crate::registry::EndpointSpec;
 
@@ -29,6 +29,7 @@ pub enum Reason {
     BadTailscaleAddress,
     TailscaleNotAllowed,
     BadPort,
+    /// A loopback, link-local or unspecified podIP that no allow range names.
     LoopbackPodIp,
     BadWeight,
     BadMaxOutstanding,
@@ -241,7 +242,11 @@ impl Rules {
 
     /// Whether the allowlist lets traffic go to a bare address (a Tailscale `IP:port`).
     pub fn allows_address(&self, address: SocketAddr) -> bool {
-        self.allow.iter().any(|rule| rule.allows_ip(address.ip()))
+        self.allows_ip(address.ip())
+    }
+
+    fn allows_ip(&self, ip: IpAddr) -> bool {
+        self.allow.iter().any(|rule| rule.allows_ip(ip))
     }
 
     /// Applies the rules to `pod`; `gateway_host` is its container group's DNS name when known.
@@ -394,7 +399,11 @@ impl Rules {
             });
             return None;
         }
-        let url = format!("http://{address}");
+        // `[::ffff:100.64.1.2]` is dialled as 100.64.1.2, which `upstream.tailscale.ranges` routes.
+        let url = format!(
+            "http://{}",
+            SocketAddr::new(address.ip().to_canonical(), address.port())
+        );
         EndpointUrl::parse(&url).ok().map(|parsed| (url, parsed))
     }
 
@@ -403,7 +412,7 @@ impl Rules {
         pod: &PodFacts,
         rejections: &mut Vec<Rejection>,
     ) -> Option<(String, EndpointUrl)> {
-        let ip = pod.pod_ip?;
+        let ip = pod.pod_ip?.to_canonical();
         let key = &self.config.annotations.port;
         let port = match pod.annotation(key) {
             Some(text) => match text.parse::<u16>() {
@@ -418,12 +427,21 @@ impl Rules {
             },
             None => pod.named_port?,
         };
-        if is_placeholder(ip) {
-            // interLink reports 127.0.0.1 when it has no tunnel to the pod: unreachable from here.
+        if guard(ip) == Some(Guard::Local) && !self.allows_ip(ip) {
+            // interLink reports 127.0.0.1 when it has no tunnel to the pod: unreachable from here. Any
+            // other local address is tongs' own machine or link (cloud metadata at 169.254.169.254).
+            let kind = if ip.is_loopback() {
+                "loopback"
+            } else if ip.is_unspecified() {
+                "unspecified"
+            } else {
+                "link-local"
+            };
             rejections.push(Rejection {
                 reason: Reason::LoopbackPodIp,
                 detail: format!(
-                    "status.podIP {ip} cannot be reached from tongs (interLink without wstunnel or pod VPN?)"
+                    "status.podIP {ip} is {kind}, not a remote pod (interLink without wstunnel or pod \
+                     VPN?); not used unless a discovery.kubernetes.allow range inside its block names it"
                 ),
             });
             return None;
@@ -431,14 +449,6 @@ impl Rules {
         let url = format!("http://{}", SocketAddr::new(ip, port));
         EndpointUrl::parse(&url).ok().map(|parsed| (url, parsed))
     }
-}
-
-/// A podIP that stands for "no address": interLink's 127.0.0.1 default (no tunnel to the pod), `::1`,
-/// or unspecified. Other loopback addresses are not placeholders anyone writes.
-fn is_placeholder(ip: IpAddr) -> bool {
-    ip.is_unspecified()
-        || ip == IpAddr::from([127, 0, 0, 1])
-        || ip == IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
 }
 
 /// Parses `IP:port` or `[IPv6]:port`.
@@ -582,6 +592,13 @@ mod tests {
             ("tongs.dev/weight", "0", Reason::BadWeight),
             ("tongs.dev/weight", "heavy", Reason::BadWeight),
             ("tongs.dev/max-outstanding", "-1", Reason::BadMaxOutstanding),
+            ("tongs.dev/url", "https://a..salad.cloud", Reason::BadUrl),
+            (
+                "tongs.dev/url",
+                "https://a.salad.cloud:99999",
+                Reason::BadUrl,
+            ),
+            ("tongs.dev/url", "http://100.64.0.1:0", Reason::BadUrl),
         ] {
             let derived = rules().derive(&with(facts(), key, value), None);
             assert_eq!(
@@ -645,6 +662,128 @@ mod tests {
         let derived = rules().derive(&pod, None);
         assert_eq!(derived.state, PodState::NoAddress);
         assert_eq!(derived.rejections[0].reason, Reason::LoopbackPodIp);
+    }
+
+    fn allowing(ranges: &[&str]) -> Rules {
+        let config = KubernetesConfig {
+            allow: ranges.iter().map(|r| r.to_string()).collect(),
+            ..KubernetesConfig::default()
+        };
+        Rules::new(&config, false)
+    }
+
+    fn at_pod_ip(rules: &Rules, ip: &str) -> Derived {
+        let mut pod = facts();
+        pod.pod_ip = Some(ip.parse().unwrap());
+        pod.named_port = Some(8000);
+        rules.derive(&pod, None)
+    }
+
+    #[test]
+    fn local_pod_ips_in_any_form_are_refused_unless_an_allow_range_names_them() {
+        let local = [
+            "127.0.0.1",
+            "127.0.0.2",
+            "127.255.255.254",
+            "::1",
+            "::ffff:127.0.0.1",
+            "::ffff:127.0.0.2",
+            "0.0.0.0",
+            "::",
+            "::ffff:0.0.0.0",
+            "169.254.169.254",
+            "::ffff:169.254.169.254",
+            "fe80::1",
+        ];
+        // Neither the default allowlist nor a catch-all range names them.
+        for rules in [rules(), allowing(&["0.0.0.0/0", "::/0"])] {
+            for ip in local {
+                let derived = at_pod_ip(&rules, ip);
+                assert_eq!(derived.state, PodState::NoAddress, "{ip}");
+                assert_eq!(derived.rejections[0].reason, Reason::LoopbackPodIp, "{ip}");
+                assert!(
+                    derived.rejections[0].detail.contains("status.podIP"),
+                    "{}",
+                    derived.rejections[0].detail
+                );
+            }
+        }
+        // A range inside the block names them; the endpoint dials the plain IPv4 form.
+        let loopback = allowing(&["127.0.0.0/8"]);
+        assert_eq!(
+            url_of(&at_pod_ip(&loopback, "::ffff:127.0.0.2")),
+            Some("http://127.0.0.2:8000")
+        );
+        assert_eq!(
+            url_of(&at_pod_ip(&loopback, "127.0.0.1")),
+            Some("http://127.0.0.1:8000")
+        );
+        for ip in ["::1", "169.254.169.254", "0.0.0.0"] {
+            assert_eq!(at_pod_ip(&loopback, ip).state, PodState::NoAddress, "{ip}");
+        }
+        assert_eq!(
+            url_of(&at_pod_ip(
+                &allowing(&["169.254.169.254/32"]),
+                "169.254.169.254"
+            )),
+            Some("http://169.254.169.254:8000")
+        );
+        assert_eq!(
+            url_of(&at_pod_ip(&allowing(&["fe80::/10"]), "fe80::1")),
+            Some("http://[fe80::1]:8000")
+        );
+        // Other podIPs need no rule (a cluster's pod network may be in 100.64.0.0/10 too).
+        assert_eq!(
+            url_of(&at_pod_ip(&rules(), "::ffff:10.1.2.3")),
+            Some("http://10.1.2.3:8000")
+        );
+        assert_eq!(
+            url_of(&at_pod_ip(&rules(), "100.100.100.100")),
+            Some("http://100.100.100.100:8000")
+        );
+    }
+
+    #[test]
+    fn annotations_cannot_point_at_tailscales_own_addresses() {
+        for address in [
+            "100.100.100.100:80",
+            "[::ffff:100.100.100.100]:80",
+            "[fd7a:115c:a1e0::53]:80",
+            "100.115.92.1:8000",
+            "100.115.93.254:8000",
+        ] {
+            let pod = with(facts(), "tongs.dev/tailscale-address", address);
+            let derived = rules().derive(&pod, None);
+            assert_eq!(derived.state, PodState::NoAddress, "{address}");
+            assert_eq!(
+                derived.rejections[0].reason,
+                Reason::TailscaleNotAllowed,
+                "{address}"
+            );
+            let pod = with(facts(), "tongs.dev/url", &format!("http://{address}"));
+            let derived = rules().derive(&pod, None);
+            assert_eq!(derived.state, PodState::NoAddress, "{address}");
+            assert_eq!(
+                derived.rejections[0].reason,
+                Reason::UrlNotAllowed,
+                "{address}"
+            );
+        }
+        // Their neighbours are ordinary Tailscale addresses; a mapped one dials its IPv4 form.
+        for (address, url) in [
+            ("100.100.100.101:80", "http://100.100.100.101:80"),
+            ("100.115.94.1:80", "http://100.115.94.1:80"),
+            ("[::ffff:100.101.1.2]:80", "http://100.101.1.2:80"),
+        ] {
+            let pod = with(facts(), "tongs.dev/tailscale-address", address);
+            assert_eq!(url_of(&rules().derive(&pod, None)), Some(url), "{address}");
+        }
+        // A rule that names quad100 admits it.
+        let pod = with(facts(), "tongs.dev/tailscale-address", "100.100.100.100:80");
+        assert_eq!(
+            url_of(&allowing(&["100.100.100.100/32"]).derive(&pod, None)),
+            Some("http://100.100.100.100:80")
+        );
     }
 
     #[test]

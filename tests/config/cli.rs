@@ -79,6 +79,31 @@ fn bad_config_exits_64_naming_every_field() {
 }
 
 #[test]
+fn endpoint_urls_with_a_bad_port_or_an_empty_host_label_are_named() {
+    let path = write_config(
+        "endpoint-urls",
+        "discovery:\n  static:\n    - url: http://10.0.0.7:0\n    - url: http://10.0.0.7:99999\n\
+         \x20   - url: https://a..salad.cloud\n    - url: http://10.0.0.7:8000\n",
+    );
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64), "{output:?}");
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    for line in [
+        "discovery.static[0].url: \"http://10.0.0.7:0\" has port 0",
+        "discovery.static[1].url: \"http://10.0.0.7:99999\" has port 99999",
+        "discovery.static[2].url: \"https://a..salad.cloud\"",
+    ] {
+        assert!(stderr.contains(line), "{line:?} not in:\n{stderr}");
+    }
+    assert!(stderr.contains("empty label"), "{stderr}");
+    assert!(!stderr.contains("static[3]"), "{stderr}");
+}
+
+#[test]
 fn unknown_key_and_unreadable_file_are_refused() {
     let path = write_config("typo", "timeouts:\n  conect: 2s\n");
     let output = Command::new(TONGS)

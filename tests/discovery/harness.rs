@@ -22,6 +22,10 @@ pub const WAIT: Duration = Duration::from_secs(30);
 /// Idle endpoints are picked by a fair coin, so sequential requests reach every endpoint.
 pub const COIN_TOSS: &str = "balancer: { policy: least-outstanding }\n";
 
+/// The allowlist of tests whose pods serve at loopback podIPs: tongs serves a loopback podIP only where
+/// an `allow` range inside 127.0.0.0/8 names it.
+pub const LOOPBACK_PODS: &str = "allow: [127.0.0.0/8]";
+
 /// A pod as a Virtual Kubelet reports it: by default Running and Ready, labelled `app=llm`, on node
 /// `vk-node`, with no podIP.
 #[derive(Clone)]

@@ -65,7 +65,7 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
     let mover = gated("127.0.0.2", "mover").await;
     let mover_pod = PodBuilder::new("mover").http_port(mover.port());
     api.create(mover_pod.clone().phase("Pending").ready(false).json());
-    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], COIN_TOSS)).await;
     until_urls(&proxy, &[&steady.url()]).await;
 
     // Pending → Running but not Ready: still not an endpoint.
@@ -169,7 +169,7 @@ async fn readyz_waits_for_the_first_complete_list() {
     let api = &cluster.api;
     let node = named_pod(api, "127.0.0.2", "node").await;
     api.fail_next_lists(u64::MAX);
-    let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], "")).await;
     until("tongs has been refused a list twice", || async {
         api.stats().lists_failed >= 2
     })

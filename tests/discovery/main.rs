@@ -1,8 +1,9 @@
 //! Kubernetes pod discovery end to end: tongs' pod watcher (kube-rs's client and runtime watcher,
 //! unchanged) against a fake API server on a real socket (`tests/support/kube_api/`), reached through a
 //! kubeconfig file; the endpoints it finds are real backends and simulated GPU nodes on loopback
-//! addresses other than 127.0.0.1 (which tongs refuses as interLink's placeholder podIP). Linux routes
-//! all of 127.0.0.0/8 to `lo`, so 127.0.0.2, 127.0.0.3, ... are distinct hosts to bind.
+//! addresses other than 127.0.0.1 (interLink's placeholder podIP). tongs serves a loopback podIP only
+//! where an `allow` range inside 127.0.0.0/8 names it, so these tests name one (`LOOPBACK_PODS`). Linux
+//! routes all of 127.0.0.0/8 to `lo`, so 127.0.0.2, 127.0.0.3, ... are distinct hosts to bind.
 //!
 //! Covered: the fake itself against kube-rs's client (so the rest tests tongs, not the fake); every
 //! address rule and their order; weight and max-outstanding annotations; allowlist refusals (counted,

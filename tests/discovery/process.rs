@@ -34,7 +34,7 @@ async fn an_https_proxy_in_the_environment_does_not_stop_discovery() {
         &format!(
             "listen: 127.0.0.1:{listen}\nadmin: {{ listen: 127.0.0.1:{admin} }}\nhealth: {{ enabled: false }}\n\
              discovery:\n  kubernetes:\n    enabled: true\n    kubeconfig: {}\n    namespace: {NS}\n\
-             \x20   label_selector: app=llm\n    allow: []\n",
+             \x20   label_selector: app=llm\n    allow: [127.0.0.0/8]\n",
             cluster.kubeconfig.display()
         ),
     );

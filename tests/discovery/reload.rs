@@ -34,7 +34,7 @@ async fn a_reloaded_selector_restarts_the_watch() {
     let text = |tier: &str| {
         cluster
             .config(
-                &[&format!("label_selector: tier={tier}"), "allow: []"],
+                &[&format!("label_selector: tier={tier}"), LOOPBACK_PODS],
                 COIN_TOSS,
             )
             .to_yaml()

@@ -44,8 +44,9 @@ async fn every_rule_gives_an_address_and_annotations_shape_the_endpoint() {
     serve_pod(api, "port-name", "127.0.0.5", by_name.port());
     // interLink without a tunnel reports 127.0.0.1: refused, and counted.
     serve_pod(api, "placeholder", "127.0.0.1", by_name.port());
+    // The pod-ip pods' loopback addresses are named one by one, so 127.0.0.1 stays unnamed.
     let allow = format!(
-        "allow: [\"http://127.0.0.2:{}\", 127.0.0.3/32]",
+        "allow: [\"http://127.0.0.2:{}\", 127.0.0.3/32, 127.0.0.4/32, 127.0.0.5/32]",
         by_url.port()
     );
     let proxy = start_proxy(cluster.config(&[&allow], COIN_TOSS)).await;
@@ -122,6 +123,46 @@ async fn every_rule_gives_an_address_and_annotations_shape_the_endpoint() {
         backends.iter().all(|b| b.hits() > 0)
     })
     .await;
+    cluster.finish(proxy).await;
+}
+
+#[tokio::test]
+async fn local_pod_ips_serve_only_where_an_allow_range_names_them() {
+    let cluster = Cluster::start("tongs-local-pod-ips").await;
+    let api = &cluster.api;
+    let named_node = named("127.0.0.7", "named").await;
+    let unnamed = named("127.0.0.8", "unnamed").await;
+    // 127.0.0.7 written as IPv4-mapped IPv6, as some API servers report dual-stack addresses.
+    serve_pod(api, "mapped", "::ffff:127.0.0.7", named_node.port());
+    serve_pod(api, "other-loopback", "127.0.0.8", unnamed.port());
+    serve_pod(api, "metadata", "169.254.169.254", 80);
+    serve_pod(api, "unspecified", "::", unnamed.port());
+    // Only 127.0.0.7 is named; a catch-all range does not name local addresses.
+    let proxy =
+        start_proxy(cluster.config(&["allow: [127.0.0.7/32, 0.0.0.0/0, \"::/0\"]"], "")).await;
+    until_urls(&proxy, &[&named_node.url()]).await;
+    until("the three other pods are refused and counted", || async {
+        metric_or_zero(
+            &proxy,
+            "tongs_discovery_rejections_total{reason=\"loopback-pod-ip\"}",
+        )
+        .await
+            == 3.0
+    })
+    .await;
+    assert_eq!(
+        metric(&proxy, "tongs_discovery_pods{state=\"no-address\"}").await,
+        Some(3.0)
+    );
+    for pod in ["other-loopback", "metadata", "unspecified"] {
+        assert_eq!(
+            logged(&[&format!("pod=gpu/{pod}"), "loopback-pod-ip"]),
+            1,
+            "{pod}"
+        );
+    }
+    assert_eq!(get(&proxy.url("/")).await, (200, "named".into()));
+    assert_eq!(unnamed.hits(), 0, "traffic went to a podIP no rule names");
     cluster.finish(proxy).await;
 }
 
@@ -281,7 +322,7 @@ async fn selectors_and_the_namespace_decide_which_pods_are_watched() {
         &[
             "label_selector: app=llm,tier!=canary",
             "field_selector: spec.nodeName=vk-salad",
-            "allow: []",
+            LOOPBACK_PODS,
         ],
         "",
     );
@@ -326,8 +367,8 @@ async fn the_namespace_setting_watches_the_own_namespace_or_all() {
             .json(),
     );
     // "": the kubeconfig context's namespace (gpu); "*": every namespace.
-    let own = start_proxy(cluster.config(&["namespace: \"\"", "allow: []"], "")).await;
-    let all = start_proxy(cluster.config(&["namespace: \"*\"", "allow: []"], COIN_TOSS)).await;
+    let own = start_proxy(cluster.config(&["namespace: \"\"", LOOPBACK_PODS], "")).await;
+    let all = start_proxy(cluster.config(&["namespace: \"*\"", LOOPBACK_PODS], COIN_TOSS)).await;
     until_urls(&own, &[&here.url()]).await;
     until_urls(&all, &[&here.url(), &there.url()]).await;
     let paths: BTreeSet<String> = api.requests().into_iter().map(|r| r.path).collect();
@@ -355,7 +396,7 @@ async fn static_endpoints_serve_beside_pods() {
     // Without slow start: a pod joining a serving set ramps in from 10 %, and one client sending one
     // request at a time then always finds the static endpoint less loaded for those 5 s.
     let mut config = cluster.config(
-        &["allow: []"],
+        &[LOOPBACK_PODS],
         "balancer: { policy: least-outstanding, slow_start: 0s }\n",
     );
     config

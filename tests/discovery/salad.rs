@@ -182,7 +182,8 @@ async fn a_salad_pod_with_a_pod_ip_serves_there_until_its_gateway_is_known() {
             .http_port(direct.port())
             .json(),
     );
-    let proxy = start_proxy(cluster.config(&[], &salad_config(&salad, &key_file))).await;
+    let proxy =
+        start_proxy(cluster.config(&[LOOPBACK_PODS], &salad_config(&salad, &key_file))).await;
     // salad-api comes before pod-ip: while it has no answer the podIP serves, and the lookup goes on.
     until_urls(&proxy, &[&direct.url()]).await;
     assert_eq!(get(&proxy.url("/")).await, (200, "direct".into()));

@@ -33,7 +33,7 @@ async fn two_sim_pods_watched(cluster: &Cluster) -> (Fleet, TestProxy, [String; 
     let fleet = two_sim_nodes().await;
     api.create(sim_pod(&fleet, 0, "a"));
     api.create(sim_pod(&fleet, 1, "b"));
-    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], COIN_TOSS)).await;
     let [a, b] = [0, 1].map(|i| fleet.nodes()[i].url());
     until_urls(&proxy, &[&a, &b]).await;
     until("the watch is open", || async {
@@ -151,7 +151,7 @@ async fn a_watch_the_server_expires_relists_without_disturbing_the_endpoints() {
     let api = &cluster.api;
     let a = named_pod(api, "127.0.0.2", "a").await;
     let b = named_pod(api, "127.0.0.3", "b").await;
-    let proxy = start_proxy(cluster.config(&["allow: []"], COIN_TOSS)).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], COIN_TOSS)).await;
     until_urls(&proxy, &[&a.url(), &b.url()]).await;
     until("the watch is open", || async {
         api.stats().open_watches == 1
@@ -186,7 +186,7 @@ async fn a_bookmark_lets_the_watch_resume_past_a_compaction() {
     let cluster = Cluster::start("tongs-bookmarks").await;
     let api = &cluster.api;
     let a = named_pod(api, "127.0.0.2", "a").await;
-    let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], "")).await;
     until_urls(&proxy, &[&a.url()]).await;
     until("the watch is open", || async {
         api.stats().open_watches == 1
@@ -260,7 +260,7 @@ async fn thousands_of_pods_are_listed_in_pages_of_500() {
             );
         }
     });
-    let proxy = start_proxy(cluster.config(&["allow: []"], "")).await;
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], "")).await;
     until("/readyz answers 200", || async {
         admin_get(&proxy, "/readyz").await.0 == 200
     })
