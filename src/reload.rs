@@ -61,6 +61,10 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
     check("listen", current.listen != next.listen);
     check("admin.listen", current.admin.listen != next.admin.listen);
     check(
+        "admin.max_connections",
+        current.admin.max_connections != next.admin.max_connections,
+    );
+    check(
         "admin.bearer_token_file",
         current.admin.bearer_token_file != next.admin.bearer_token_file,
     );
