@@ -343,6 +343,7 @@ impl App {
             self.admin_listener,
             parts.admin(),
             self.admin_token.clone(),
+            admin::Limits::from_config(&self.config),
             admin_stop.clone(),
         ));
         // Heartbeats run on this runtime with their own client, until the workers have drained.

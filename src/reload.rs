@@ -3,11 +3,12 @@
 //! Kubernetes updates a ConfigMap volume by writing a new timestamped directory and swapping the
 //! `..data` symlink to it; the file tongs was given (`tongs.yaml` → `..data/tongs.yaml`) never changes
 //! itself, so a watch on the file alone misses the update. tongs watches the file's *directory* instead
-//! and, on any event there (debounced), reads the file again through its symlinks and reloads if the
-//! text changed.
+//! and, on a change there (a file created, written, renamed or removed; debounced), reads the file
+//! again through its symlinks and reloads if its content changed. Reads are events too, tongs' own
+//! included, and are ignored.
 //!
-//! A reload validates the whole file first: an invalid file keeps the configuration in force, logs
-//! every problem with its field, and counts as `invalid`. A valid one applies live what can change
+//! A reload validates the whole file first: an invalid (or unreadable) file keeps the configuration in
+//! force, logs every problem with its field, and counts as `invalid`, once per version of the file. A valid one applies live what can change
 //! live — timeouts of the request path, retries, breakers, balancing, concurrency limits, the queue,
 //! heartbeat settings, static endpoints — without dropping a request (requests under way finish with
 //! what they started with, endpoints that stay keep their state), and names in the log what needs a
@@ -18,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use notify::Watcher;
+use notify::{EventKind, Watcher};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ConfigError};
@@ -41,7 +42,7 @@ pub trait Apply: Send + Sync {
 pub enum Reloaded {
     /// Applied; the keys listed changed but take effect only after a restart.
     Applied { needs_restart: Vec<&'static str> },
-    /// The file's text is what was applied last: nothing to do.
+    /// The file's content is what was seen last (applied, or rejected already): nothing to do.
     Unchanged,
     /// Not applied: the file is unreadable or invalid.
     Rejected(ConfigError),
@@ -60,6 +61,10 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
     };
     check("listen", current.listen != next.listen);
     check("admin.listen", current.admin.listen != next.admin.listen);
+    check(
+        "admin.max_connections",
+        current.admin.max_connections != next.admin.max_connections,
+    );
     check(
         "admin.bearer_token_file",
         current.admin.bearer_token_file != next.admin.bearer_token_file,
@@ -98,17 +103,20 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
     keys
 }
 
-/// Reads and validates `path`, and applies it to `target` if its text differs from `last` (or
+/// Reads and validates `path`, and applies it to `target` if its content differs from `last` (or
 /// `forced`); `current` is the configuration in force, replaced by the one applied.
+///
+/// `last` is the content seen last, good or bad: a version that is not UTF-8 or not a valid
+/// configuration is rejected (logged and counted) once, and again only when the file changes.
 pub fn reload(
     target: &dyn Apply,
     current: &Mutex<Config>,
     path: &Path,
-    last: &mut Option<String>,
+    last: &mut Option<Vec<u8>>,
     forced: bool,
 ) -> Reloaded {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
+    let content = match std::fs::read(path) {
+        Ok(content) => content,
         Err(source) => {
             return Reloaded::Rejected(ConfigError::Read {
                 path: path.to_owned(),
@@ -116,23 +124,54 @@ pub fn reload(
             });
         }
     };
-    if !forced && last.as_deref() == Some(text.as_str()) {
+    if !forced && last.as_deref() == Some(content.as_slice()) {
         return Reloaded::Unchanged;
     }
-    let config = match Config::parse(&text, &path.display().to_string()) {
-        Ok(config) => config,
+    let content = last.insert(content);
+    let text = match std::str::from_utf8(content) {
+        Ok(text) => text,
         Err(err) => {
-            // Remember the bad text too: the same invalid file is reported once, not on every event.
-            *last = Some(text);
-            return Reloaded::Rejected(err);
+            return Reloaded::Rejected(ConfigError::Read {
+                path: path.to_owned(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, err),
+            });
         }
     };
-    *last = Some(text);
+    let config = match Config::parse(text, &path.display().to_string()) {
+        Ok(config) => config,
+        Err(err) => return Reloaded::Rejected(err),
+    };
     let mut current = current.lock().unwrap_or_else(|p| p.into_inner());
     let needs_restart = needs_restart(&current, &config);
     target.apply(&config);
     *current = config;
     Reloaded::Applied { needs_restart }
+}
+
+/// `path`'s content if it says what `current` is (the configuration in force), `None` if it does not or
+/// cannot be read.
+fn in_force(current: &Mutex<Config>, path: &Path) -> Option<Vec<u8>> {
+    let content = std::fs::read(path).ok()?;
+    let text = std::str::from_utf8(&content).ok()?;
+    let config = Config::parse(text, &path.display().to_string()).ok()?;
+    let current = current.lock().unwrap_or_else(|p| p.into_inner());
+    let same = serde_json::to_value(&config).ok()? == serde_json::to_value(&*current).ok()?;
+    same.then_some(content)
+}
+
+/// Whether a watcher event can mean the file changed. Opening, reading and closing a file without
+/// writing are events too, and tongs' own reads of it cause them: reacting to those would re-read the
+/// file after every read, for ever.
+fn is_change(event: &notify::Event) -> bool {
+    use notify::event::{AccessKind, AccessMode, MetadataKind, ModifyKind};
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => false,
+        EventKind::Create(_) | EventKind::Modify(_) | EventKind::Remove(_) | EventKind::Any => true,
+        // The watcher lost events (its queue overflowed): anything may have changed.
+        EventKind::Other => event.need_rescan(),
+    }
 }
 
 /// Logs and counts a reload's outcome.
@@ -186,7 +225,7 @@ pub async fn watch(
     };
     let (events, mut changed) = tokio::sync::mpsc::unbounded_channel::<()>();
     let watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        if event.is_ok_and(|event| is_change(&event)) {
             let _ = events.send(());
         }
     });
@@ -212,8 +251,13 @@ pub async fn watch(
     };
     // Without a watcher its channel's sender is gone and would report "closed" at once, forever.
     let mut watching = watcher.is_some();
-    // The text applied at start, so the first event only reloads a real change.
-    let mut last = std::fs::read_to_string(&path).ok();
+    // The content in force, so an event reloads only a real change. A change made after the start read
+    // the file and before the watch began raised no event: it is loaded now.
+    let mut last = in_force(&current, &path);
+    if last.is_none() {
+        let outcome = reload(target.as_ref(), &current, &path, &mut last, false);
+        report(target.metrics(), &outcome, "file");
+    }
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
@@ -238,5 +282,43 @@ pub async fn watch(
                 report(target.metrics(), &outcome, "SIGHUP");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use notify::event::{
+        AccessKind, AccessMode, CreateKind, DataChange, Flag, MetadataKind, ModifyKind, RemoveKind,
+        RenameMode,
+    };
+    use notify::{Event, EventKind};
+
+    use super::is_change;
+
+    #[test]
+    fn reads_are_not_changes() {
+        let reads = [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)),
+            EventKind::Other,
+        ];
+        for kind in reads {
+            assert!(!is_change(&Event::new(kind)), "{kind:?}");
+        }
+        let changes = [
+            EventKind::Create(CreateKind::File),
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+        ];
+        for kind in changes {
+            assert!(is_change(&Event::new(kind)), "{kind:?}");
+        }
+        assert!(is_change(
+            &Event::new(EventKind::Other).set_flag(Flag::Rescan)
+        ));
     }
 }

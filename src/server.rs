@@ -8,7 +8,9 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::Incoming;
@@ -16,6 +18,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -109,10 +112,13 @@ pub async fn serve(
         let watcher = graceful.watcher();
         let header_read_timeout = settings.header_read_timeout;
         tokio::spawn(async move {
-            if let Err(why) = await_protocol(&stream, header_read_timeout).await {
-                tracing::debug!(client = %client, why, "client connection closed before its first request");
-                return;
-            }
+            let stream = match sniff(stream, header_read_timeout).await {
+                Ok(stream) => stream,
+                Err(why) => {
+                    tracing::debug!(client = %client, why, "client connection closed before its first request");
+                    return;
+                }
+            };
             let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             if let Err(err) = watcher.watch(connection).await {
                 tracing::debug!(client = %client, error = %err, "client connection ended with an error");
@@ -128,33 +134,105 @@ pub async fn serve(
 /// The HTTP/2 connection preface; anything else is taken for HTTP/1.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
-/// Waits, within `limit`, until the client has sent enough to tell HTTP/1 from HTTP/2.
+/// Reads, within `limit`, until the client has sent enough to tell HTTP/1 from HTTP/2, and returns the
+/// connection with those bytes put back in front, for hyper-util's auto server to read again.
 ///
 /// hyper-util's auto server reads up to 24 bytes to make that choice and puts no deadline on it, and
 /// hyper's own header-read timeout only starts after it; without this bound a client that connects and
-/// sends nothing (or half a preface) would hold a socket and a task forever.
-async fn await_protocol(
-    stream: &tokio::net::TcpStream,
-    limit: Duration,
-) -> Result<(), &'static str> {
-    let mut buf = [0u8; H2_PREFACE.len()];
-    let sniff = async {
+/// sends nothing (or half a preface) would hold a socket and a task forever. The bytes are read out,
+/// not peeked at: a peek returns at once while they sit unread, so waiting for the rest of a partial
+/// preface would be a polling loop; a read sleeps until more arrives.
+pub async fn sniff<I>(mut io: I, limit: Duration) -> Result<Prefixed<I>, &'static str>
+where
+    I: AsyncRead + Unpin,
+{
+    let mut head = [0u8; H2_PREFACE.len()];
+    let read = async {
+        let mut filled = 0;
         loop {
-            let n = stream.peek(&mut buf).await.map_err(|_| "read error")?;
+            let n = io
+                .read(&mut head[filled..])
+                .await
+                .map_err(|_| "read error")?;
             if n == 0 {
                 return Err("closed by the client");
             }
-            if n == buf.len() || buf[..n] != H2_PREFACE[..n] {
-                return Ok(());
+            filled += n;
+            if filled == head.len() || head[..filled] != H2_PREFACE[..filled] {
+                return Ok(filled);
             }
-            // A partial HTTP/2 preface: peek returns at once while those bytes sit unread, so wait a little
-            // for the rest instead of spinning.
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     };
-    tokio::time::timeout(limit, sniff)
+    let filled = tokio::time::timeout(limit, read)
         .await
-        .unwrap_or(Err("no request head within timeouts.header_read"))
+        .unwrap_or(Err("no request head within timeouts.header_read"))?;
+    Ok(Prefixed {
+        head,
+        start: 0,
+        end: filled,
+        io,
+    })
+}
+
+/// A connection with the bytes [`sniff`] read from it put back in front of what it reads next.
+///
+/// hyper-util's auto server has the same thing (`Rewind`) but keeps it private; tokio's `Chain` only
+/// reads, and joining a chained read half with the write half would cost a shared allocation per
+/// connection. So this small wrapper is written out here.
+#[derive(Debug)]
+pub struct Prefixed<I> {
+    head: [u8; H2_PREFACE.len()],
+    /// The part of `head` not read yet.
+    start: usize,
+    end: usize,
+    io: I,
+}
+
+impl<I: AsyncRead + Unpin> AsyncRead for Prefixed<I> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        if this.start < this.end {
+            let n = (this.end - this.start).min(buf.remaining());
+            buf.put_slice(&this.head[this.start..this.start + n]);
+            this.start += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl<I: AsyncWrite + Unpin> AsyncWrite for Prefixed<I> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
 }
 
 async fn drain(graceful: GracefulShutdown, proxy: &Proxy, grace: Duration) {
@@ -229,4 +307,182 @@ pub fn bind_workers(
 /// The address a listener is bound to (the real port when the configuration asked for port 0).
 pub fn local_addr(listener: &TcpListener, configured: SocketAddr) -> SocketAddr {
     listener.local_addr().unwrap_or(configured)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+
+    use bytes::Bytes;
+    use http_body_util::{BodyExt, Full};
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    /// A connected pair: (the client's end, the server's accepted end).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        (client, server)
+    }
+
+    /// A client that stops inside the HTTP/2 preface costs one wakeup, not one every few
+    /// milliseconds: the sniff is polled only when bytes arrive.
+    #[tokio::test]
+    async fn a_partial_preface_is_awaited_without_polling() {
+        let (mut client, server) = pair().await;
+        client.write_all(&H2_PREFACE[..10]).await.unwrap();
+        let mut polls = 0u32;
+        let mut sniff = std::pin::pin!(sniff(server, Duration::from_secs(10)));
+        let counted = std::future::poll_fn(|cx| {
+            polls += 1;
+            sniff.as_mut().poll(cx)
+        });
+        // A hundred times the 5 ms a polling wait would sleep between looks.
+        let waited = tokio::time::timeout(Duration::from_millis(500), counted).await;
+        assert!(
+            waited.is_err(),
+            "the sniff waits for the rest of the preface"
+        );
+        assert!(
+            polls <= 3,
+            "the sniff was polled {polls} times while the client sent nothing"
+        );
+
+        // The rest arrives: the sniff ends, and every byte is there to read again, in order.
+        client.write_all(&H2_PREFACE[10..]).await.unwrap();
+        client.write_all(b"more").await.unwrap();
+        let mut stream = tokio::time::timeout(Duration::from_secs(10), sniff)
+            .await
+            .expect("the sniff ends once the preface is complete")
+            .expect("a complete preface");
+        let mut replayed = vec![0u8; H2_PREFACE.len() + 4];
+        stream.read_exact(&mut replayed).await.unwrap();
+        assert_eq!(&replayed[..H2_PREFACE.len()], H2_PREFACE);
+        assert_eq!(&replayed[H2_PREFACE.len()..], b"more");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_whole_sniff_is_bounded_by_header_read() {
+        let (mut client, server) = pair().await;
+        client.write_all(&H2_PREFACE[..10]).await.unwrap();
+        let started = tokio::time::Instant::now();
+        let outcome = sniff(server, Duration::from_secs(3)).await;
+        assert_eq!(
+            outcome.err(),
+            Some("no request head within timeouts.header_read")
+        );
+        assert!(started.elapsed() >= Duration::from_secs(3));
+    }
+
+    /// Serves one connection the way [`serve`] does, answering every request with its HTTP version.
+    async fn serve_one(stream: TcpStream) {
+        let settings = ServerSettings {
+            header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 * 1024,
+            grace: Duration::from_secs(1),
+        };
+        let stream = sniff(stream, settings.header_read_timeout).await.unwrap();
+        let service = service_fn(|request: hyper::Request<Incoming>| async move {
+            let version = format!("{:?}", request.version());
+            Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(version))))
+        });
+        let _ = builder(&settings)
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .await;
+    }
+
+    /// Gives hyper's HTTP/2 client a connection whose preface the test has already sent by hand: the
+    /// first 24 bytes the client writes are taken as written.
+    struct PrefaceSent(TcpStream, usize);
+
+    impl AsyncRead for PrefaceSent {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for PrefaceSent {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<std::io::Result<usize>> {
+            let this = self.get_mut();
+            if this.1 > 0 {
+                let skipped = this.1.min(buf.len());
+                assert_eq!(
+                    buf[..skipped],
+                    H2_PREFACE[H2_PREFACE.len() - this.1..][..skipped]
+                );
+                this.1 -= skipped;
+                return Poll::Ready(Ok(skipped));
+            }
+            Pin::new(&mut this.0).poll_write(cx, buf)
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.get_mut().0).poll_flush(cx)
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+        }
+    }
+
+    /// A pause the server sees: the first bytes arrive on their own, the rest later.
+    async fn in_two_parts(client: &mut TcpStream, bytes: &[u8], at: usize) {
+        client.write_all(&bytes[..at]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        client.write_all(&bytes[at..]).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn http2_is_served_after_a_preface_in_two_parts() {
+        let (mut client, server) = pair().await;
+        tokio::spawn(serve_one(server));
+        in_two_parts(&mut client, H2_PREFACE, 10).await;
+        let (mut sender, connection) = hyper::client::conn::http2::handshake::<_, _, Full<Bytes>>(
+            TokioExecutor::new(),
+            TokioIo::new(PrefaceSent(client, H2_PREFACE.len())),
+        )
+        .await
+        .unwrap();
+        tokio::spawn(connection);
+        let request = hyper::Request::get("http://a/")
+            .body(Full::default())
+            .unwrap();
+        let response = tokio::time::timeout(Duration::from_secs(10), sender.send_request(request))
+            .await
+            .unwrap()
+            .unwrap();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "HTTP/2.0");
+    }
+
+    #[tokio::test]
+    async fn http1_is_served_after_a_first_byte_that_could_start_a_preface() {
+        let (mut client, server) = pair().await;
+        tokio::spawn(serve_one(server));
+        // "P" begins both "POST" and the HTTP/2 preface.
+        let request =
+            b"POST / HTTP/1.1\r\nHost: a\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        in_two_parts(&mut client, request, 1).await;
+        let mut answer = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), client.read_to_end(&mut answer))
+            .await
+            .unwrap()
+            .unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(answer.ends_with("HTTP/1.1"), "{answer}");
+    }
 }

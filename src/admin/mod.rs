@@ -6,6 +6,9 @@
 //! "connection refused" for every client. `/demand`: JSON with requests queued and outstanding, the
 //! signal to scale the GPU fleet on (KEDA's `metrics-api` scaler reads `demand` from it).
 //!
+//! Connections get the client port's guard against silence (`timeouts.header_read`, see
+//! [`server::sniff`]) and are capped at `admin.max_connections`, so idle ones cannot starve the probes.
+//!
 //! [`routes`] answers the read-only paths, [`auth`] guards them with the bearer token, and
 //! [`register`] takes node registrations (which present their own token).
 
@@ -23,9 +26,11 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Queue, Refusal};
+use crate::config::Config;
 use crate::discovery;
 use crate::endpoint::EndpointView;
 use crate::http::ProxyBody;
@@ -33,6 +38,7 @@ use crate::metrics::{Metrics, Scrape};
 use crate::proxy::Proxy;
 use crate::readiness::Readiness;
 use crate::registry::Registry;
+use crate::server;
 
 pub use register::REGISTER_PATH;
 
@@ -108,27 +114,67 @@ pub(super) fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBo
     typed(status, "text/plain", text)
 }
 
+/// Connection-level limits of the admin port.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// A connection must send its first request's head within this (`timeouts.header_read`, as on the
+    /// client port).
+    pub header_read_timeout: Duration,
+    /// Most connections open at once (`admin.max_connections`).
+    pub max_connections: usize,
+}
+
+impl Limits {
+    pub fn from_config(config: &Config) -> Self {
+        Limits {
+            header_read_timeout: config.timeouts.header_read.get(),
+            max_connections: config.admin.max_connections,
+        }
+    }
+}
+
 /// Serves the admin endpoints until `shutdown` is cancelled.
+///
+/// The port is guarded like the client one: a connection that sends no request within
+/// `header_read_timeout` (nothing at all, half an HTTP/2 preface, half a head) is closed, and beyond
+/// `max_connections` new connections are closed as they arrive, so idle connections cannot keep the
+/// kubelet's probes out for longer than the header-read limit.
 pub async fn serve(
     listener: TcpListener,
     state: State,
     token: Option<Arc<str>>,
+    limits: Limits,
     shutdown: CancellationToken,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(Duration::from_secs(10));
+        .header_read_timeout(limits.header_read_timeout);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    // Whether the last connection found the port full: the warning is logged once per episode.
+    let mut full = false;
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => return,
             accepted = listener.accept() => accepted,
         };
-        let Ok((stream, _)) = accepted else {
+        let Ok((stream, client)) = accepted else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            if !std::mem::replace(&mut full, true) {
+                tracing::warn!(
+                    client = %client,
+                    max_connections = limits.max_connections,
+                    "admin port full (admin.max_connections); closing new connections until some end"
+                );
+            }
+            drop(stream);
+            continue;
+        };
+        full = false;
         let (state, token) = (state.clone(), token.clone());
         let service = service_fn(move |request: Request<Incoming>| {
             let (state, token) = (state.clone(), token.clone());
@@ -145,11 +191,19 @@ pub async fn serve(
                 Ok::<_, Infallible>(response)
             }
         });
-        let connection = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
+        let builder = builder.clone();
         tokio::spawn(async move {
-            let _ = connection.await;
+            let _slot = slot;
+            let stream = match server::sniff(stream, limits.header_read_timeout).await {
+                Ok(stream) => stream,
+                Err(why) => {
+                    tracing::debug!(client = %client, why, "admin connection closed before its first request");
+                    return;
+                }
+            };
+            let _ = builder
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
         });
     }
 }

@@ -328,6 +328,16 @@ limits: { max_header_bytes: 10 }
     }
 
     #[test]
+    fn admin_connection_cap_is_bounded() {
+        assert_eq!(Config::default().admin.max_connections, 256);
+        for bad in ["0", "1000000"] {
+            let text = format!("admin: {{ max_connections: {bad} }}\n");
+            let err = Config::parse(&text, "test").unwrap_err();
+            assert_eq!(err.problems()[0].field, "admin.max_connections");
+        }
+    }
+
+    #[test]
     fn absurd_durations_are_refused() {
         let err = Config::parse(
             "timeouts: { total: 100000000000s, response_headers: 1s }\n",

@@ -16,13 +16,20 @@ pub struct AdminConfig {
     /// A file holding a bearer token (a mounted Secret). When set, every admin path but `/healthz` and
     /// `/readyz` (the kubelet's probes) requires `Authorization: Bearer <token>`.
     pub bearer_token_file: Option<PathBuf>,
+    /// Most connections open on the admin port at once; more are closed as they arrive. Connections
+    /// that send no request within `timeouts.header_read` are closed, so room comes back within that.
+    pub max_connections: usize,
 }
+
+/// The admin port's `max_connections` may be at most this (a bound for the semaphore behind it).
+const ADMIN_MAX_CONNECTIONS: usize = 65_536;
 
 impl Default for AdminConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 9090)),
             bearer_token_file: None,
+            max_connections: 256,
         }
     }
 }
@@ -122,6 +129,15 @@ impl AdminConfig {
     pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
         let mut problem =
             |field: String, message: String| problems.push(Problem { field, message });
+        if !(1..=ADMIN_MAX_CONNECTIONS).contains(&self.max_connections) {
+            problem(
+                "admin.max_connections".into(),
+                format!(
+                    "must be between 1 and {ADMIN_MAX_CONNECTIONS}, got {}",
+                    self.max_connections
+                ),
+            );
+        }
         if let Some(path) = &self.bearer_token_file {
             match std::fs::read_to_string(path) {
                 Ok(token) if token.trim().is_empty() => problem(

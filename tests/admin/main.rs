@@ -9,6 +9,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod connections;
 mod operations;
 mod probes;
 mod prometheus;

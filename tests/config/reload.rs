@@ -188,3 +188,58 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     );
     proxy.stop().await;
 }
+
+/// Replaces `file`'s content the way editors save: a new file beside it, renamed over it (a reload never
+/// sees it half written).
+fn save(file: &Path, content: impl AsRef<[u8]>) {
+    let staging = file.with_extension("yaml.new");
+    std::fs::write(&staging, content).unwrap();
+    std::fs::rename(&staging, file).unwrap();
+}
+
+/// A plain file (no ConfigMap volume): tongs' own reads of it must not count as
+/// changes, and a bad version is reported once, not on every look at it.
+#[tokio::test]
+async fn a_bad_version_is_reported_once_and_reads_do_not_trigger_reloads() {
+    let a = text_backend("A").await;
+    let b = text_backend("B").await;
+    let dir = TempDir::new("reload-plain");
+    let file = dir.0.join("tongs.yaml");
+    std::fs::write(&file, config_text(&a.url(), "")).unwrap();
+    let (proxy, _) = start(&file).await;
+    let invalid = r#"tongs_config_reloads_total{result="invalid"}"#;
+    let applied = r#"tongs_config_reloads_total{result="applied"}"#;
+
+    // Not UTF-8: the file cannot even be read as text.
+    save(&file, b"listen: \xff\xfe127.0.0.1:0\n");
+    eventually_async("the unreadable version counted", TEN_SECONDS, || async {
+        metric(&proxy, invalid).await == Some(1.0)
+    })
+    .await;
+    // Seven times the watcher's 200 ms debounce: a watcher woken by its own reads would count again.
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert_eq!(metric(&proxy, invalid).await, Some(1.0), "counted once");
+
+    // Another bad version is news, and is counted, once.
+    save(
+        &file,
+        config_text(&b.url(), "balancer: { polcy: least-outstanding }\n"),
+    );
+    eventually_async("the invalid version counted", TEN_SECONDS, || async {
+        metric(&proxy, invalid).await == Some(2.0)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(1400)).await;
+    assert_eq!(metric(&proxy, invalid).await, Some(2.0), "counted once");
+    assert_eq!(get(&proxy.url("/")).await, (200, "A".to_owned()));
+
+    // Fixed: applied.
+    save(&file, config_text(&b.url(), ""));
+    eventually_async("the fixed version applied", TEN_SECONDS, || async {
+        metric(&proxy, applied).await == Some(1.0)
+    })
+    .await;
+    assert_eq!(get(&proxy.url("/")).await, (200, "B".to_owned()));
+    assert_eq!(metric(&proxy, invalid).await, Some(2.0));
+    proxy.stop().await;
+}
