@@ -29,7 +29,9 @@ pub enum ProxyError {
     Connect { endpoint: String, detail: String },
     #[error("endpoint {endpoint} failed: {detail}")]
     Upstream { endpoint: String, detail: String },
-    #[error("endpoint {endpoint} sent no response headers within {}", humantime::format_duration(*.after))]
+    /// `after` is the time the attempt was given: `timeouts.response_headers`, or what was left of
+    /// the request's deadline if that was less.
+    #[error("endpoint {endpoint} sent no response within {}", format_millis(*.after))]
     ResponseTimeout { endpoint: String, after: Duration },
     #[error("endpoint {endpoint} answered {status}")]
     Status { endpoint: String, status: u16 },
@@ -94,6 +96,14 @@ impl ProxyError {
     }
 }
 
+/// A duration to the millisecond (a deadline's remainder would otherwise print to the nanosecond).
+fn format_millis(duration: Duration) -> humantime::FormattedDuration {
+    let millis = duration.as_micros().saturating_add(500) / 1000;
+    humantime::format_duration(Duration::from_millis(
+        u64::try_from(millis).unwrap_or(u64::MAX),
+    ))
+}
+
 /// Full description of an error and its causes, for logs and client messages.
 pub fn describe(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
@@ -128,6 +138,12 @@ mod tests {
         };
         assert_eq!(timeout.status(), 504);
         assert!(timeout.to_string().contains("2s"));
+        let odd = ProxyError::ResponseTimeout {
+            endpoint: "http://a".into(),
+            // A deadline's remainder, not a round number.
+            after: Duration::from_nanos(1_499_999_999),
+        };
+        assert!(odd.to_string().ends_with("within 1s 500ms"), "{odd}");
     }
 
     #[test]

@@ -110,16 +110,17 @@ impl Proxy {
         let _waiting = endpoint.start_waiting(attempt_started);
         let mut gone = endpoint.gone_signal();
         let grace = settings.suspect_grace;
-        let per_try = (Instant::now() + settings.response_headers_timeout).min(deadline);
+        let per_try = (attempt_started + settings.response_headers_timeout).min(deadline);
         let failed = |kind: FailureKind, error: ProxyError| Failure {
             kind,
             error,
             response: None,
             endpoint: Arc::clone(endpoint),
         };
+        // A timeout reports the time the attempt was given, not what is left of it (nothing).
         let timed_out = || ProxyError::ResponseTimeout {
             endpoint: endpoint.url().to_owned(),
-            after: per_try.saturating_duration_since(Instant::now()),
+            after: per_try.saturating_duration_since(attempt_started),
         };
 
         // Headers, within the per-try deadline, unless heartbeats declare the endpoint gone first.
