@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use http::{HeaderValue, Response, StatusCode, header};
+use http::{HeaderValue, Method, Response, StatusCode, header};
 
 use super::body::ProxyBody;
 use super::headers::{X_REQUEST_ID, X_TONGS_REJECT_REASON};
@@ -25,6 +25,11 @@ pub enum ProxyError {
     BadDeadline { header: String, value: String },
     #[error("request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
+    /// A method tongs does not forward (`CONNECT`: it is a reverse proxy, not a tunnel).
+    #[error(
+        "{method} is not supported: tongs forwards requests to its endpoints, it opens no tunnels"
+    )]
+    MethodNotAllowed { method: Method },
     #[error("could not connect to endpoint {endpoint}: {detail}")]
     Connect { endpoint: String, detail: String },
     #[error("endpoint {endpoint} failed: {detail}")]
@@ -47,6 +52,7 @@ impl ProxyError {
             ProxyError::Refused { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::BadDeadline { .. } => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Status { status, .. } => {
@@ -87,6 +93,9 @@ impl ProxyError {
             );
             headers.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
         }
+        if let ProxyError::MethodNotAllowed { .. } = &self {
+            headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED_METHODS));
+        }
         headers.insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
@@ -95,6 +104,9 @@ impl ProxyError {
         response
     }
 }
+
+/// The standard methods tongs forwards (any but `CONNECT`), for `Allow` on a 405.
+const FORWARDED_METHODS: &str = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS, TRACE";
 
 /// A duration to the millisecond (a deadline's remainder would otherwise print to the nanosecond).
 fn format_millis(duration: Duration) -> humantime::FormattedDuration {
@@ -144,6 +156,22 @@ mod tests {
             after: Duration::from_nanos(1_499_999_999),
         };
         assert!(odd.to_string().ends_with("within 1s 500ms"), "{odd}");
+        let connect = ProxyError::MethodNotAllowed {
+            method: Method::CONNECT,
+        };
+        assert_eq!(connect.status(), 405);
+    }
+
+    #[test]
+    fn connect_gets_405_with_allow() {
+        let response = ProxyError::MethodNotAllowed {
+            method: Method::CONNECT,
+        }
+        .into_response(&HeaderValue::from_static("rid-3"));
+        assert_eq!(response.status(), 405);
+        let allow = response.headers()["allow"].to_str().unwrap();
+        assert!(allow.starts_with("GET, HEAD, POST"), "{allow}");
+        assert!(!allow.contains("CONNECT"), "{allow}");
     }
 
     #[test]

@@ -1,17 +1,122 @@
-//! What tongs answers when it cannot pass an endpoint's response on: a 504 names the time the
-//! attempt was given.
+//! What tongs answers when it cannot or will not pass an endpoint's response on: a `CONNECT` is refused
+//! with 405 and never forwarded, and a 504 names the time the attempt was given.
 //!
-//! Real sockets on 127.0.0.1; the endpoints stand in for GPU nodes.
+//! Real sockets on 127.0.0.1; the endpoints are raw TCP servers standing in for GPU nodes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::support::*;
 use http::Request;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
 
 /// One attempt per request, so each answer is about the one endpoint configured.
 const ONE_ATTEMPT: &str = "retry: { enabled: false }\n";
 
+/// An endpoint on raw TCP: for every connection it reads one request head, writes `reply` as is and
+/// closes the connection.
+struct RawEndpoint {
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    stop: CancellationToken,
+}
+
+impl RawEndpoint {
+    async fn start(reply: &'static [u8]) -> RawEndpoint {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&hits);
+        let stop = CancellationToken::new();
+        serve_connections(listener, stop.clone(), move |mut stream, _peer| {
+            let count = Arc::clone(&count);
+            async move {
+                if read_until_blank_line(&mut stream).await.is_some() {
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let _ = stream.write_all(reply).await;
+                    let _ = stream.flush().await;
+                }
+            }
+        });
+        RawEndpoint { addr, hits, stop }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for RawEndpoint {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Reads up to the end of a message head; `None` if the peer left first or nothing came within
+/// [`HANG`].
+async fn read_until_blank_line(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match tokio::time::timeout(HANG, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
+            _ => return None,
+        }
+    }
+    Some(head)
+}
+
+/// Sends `request` as is on a new connection to `addr` and returns everything the peer sent until it
+/// closed the connection (the request should say `Connection: close`).
+async fn raw_exchange(addr: SocketAddr, request: &[u8]) -> String {
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(HANG, stream.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the connection stayed open past {HANG:?}");
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
 /// A GET of `path` through `proxy`, with its response head and body.
 async fn get_answer(proxy: &TestProxy, path: &str) -> (http::response::Parts, String) {
     exchange(Request::get(proxy.url(path)).body(full("")).unwrap()).await
+}
+
+#[tokio::test]
+async fn connect_is_answered_405_and_never_forwarded() {
+    let node = RawEndpoint::start(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+    let proxy = start_proxy(config_with("", &[node.url()])).await;
+
+    let answer = raw_exchange(
+        proxy.addr,
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 405"), "answer: {answer:?}");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a whole response");
+    let head = head.to_ascii_lowercase();
+    let allow = head
+        .lines()
+        .find_map(|line| line.strip_prefix("allow: "))
+        .unwrap_or_else(|| panic!("no Allow: {head}"));
+    assert!(allow.starts_with("get, head, post"), "{allow}");
+    assert!(!allow.contains("connect"), "{allow}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    let (error, _request_id) = proxy_error(body);
+    assert!(error.contains("CONNECT"), "{error}");
+    assert_eq!(
+        node.hits.load(Ordering::SeqCst),
+        0,
+        "nothing reached the node"
+    );
+
+    // Any other method still goes through.
+    assert_eq!(get(&proxy.url("/")).await.0, 200);
+    assert_eq!(node.hits.load(Ordering::SeqCst), 1);
+    proxy.stop().await;
 }
 
 #[tokio::test]
