@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::{Proxy, ProxySettings, millis_of};
 use crate::endpoint::{Endpoint, Outstanding};
+use crate::http::headers::is_upgrade_request;
 use crate::http::{ProxyError, describe};
 use crate::retry::{FailureKind, ReplayBody, classify_status, retry_after};
 use crate::upstream::{UpstreamBody, UpstreamClient};
@@ -122,6 +123,8 @@ impl Proxy {
             endpoint: endpoint.url().to_owned(),
             after: per_try.saturating_duration_since(attempt_started),
         };
+        // Only a request that asked to switch protocols (its `Upgrade` kept for this hop) may get a 101.
+        let asked_upgrade = is_upgrade_request(request.headers());
 
         // Headers, within the per-try deadline, unless heartbeats declare the endpoint gone first.
         let sent = tokio::select! {
@@ -143,6 +146,19 @@ impl Proxy {
                 return Attempt::Failed(self.record(settings, self.gone(endpoint)));
             }
         };
+
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS && !asked_upgrade {
+            // The endpoint switched protocols nobody asked for: what follows on that connection is
+            // not HTTP, and relaying the 101 would hand the client a connection in an unknown state.
+            // tongs takes it for the 502 it answers instead: a failure of the endpoint, retried where
+            // `retry.on` lists 502. Dropping the response closes the connection.
+            let error = ProxyError::Upstream {
+                endpoint: endpoint.url().to_owned(),
+                detail: "answered 101 Switching Protocols to a request that asked for no upgrade"
+                    .into(),
+            };
+            return Attempt::Failed(self.record(settings, failed(FailureKind::Status(502), error)));
+        }
 
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {

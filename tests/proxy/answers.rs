@@ -1,7 +1,8 @@
 //! What tongs answers when it cannot or will not pass an endpoint's response on: a `CONNECT` is refused
-//! with 405 and never forwarded, and a 504 names the time the attempt was given.
+//! with 405 and never forwarded, a node's unsolicited `101` becomes a 502 counted against that node, and
+//! a 504 names the time the attempt was given.
 //!
-//! Real sockets on 127.0.0.1; the endpoints are raw TCP servers standing in for GPU nodes.
+//! Real sockets on 127.0.0.1; the misbehaving endpoints are raw TCP servers standing in for GPU nodes.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -115,6 +116,29 @@ async fn connect_is_answered_405_and_never_forwarded() {
 
     // Any other method still goes through.
     assert_eq!(get(&proxy.url("/")).await.0, 200);
+    assert_eq!(node.hits.load(Ordering::SeqCst), 1);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn an_unsolicited_101_is_a_502_and_a_failure_of_its_endpoint() {
+    let node = RawEndpoint::start(
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: something-else\r\n\r\n",
+    )
+    .await;
+    let proxy = start_proxy(config_with(ONE_ATTEMPT, &[node.url()])).await;
+
+    let (head, body) = get_answer(&proxy, "/v1/models").await;
+    assert_eq!(head.status, 502, "{body}");
+    assert!(!head.headers.contains_key("upgrade"), "{head:?}");
+    let (error, _) = proxy_error(&body);
+    assert!(error.contains("101"), "{error}");
+    let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
+    assert_eq!(
+        endpoint.failures(),
+        1,
+        "the 101 counts against its endpoint"
+    );
     assert_eq!(node.hits.load(Ordering::SeqCst), 1);
     proxy.stop().await;
 }
