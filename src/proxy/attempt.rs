@@ -18,7 +18,7 @@ use crate::endpoint::{Endpoint, Outstanding};
 use crate::http::headers::is_upgrade_request;
 use crate::http::{ProxyError, describe};
 use crate::retry::{FailureKind, ReplayBody, classify_status, retry_after};
-use crate::upstream::{UpstreamBody, UpstreamClient};
+use crate::upstream::{UpstreamBody, UpstreamClient, connect_cause};
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
 const MAX_COOLDOWN: Duration = Duration::from_secs(30);
@@ -156,6 +156,8 @@ impl Proxy {
                 endpoint: endpoint.url().to_owned(),
                 detail: "answered 101 Switching Protocols to a request that asked for no upgrade"
                     .into(),
+                summary: "the endpoint answered 101 Switching Protocols to a request that asked \
+                          for no upgrade",
             };
             return Attempt::Failed(self.record(settings, failed(FailureKind::Status(502), error)));
         }
@@ -208,6 +210,7 @@ impl Proxy {
                             "response body broke before its first byte: {}",
                             describe(&err)
                         ),
+                        summary: "the endpoint's response broke before its first byte",
                     };
                     return Attempt::Failed(
                         self.record(settings, failed(FailureKind::Reset, error)),
@@ -280,16 +283,22 @@ impl Proxy {
     /// The failure of an attempt whose endpoint was declared gone (by heartbeats) or stalled while it
     /// waited.
     pub(super) fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
+        let stalled = endpoint.is_stalled();
         Failure {
             kind: FailureKind::Unhealthy,
             error: ProxyError::Upstream {
                 endpoint: endpoint.url().to_owned(),
-                detail: if endpoint.is_stalled() {
+                detail: if stalled {
                     "endpoint stalled (its requests hang while its heartbeats pass) while the request \
                      waited"
                         .into()
                 } else {
                     "endpoint stopped answering heartbeats while the request waited".into()
+                },
+                summary: if stalled {
+                    "the endpoint stalled while the request waited"
+                } else {
+                    "the endpoint stopped answering heartbeats while the request waited"
                 },
             },
             response: None,
@@ -332,6 +341,7 @@ impl Proxy {
                 ProxyError::Connect {
                     endpoint: endpoint.url().to_owned(),
                     detail,
+                    cause: connect_cause(err),
                 },
             )
         } else {
@@ -340,6 +350,7 @@ impl Proxy {
                 ProxyError::Upstream {
                     endpoint: endpoint.url().to_owned(),
                     detail,
+                    summary: "the connection to the endpoint broke before its response",
                 },
             )
         }

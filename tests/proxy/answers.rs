@@ -1,6 +1,7 @@
 //! What tongs answers when it cannot or will not pass an endpoint's response on: a `CONNECT` is refused
-//! with 405 and never forwarded, a node's unsolicited `101` becomes a 502 counted against that node, and
-//! a 504 names the time the attempt was given.
+//! with 405 and never forwarded, a node's unsolicited `101` becomes a 502 counted against that node, a
+//! 504 names the time the attempt was given, and no error body tells the client an endpoint's address
+//! (the logs and `/debug/endpoints` keep it).
 //!
 //! Real sockets on 127.0.0.1; the misbehaving endpoints are raw TCP servers standing in for GPU nodes.
 
@@ -153,5 +154,61 @@ async fn a_504_names_the_timeout_the_attempt_was_given() {
     assert_eq!(head.status, 504, "{body}");
     let (error, _) = proxy_error(&body);
     assert!(error.contains("within 300ms"), "{error}");
+    proxy.stop().await;
+}
+
+/// Fails if the response (head or body) names the endpoint at `addr`.
+fn assert_no_endpoint(what: &str, addr: SocketAddr, head: &http::response::Parts, body: &str) {
+    let mut text = body.to_owned();
+    for (name, value) in &head.headers {
+        text.push_str(&format!(
+            "\n{name}: {}",
+            String::from_utf8_lossy(value.as_bytes())
+        ));
+    }
+    for needle in [
+        addr.to_string(),
+        addr.ip().to_string(),
+        format!(":{}", addr.port()),
+    ] {
+        assert!(
+            !text.contains(&needle),
+            "{what}: the answer names the endpoint ({needle}):\n{text}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn failure_answers_do_not_name_the_endpoint() {
+    // Connection refused: 502.
+    let port = free_port();
+    let refused: SocketAddr = ([127, 0, 0, 1], port).into();
+    let proxy = start_proxy(config_with(ONE_ATTEMPT, &[format!("http://{refused}")])).await;
+    let (head, body) = get_answer(&proxy, "/").await;
+    assert_eq!(head.status, 502, "{body}");
+    let (error, request_id) = proxy_error(&body);
+    assert!(error.contains("connect"), "says what failed: {error}");
+    assert_eq!(head.headers["x-request-id"], request_id.as_str());
+    assert_no_endpoint("connection refused", refused, &head, &body);
+    proxy.stop().await;
+
+    // No response headers in time: 504.
+    let silent = Silent::start().await;
+    let config = format!("{ONE_ATTEMPT}timeouts: {{ response_headers: 200ms }}\n");
+    let proxy = start_proxy(config_with(&config, &[format!("http://{}", silent.addr)])).await;
+    let (head, body) = get_answer(&proxy, "/").await;
+    assert_eq!(head.status, 504, "{body}");
+    proxy_error(&body);
+    assert_no_endpoint("response timeout", silent.addr, &head, &body);
+    proxy.stop().await;
+
+    // The connection broken before any response: 502 from tongs as the gateway.
+    let closing = RawEndpoint::start(b"").await;
+    let proxy = start_proxy(config_with(ONE_ATTEMPT, &[closing.url()])).await;
+    let (head, body) = get_answer(&proxy, "/").await;
+    assert_eq!(head.status, 502, "{body}");
+    proxy_error(&body);
+    assert_no_endpoint("connection closed", closing.addr, &head, &body);
+    assert_eq!(closing.hits.load(Ordering::SeqCst), 1);
     proxy.stop().await;
 }
