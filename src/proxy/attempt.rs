@@ -15,9 +15,10 @@ use tokio::time::Instant;
 
 use super::{Proxy, ProxySettings, millis_of};
 use crate::endpoint::{Endpoint, Outstanding};
+use crate::http::headers::is_upgrade_request;
 use crate::http::{ProxyError, describe};
 use crate::retry::{BodyError, FailureKind, ReplayBody, classify_status, retry_after};
-use crate::upstream::{UpstreamBody, UpstreamClient};
+use crate::upstream::{UpstreamBody, UpstreamClient, connect_cause};
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
 const MAX_COOLDOWN: Duration = Duration::from_secs(30);
@@ -110,17 +111,20 @@ impl Proxy {
         let _waiting = endpoint.start_waiting(attempt_started);
         let mut gone = endpoint.gone_signal();
         let grace = settings.suspect_grace;
-        let per_try = (Instant::now() + settings.response_headers_timeout).min(deadline);
+        let per_try = (attempt_started + settings.response_headers_timeout).min(deadline);
         let failed = |kind: FailureKind, error: ProxyError| Failure {
             kind,
             error,
             response: None,
             endpoint: Arc::clone(endpoint),
         };
+        // A timeout reports the time the attempt was given, not what is left of it (nothing).
         let timed_out = || ProxyError::ResponseTimeout {
             endpoint: endpoint.url().to_owned(),
-            after: per_try.saturating_duration_since(Instant::now()),
+            after: per_try.saturating_duration_since(attempt_started),
         };
+        // Only a request that asked to switch protocols (its `Upgrade` kept for this hop) may get a 101.
+        let asked_upgrade = is_upgrade_request(request.headers());
 
         // Headers, within the per-try deadline, unless heartbeats declare the endpoint gone first.
         let sent = tokio::select! {
@@ -153,6 +157,21 @@ impl Proxy {
                 return Attempt::Failed(self.record(settings, self.gone(endpoint)));
             }
         };
+
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS && !asked_upgrade {
+            // The endpoint switched protocols nobody asked for: what follows on that connection is
+            // not HTTP, and relaying the 101 would hand the client a connection in an unknown state.
+            // tongs takes it for the 502 it answers instead: a failure of the endpoint, retried where
+            // `retry.on` lists 502. Dropping the response closes the connection.
+            let error = ProxyError::Upstream {
+                endpoint: endpoint.url().to_owned(),
+                detail: "answered 101 Switching Protocols to a request that asked for no upgrade"
+                    .into(),
+                summary: "the endpoint answered 101 Switching Protocols to a request that asked \
+                          for no upgrade",
+            };
+            return Attempt::Failed(self.record(settings, failed(FailureKind::Status(502), error)));
+        }
 
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {
@@ -202,6 +221,7 @@ impl Proxy {
                             "response body broke before its first byte: {}",
                             describe(&err)
                         ),
+                        summary: "the endpoint's response broke before its first byte",
                     };
                     return Attempt::Failed(
                         self.record(settings, failed(FailureKind::Reset, error)),
@@ -274,16 +294,22 @@ impl Proxy {
     /// The failure of an attempt whose endpoint was declared gone (by heartbeats) or stalled while it
     /// waited.
     pub(super) fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
+        let stalled = endpoint.is_stalled();
         Failure {
             kind: FailureKind::Unhealthy,
             error: ProxyError::Upstream {
                 endpoint: endpoint.url().to_owned(),
-                detail: if endpoint.is_stalled() {
+                detail: if stalled {
                     "endpoint stalled (its requests hang while its heartbeats pass) while the request \
                      waited"
                         .into()
                 } else {
                     "endpoint stopped answering heartbeats while the request waited".into()
+                },
+                summary: if stalled {
+                    "the endpoint stalled while the request waited"
+                } else {
+                    "the endpoint stopped answering heartbeats while the request waited"
                 },
             },
             response: None,
@@ -320,6 +346,7 @@ impl Proxy {
                 ProxyError::Connect {
                     endpoint: endpoint.url().to_owned(),
                     detail,
+                    cause: connect_cause(err),
                 },
             )
         } else {
@@ -328,6 +355,7 @@ impl Proxy {
                 ProxyError::Upstream {
                     endpoint: endpoint.url().to_owned(),
                     detail,
+                    summary: "the connection to the endpoint broke before its response",
                 },
             )
         }

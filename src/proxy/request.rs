@@ -33,7 +33,8 @@ pub(super) struct ClientRequest {
 
 impl ClientRequest {
     /// Reads `request` under `settings`; its body is handed back to be prepared for replay. A request
-    /// tongs cannot take (a malformed deadline header) is an error, with the request id to answer it.
+    /// tongs cannot take (a `CONNECT`, a malformed deadline header) is an error, with the request id to
+    /// answer it.
     pub fn read(
         settings: &ProxySettings,
         mut request: Request<Incoming>,
@@ -41,6 +42,14 @@ impl ClientRequest {
         started: Instant,
     ) -> Result<(ClientRequest, Incoming), (ProxyError, HeaderValue)> {
         let request_id = headers::request_id(request.headers());
+        // CONNECT asks for a tunnel to wherever its target names: tongs only forwards requests to its
+        // endpoints, so it answers 405 itself rather than pass the request to a node.
+        if request.method() == Method::CONNECT {
+            let error = ProxyError::MethodNotAllowed {
+                method: Method::CONNECT,
+            };
+            return Err((error, request_id));
+        }
         let deadline = match client_deadline(settings, request.headers()) {
             Ok(Some(wanted)) => started + wanted.min(settings.total_timeout),
             Ok(None) => started + settings.total_timeout,

@@ -24,13 +24,15 @@ pub fn classify_status(status: StatusCode, headers: &HeaderMap) -> Option<Failur
     }
 }
 
-/// `Retry-After` in seconds (the HTTP-date form counts as 1 s), capped at `cap`.
+/// `Retry-After` in seconds, capped at `cap`. Digits too many to count in a `u64` are a very long wait:
+/// the cap. The HTTP-date form, and anything else that is not digits, counts as 1 s.
 pub fn retry_after(headers: &HeaderMap, cap: Duration) -> Duration {
     let seconds = headers
         .get(header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .unwrap_or(1);
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .map_or(1, |digits| digits.parse::<u64>().unwrap_or(u64::MAX));
     Duration::from_secs(seconds).min(cap)
 }
 
@@ -69,5 +71,28 @@ mod tests {
             retry_after(&none, Duration::from_secs(30)),
             Duration::from_secs(1)
         );
+    }
+
+    #[test]
+    fn retry_after_too_large_to_count_is_the_cap() {
+        let cap = Duration::from_secs(30);
+        let after = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::RETRY_AFTER, http::HeaderValue::from_static(value));
+            retry_after(&headers, cap)
+        };
+        assert_eq!(after("99999999999999999999"), cap);
+        assert_eq!(after(" 18446744073709551616 "), cap);
+        assert_eq!(after("18446744073709551615"), cap);
+        assert_eq!(after("12"), Duration::from_secs(12));
+        assert_eq!(after("0"), Duration::ZERO);
+        // Not a number of seconds: the HTTP-date form and anything malformed count as 1 s.
+        assert_eq!(
+            after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Duration::from_secs(1)
+        );
+        assert_eq!(after("-5"), Duration::from_secs(1));
+        assert_eq!(after("1.5"), Duration::from_secs(1));
+        assert_eq!(after(""), Duration::from_secs(1));
     }
 }

@@ -9,7 +9,10 @@
 //! - Tailscale addresses go through tailscaled's SOCKS5 or HTTP CONNECT proxy when one is configured
 //!   ([`route`]);
 //! - everything else (podIPs) is plain TCP.
+//!
+//! Why a connection failed is told to clients only in general words ([`cause`]).
 
+pub mod cause;
 pub mod gateway_key;
 pub mod route;
 
@@ -28,6 +31,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use crate::config::{Config, parse_proxy};
+pub use cause::connect_cause;
 pub use gateway_key::{GatewayKey, SALAD_API_KEY};
 pub use route::Route;
 

@@ -11,6 +11,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod answers;
 mod backpressure;
 mod balancing;
 mod bodies;
