@@ -41,6 +41,10 @@ pub use yaml::{load_validated, parse_validated, parse_yaml};
 /// Longest duration any key accepts (one day).
 pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);
 
+/// Shortest non-zero duration any key accepts: tongs keeps time in milliseconds, and a timeout of
+/// microseconds is a unit mistake (`1us` for `1s`) that would fail every request.
+pub const MIN_DURATION: HumanDuration = HumanDuration::from_millis(1);
+
 /// The whole configuration file.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -216,6 +220,11 @@ impl Config {
         for (field, value, zero_allowed) in durations {
             if value.get().is_zero() && !zero_allowed {
                 problem(field.into(), "must be greater than zero".into());
+            } else if !value.get().is_zero() && value < MIN_DURATION {
+                problem(
+                    field.into(),
+                    format!("must be at least {MIN_DURATION}, got {value}"),
+                );
             }
             if value > MAX_DURATION {
                 problem(
@@ -294,6 +303,16 @@ timeouts: { connect: 2s, response_headers: 100s, total: 100s, idle: 90s }
             "{}",
             problems[0].message
         );
+    }
+
+    #[test]
+    fn durations_below_a_millisecond_are_refused_with_their_field() {
+        let text = "timeouts: { connect: 1ns, idle: 500us }\nretry: { backoff_base: 0s }\n";
+        let err = Config::parse(text, "test").unwrap_err();
+        let fields: Vec<&str> = err.problems().iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(fields, ["timeouts.connect", "timeouts.idle"], "{err}");
+        assert!(err.problems()[0].message.contains("at least 1ms"), "{err}");
+        assert!(Config::parse("timeouts: { connect: 1ms }\n", "test").is_ok());
     }
 
     #[test]
