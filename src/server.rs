@@ -277,6 +277,21 @@ pub fn bind_workers(
         addr,
         source,
     };
+    // SO_REUSEPORT would let these sockets share the port with another process of the same user (a
+    // second tongs started by mistake), which would then take half the connections. A plain bind first
+    // fails if anyone listens there already.
+    if addr.port() != 0 {
+        let probe = socket2::Socket::new(
+            socket2::Domain::for_address(addr),
+            socket2::Type::STREAM,
+            Some(socket2::Protocol::TCP),
+        )
+        .map_err(|err| failed(addr, err))?;
+        probe
+            .set_reuse_address(true)
+            .map_err(|err| failed(addr, err))?;
+        probe.bind(&addr.into()).map_err(|err| failed(addr, err))?;
+    }
     let mut listeners = Vec::with_capacity(count);
     let mut addr = addr;
     for _ in 0..count.max(1) {
@@ -319,6 +334,16 @@ mod tests {
     use tokio::net::{TcpListener, TcpStream};
 
     use super::*;
+
+    #[test]
+    fn a_port_another_process_listens_on_is_refused_even_with_reuse_port() {
+        let first = bind_workers("127.0.0.1:0".parse().unwrap(), 2, "test").unwrap();
+        let addr = first[0].local_addr().unwrap();
+        let second = bind_workers(addr, 2, "test");
+        assert!(second.is_err(), "a second set of listeners shared {addr}");
+        drop(first);
+        assert!(bind_workers(addr, 2, "test").is_ok(), "free again");
+    }
 
     /// A connected pair: (the client's end, the server's accepted end).
     async fn pair() -> (TcpStream, TcpStream) {
