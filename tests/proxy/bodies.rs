@@ -57,21 +57,9 @@ async fn status_line(stream: &mut TcpStream) -> String {
     text.lines().next().unwrap_or_default().to_owned()
 }
 
-/// One unlabelled sample of the admin port's /metrics page (0 when absent would hide a missing
-/// metric, so absence panics).
-async fn metric(proxy: &TestProxy, series: &str) -> f64 {
-    let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
-    text.lines()
-        .find_map(|line| {
-            let (name, value) = line.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or_else(|| panic!("no {series} in /metrics"))
-}
-
 async fn metric_reaches(proxy: &TestProxy, series: &str, value: f64) {
     eventually_async(&format!("{series} = {value}"), HANG, || async {
-        metric(proxy, series).await == value
+        sample(proxy, series).await == value
     })
     .await;
 }
@@ -89,14 +77,14 @@ async fn stalled_uploads_hold_no_more_memory_than_the_replay_budget() {
         stalled.push(stalled_upload(proxy.addr, 600_000, 599_999).await);
     }
     metric_reaches(&proxy, "tongs_replay_over_budget_total", 2.0).await;
-    assert_eq!(metric(&proxy, "tongs_replay_bytes").await, 600_000.0);
+    assert_eq!(sample(&proxy, "tongs_replay_bytes").await, 600_000.0);
 
     // A whole upload while the budget is spent streams too, and is served.
     let request = Request::post(proxy.url("/v1/upload"))
         .body(full(vec![b'x'; 600_000]))
         .unwrap();
     assert_eq!(send(request).await, (200, "got 600000 bytes".to_owned()));
-    assert_eq!(metric(&proxy, "tongs_replay_over_budget_total").await, 3.0);
+    assert_eq!(sample(&proxy, "tongs_replay_over_budget_total").await, 3.0);
 
     // The clients leave: what they held goes back.
     drop(stalled);

@@ -57,17 +57,6 @@ async fn open_loop(url: &str, count: usize, rate: f64) -> Vec<(u16, Duration)> {
     results
 }
 
-/// `(series value)` of one sample on the admin port's /metrics page.
-async fn metric(proxy: &TestProxy, series: &str) -> f64 {
-    let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
-    text.lines()
-        .find_map(|line| {
-            let (name, value) = line.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok()).flatten()
-        })
-        .unwrap_or_else(|| panic!("no {series} in /metrics"))
-}
-
 /// The state /debug/endpoints gives the endpoint at `url`.
 async fn state_of(proxy: &TestProxy, url: &str) -> String {
     let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
@@ -106,7 +95,7 @@ async fn a_gray_node_under_steady_load_costs_no_request_and_little_time() {
         "slowest request took {slowest:?}"
     );
     assert_eq!(state_of(&proxy, &urls[1]).await, "stalled");
-    assert!(metric(&proxy, "tongs_hedges_total").await >= 1.0);
+    assert!(sample(&proxy, "tongs_hedges_total").await >= 1.0);
     proxy.stop().await;
 }
 
@@ -230,8 +219,8 @@ async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_lim
         stalled_for < Duration::from_secs(6),
         "ended {stalled_for:?} after it stalled"
     );
-    assert!(metric(&proxy, "tongs_streams_cut_total").await >= 1.0);
-    let failures = metric(
+    assert!(sample(&proxy, "tongs_streams_cut_total").await >= 1.0);
+    let failures = sample(
         &proxy,
         &format!(
             "tongs_endpoint_failures_total{{endpoint=\"{}\"}}",
@@ -294,7 +283,7 @@ async fn hedging_stays_within_its_budget_when_every_node_is_slow() {
     let failed = results.iter().filter(|(status, _)| *status != 200).count();
     assert_eq!(failed, 0);
     let received: u64 = fleet.requests_received() - received_before;
-    let hedges = metric(&proxy, "tongs_hedges_total").await;
+    let hedges = sample(&proxy, "tongs_hedges_total").await;
     println!("200 requests: {received} attempts reached the nodes, {hedges} hedges");
     // 10 % of the requests plus the burst a quiet spell saves (10) per worker thread: the hedge budget,
     // counted where it costs, at the nodes.

@@ -445,3 +445,15 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// The value of one unlabelled sample on the proxy's admin /metrics page; panics when the series is
+/// absent (a default of 0 would hide a metric that is not exported).
+pub async fn sample(proxy: &TestProxy, series: &str) -> f64 {
+    let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
+    text.lines()
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+        .unwrap_or_else(|| panic!("no {series} in /metrics"))
+}
