@@ -19,6 +19,7 @@ pub mod health;
 pub mod http;
 pub mod limit;
 pub mod metrics;
+pub mod openai;
 pub mod proxy;
 pub mod readiness;
 pub mod registry;

@@ -1,4 +1,5 @@
-//! Noticing attempts and streams that stopped: hedged attempts, and the idle limit of a stream.
+//! Noticing attempts and streams that stopped, and what then: hedged attempts, the idle limit of a
+//! stream, and continuing a broken OpenAI stream on another endpoint.
 
 use serde::{Deserialize, Serialize};
 
@@ -77,6 +78,37 @@ impl StreamConfig {
             problems.push(Problem {
                 field: "stream.idle_multiplier".into(),
                 message: format!("must be between 1 and 1000, got {}", self.idle_multiplier),
+            });
+        }
+    }
+}
+
+/// Continuing a streamed OpenAI completion whose node broke after it started, on another endpoint,
+/// spliced into the same client stream.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ContinuationConfig {
+    /// On (default): a continued stream is what every client of an interruptible fleet wants.
+    pub enabled: bool,
+    /// Continuations one request may take (0 ..= 10); each also draws on the retry budget.
+    pub max_continuations: u32,
+}
+
+impl Default for ContinuationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_continuations: 2,
+        }
+    }
+}
+
+impl ContinuationConfig {
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        if self.max_continuations > 10 {
+            problems.push(Problem {
+                field: "continuation.max_continuations".into(),
+                message: format!("must be at most 10, got {}", self.max_continuations),
             });
         }
     }

@@ -27,7 +27,7 @@ pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, Q
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
 pub use header::Header;
-pub use hedge::{HedgeConfig, StreamConfig};
+pub use hedge::{ContinuationConfig, HedgeConfig, StreamConfig};
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,
@@ -64,6 +64,7 @@ pub struct Config {
     pub retry: RetryConfig,
     pub hedge: HedgeConfig,
     pub stream: StreamConfig,
+    pub continuation: ContinuationConfig,
     pub balancer: BalancerConfig,
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
@@ -86,6 +87,7 @@ impl Default for Config {
             retry: RetryConfig::default(),
             hedge: HedgeConfig::default(),
             stream: StreamConfig::default(),
+            continuation: ContinuationConfig::default(),
             balancer: BalancerConfig::default(),
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
@@ -247,6 +249,7 @@ impl Config {
         self.retry.validate(&mut problems);
         self.hedge.validate(&mut problems);
         self.stream.validate(&mut problems);
+        self.continuation.validate(&mut problems);
         self.concurrency.validate(&mut problems);
         self.queue.validate(&mut problems);
         self.limits.validate(&mut problems);

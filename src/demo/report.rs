@@ -13,6 +13,7 @@ use super::DemoOptions;
 use super::load::{ClientOutcome, LoadGenerator};
 use crate::app::Parts;
 use crate::breaker::State;
+use crate::metrics::Continuation;
 use crate::sim::Fleet;
 
 /// One node's row.
@@ -36,6 +37,8 @@ pub struct View {
     failed: u64,
     rejected: u64,
     retried: u64,
+    /// Streams continued on another node after theirs broke.
+    continued: u64,
     queued: usize,
     interruptions: u64,
     p50_ms: f64,
@@ -102,6 +105,11 @@ pub fn snapshot(
         failed,
         rejected,
         retried: parts.proxy.stats().retries.total(),
+        continued: parts
+            .proxy
+            .stats()
+            .continuations
+            .get(Continuation::Continued),
         queued: parts.queue.len(),
         interruptions: fleet.interruptions_injected(),
         p50_ms,
@@ -139,12 +147,13 @@ fn render(view: &View) -> String {
     };
     let _ = writeln!(
         out,
-        "t={:>5.1}s sent={} ok={:.1}% failed={} retried={} rejected={} queued={} interruptions={} p50={:.0}ms p99={:.0}ms",
+        "t={:>5.1}s sent={} ok={:.1}% failed={} retried={} continued={} rejected={} queued={} interruptions={} p50={:.0}ms p99={:.0}ms",
         view.elapsed.as_secs_f64(),
         view.sent,
         success,
         view.failed,
         view.retried,
+        view.continued,
         view.rejected,
         view.queued,
         view.interruptions,
@@ -232,6 +241,8 @@ pub struct Summary {
     /// Failed requests by kind: a status code, `broken`, `client-timeout`, `unfinished`.
     pub failed: BTreeMap<String, u64>,
     pub retried: u64,
+    /// Streams continued on another node after theirs broke mid-stream.
+    pub continued: u64,
     /// Attempts sent to nodes per request (1.0 = no retries).
     pub attempts_per_request: f64,
     pub rejected: u64,
@@ -256,6 +267,11 @@ impl Summary {
             succeeded: r.count(ClientOutcome::Succeeded),
             failed: r.failures(),
             retried: parts.proxy.stats().retries.total(),
+            continued: parts
+                .proxy
+                .stats()
+                .continuations
+                .get(Continuation::Continued),
             attempts_per_request: {
                 let stats = parts.proxy.stats();
                 let requests = stats.requests.load(Ordering::Relaxed).max(1);
@@ -312,6 +328,11 @@ impl Summary {
             out,
             "  retried        {:>7}  ({:.3} attempts per request)",
             self.retried, self.attempts_per_request
+        );
+        let _ = writeln!(
+            out,
+            "  continued      {:>7}  (streams continued on another node)",
+            self.continued
         );
         let _ = writeln!(out, "  interruptions  {:>7}", self.interruptions_injected);
         let l = &self.latency_ms;

@@ -20,6 +20,8 @@ use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
+use super::relay::Relay;
+
 /// Any error a body or a connection can carry.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -106,6 +108,10 @@ pin_project! {
         Full {
             data: Option<Bytes>,
         },
+        // A continuable OpenAI stream, relayed piece by piece.
+        Relay {
+            relay: Box<Relay>,
+        },
     }
 }
 
@@ -148,7 +154,20 @@ impl ProxyBody {
                 *slot = Some(finish);
                 Ok(())
             }
+            Kind::Relay { relay } => {
+                relay.finish = Some(finish);
+                Ok(())
+            }
             Kind::Full { .. } => Err(finish),
+        }
+    }
+
+    /// A stream relayed by [`Relay`], continued on another endpoint when its node breaks.
+    pub fn relay(relay: Relay) -> Self {
+        ProxyBody {
+            kind: Kind::Relay {
+                relay: Box::new(relay),
+            },
         }
     }
 
@@ -255,6 +274,7 @@ impl Body for ProxyBody {
                 }
             }
             KindProj::Full { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            KindProj::Relay { relay } => relay.poll_frame(cx),
         }
     }
 
@@ -264,6 +284,7 @@ impl Body for ProxyBody {
                 first, body, held, ..
             } => first.is_none() && (held.is_none() || body.is_end_stream()),
             Kind::Full { data } => data.is_none(),
+            Kind::Relay { relay } => relay.is_end_stream(),
         }
     }
 
@@ -286,6 +307,7 @@ impl Body for ProxyBody {
             Kind::Full { data } => {
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
+            Kind::Relay { .. } => SizeHint::default(),
         }
     }
 }

@@ -5,6 +5,7 @@
 pub mod body;
 pub mod error;
 pub mod headers;
+pub mod relay;
 
 pub use body::{BoxError, Guard, ProxyBody};
 pub use error::{ProxyError, describe};

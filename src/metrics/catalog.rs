@@ -112,6 +112,11 @@ pub const STREAMS_CUT: Spec = spec(
     "counter",
     "Committed streams tongs ended because they stalled or their endpoint was declared gone.",
 );
+pub const CONTINUATIONS: Spec = spec(
+    "tongs_continuations_total",
+    "counter",
+    "Streamed OpenAI completions whose node broke after they started, by what became of them: continued on another endpoint, completed by tongs (broken after the last token), failed, limit (max_continuations), budget (retry budget spent), unsupported (not safe to continue).",
+);
 pub const REPLAY_BYTES: Spec = spec(
     "tongs_replay_bytes",
     "gauge",

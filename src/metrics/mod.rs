@@ -32,7 +32,7 @@ pub use catalog::*;
 pub use histogram::BUCKETS;
 use histogram::Buckets;
 pub use render::{DiscoveryFigures, Scrape};
-pub use stats::{ProxyStats, RetryStats};
+pub use stats::{Continuation, ContinuationStats, ProxyStats, RetryStats};
 
 /// The tokio runtimes this proxy runs on, for [`RUNTIME_TASKS`]: the one `App::run` is called on and
 /// each worker thread's own. Read at scrape time, so the figure is current and costs nothing between

@@ -23,6 +23,8 @@ pub struct ProxyStats {
     pub hedges_won: AtomicU64,
     /// Committed streams ended because they stalled or their endpoint was declared gone.
     pub streams_cut: AtomicU64,
+    /// Broken streams and what became of them.
+    pub continuations: ContinuationStats,
     /// Bytes of request bodies kept for replay now (a gauge).
     pub replay_bytes: AtomicU64,
     /// Request bodies streamed without replay because the replay budget was spent.
@@ -60,5 +62,59 @@ impl RetryStats {
                 )
             })
             .collect()
+    }
+}
+
+/// What became of a continuable stream whose node broke after it started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Continuation {
+    /// Continued on another endpoint, spliced into the client's stream.
+    Continued,
+    /// It broke after its last token: tongs wrote its end.
+    Completed,
+    /// No endpoint continued it in time (attempts failed, a node refused the continuation, the
+    /// request's deadline).
+    Failed,
+    /// `continuation.max_continuations` already taken.
+    Limit,
+    /// The retry budget was spent.
+    Budget,
+    /// Something in the stream made a continuation unsafe (tool calls, several choices, an error).
+    Unsupported,
+}
+
+impl Continuation {
+    pub const ALL: [Continuation; 6] = [
+        Continuation::Continued,
+        Continuation::Completed,
+        Continuation::Failed,
+        Continuation::Limit,
+        Continuation::Budget,
+        Continuation::Unsupported,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Continuation::Continued => "continued",
+            Continuation::Completed => "completed",
+            Continuation::Failed => "failed",
+            Continuation::Limit => "limit",
+            Continuation::Budget => "budget",
+            Continuation::Unsupported => "unsupported",
+        }
+    }
+}
+
+/// Counters of [`Continuation`] outcomes.
+#[derive(Debug, Default)]
+pub struct ContinuationStats([AtomicU64; 6]);
+
+impl ContinuationStats {
+    pub fn count(&self, outcome: Continuation) {
+        self.0[outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(&self, outcome: Continuation) -> u64 {
+        self.0[outcome as usize].load(Ordering::Relaxed)
     }
 }

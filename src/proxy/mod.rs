@@ -19,6 +19,7 @@
 
 mod acquire;
 mod attempt;
+mod continuation;
 mod hedge;
 mod request;
 mod respond;
@@ -37,6 +38,7 @@ use tokio_util::task::TaskTracker;
 
 use self::acquire::{Stop, Tried};
 use self::attempt::{Attempt, Failure, Sending};
+use self::continuation::Committing;
 use self::hedge::{HedgeBudget, Race};
 use self::request::ClientRequest;
 use crate::admission::{Queue, Refusal};
@@ -44,6 +46,7 @@ use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
 use crate::http::{ProxyBody, ProxyError, describe};
 use crate::metrics::{Metrics, Outcome, ProxyStats};
+use crate::openai::Continuable;
 use crate::registry::Registry;
 use crate::retry::{
     BodyError, BodyRules, FailureKind, ReplayBody, ReplayBudget, RetryBudget, RetryPolicy,
@@ -78,6 +81,10 @@ pub struct ProxySettings {
     /// `stream_idle_min`, has stalled.
     pub stream_idle_multiplier: f64,
     pub stream_idle_min: Duration,
+    /// Continue a broken OpenAI stream on another endpoint (`continuation.enabled`) ...
+    pub continuation_enabled: bool,
+    /// ... at most this many times per request.
+    pub max_continuations: u32,
     /// Header carrying a request's priority.
     pub priority_header: http::HeaderName,
     /// Header carrying a client's own deadline in milliseconds.
@@ -111,6 +118,8 @@ impl ProxySettings {
             stall_multiplier: config.breaker.stall_multiplier,
             stream_idle_multiplier: config.stream.idle_multiplier,
             stream_idle_min: config.stream.idle_min.get(),
+            continuation_enabled: config.continuation.enabled,
+            max_continuations: config.continuation.max_continuations,
             priority_header: config.queue.priority_header.name().clone(),
             deadline_header: config.queue.deadline_header.name().clone(),
         }
@@ -227,7 +236,7 @@ impl Proxy {
     /// Handles one client request; always produces a response.
     pub async fn handle(
         self: &Arc<Self>,
-        worker: &WorkerPath,
+        worker: &Arc<WorkerPath>,
         request: Request<Incoming>,
         client: SocketAddr,
     ) -> Response<ProxyBody> {
@@ -252,7 +261,7 @@ impl Proxy {
     async fn answer(
         self: &Arc<Self>,
         settings: &Arc<ProxySettings>,
-        worker: &WorkerPath,
+        worker: &Arc<WorkerPath>,
         request: Request<Incoming>,
         client: SocketAddr,
         started: Instant,
@@ -304,6 +313,13 @@ impl Proxy {
             }
         };
 
+        // A streamed OpenAI completion that can be continued elsewhere if its node breaks mid-stream.
+        let continuable = match (template.openai_api(), body.bytes()) {
+            (Some(api), Some(bytes)) if settings.continuation_enabled && retries_wanted => {
+                Continuable::read(api, bytes).ok()
+            }
+            _ => None,
+        };
         let sending = Sending {
             settings: Arc::clone(settings),
             upstream: worker.upstream.clone(),
@@ -360,7 +376,21 @@ impl Proxy {
             let failure = match self.race(&sending, worker, &mut tried, race).await {
                 Attempt::Committed(committed) => {
                     self.metrics.first_byte(started.elapsed());
+                    let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
                     let response = self.commit(settings, committed, upgrade, &request_id, deadline);
+                    let Some(continuable) = continuable else {
+                        return (response, Outcome::Proxied);
+                    };
+                    let at = Committing {
+                        worker,
+                        settings,
+                        template: &template,
+                        tried,
+                        request_id: &request_id,
+                        priority,
+                        deadline,
+                    };
+                    let response = self.relay(response, continuable, &streaming, at);
                     return (response, Outcome::Proxied);
                 }
                 Attempt::Failed(failure) => failure,

@@ -15,6 +15,7 @@ use crate::admission::Priority;
 use crate::endpoint::Endpoint;
 use crate::http::ProxyError;
 use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
+use crate::openai::Api;
 use crate::upstream::UpstreamBody;
 
 /// The client's request, read once.
@@ -98,6 +99,7 @@ impl ClientRequest {
 }
 
 /// The client's request, rewritten once, from which each attempt's request is made.
+#[derive(Clone)]
 pub(super) struct Template {
     method: Method,
     path_and_query: PathAndQuery,
@@ -105,6 +107,22 @@ pub(super) struct Template {
 }
 
 impl Template {
+    /// The OpenAI API whose stream this request may be, if it is one tongs can continue.
+    pub fn openai_api(&self) -> Option<Api> {
+        if self.method != Method::POST {
+            return None;
+        }
+        Api::of_path(self.path_and_query.path())
+    }
+
+    /// The same request for a body of another length (a continuation's): hyper sets the length from
+    /// the body.
+    pub fn for_new_body(&self) -> Template {
+        let mut template = self.clone();
+        template.headers.remove(header::CONTENT_LENGTH);
+        template
+    }
+
     pub fn build(&self, endpoint: &Endpoint, body: UpstreamBody) -> Request<UpstreamBody> {
         let mut request = Request::new(body);
         *request.method_mut() = self.method.clone();

@@ -1,8 +1,13 @@
 //! Answering the client: an endpoint's committed response (streamed, or an upgraded connection), the
 //! last failure, or tongs' own refusal.
 
+use std::time::Duration;
+
+use bytes::Bytes;
 use http::header::HeaderValue;
 use http::{Response, StatusCode};
+use http_body::Frame;
+use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
@@ -43,8 +48,22 @@ impl Proxy {
         let (mut parts, body) = response.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers, false);
         parts.headers.insert(&X_REQUEST_ID, request_id.clone());
-        let deadline_timer = tokio::time::sleep_until(deadline);
-        let body = ProxyBody::upstream(
+        let body = self.streamed(settings, first, body, outstanding, first_byte, deadline);
+        Response::from_parts(parts, body)
+    }
+
+    /// An endpoint's body as the client gets it: watched for stalls and a gone endpoint, ended at the
+    /// request's deadline, holding the endpoint's slot until it ends.
+    pub(super) fn streamed(
+        &self,
+        settings: &ProxySettings,
+        first: Option<Frame<Bytes>>,
+        body: Incoming,
+        outstanding: Outstanding,
+        first_byte: Option<Duration>,
+        deadline: Instant,
+    ) -> ProxyBody {
+        ProxyBody::upstream(
             first,
             body,
             super::stream::watch(
@@ -54,10 +73,9 @@ impl Proxy {
                 &self.registry,
                 &self.stats,
             ),
-            deadline_timer,
+            tokio::time::sleep_until(deadline),
             settings.total_timeout,
-        );
-        Response::from_parts(parts, body)
+        )
     }
 
     /// Answers with the last failure: the endpoint's own response when it gave one, else tongs' error.

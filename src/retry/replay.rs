@@ -191,6 +191,28 @@ impl ReplayBody {
         Ok(ReplayBody::Buffered(kept.freeze(), Arc::new(reservation)))
     }
 
+    /// A body tongs made itself (a continuation's request), kept for replay within the budget like a
+    /// client's; `None` when the budget has no room for it.
+    pub fn made(bytes: Bytes, budget: &Arc<ReplayBudget>) -> Option<ReplayBody> {
+        let mut reservation = Reservation::new(budget);
+        if !reservation.grow(bytes.len() as u64) {
+            budget
+                .stats
+                .replay_over_budget
+                .fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(ReplayBody::Buffered(bytes, Arc::new(reservation)))
+    }
+
+    /// The whole body, when it is kept in memory.
+    pub fn bytes(&self) -> Option<&Bytes> {
+        match self {
+            ReplayBody::Buffered(bytes, _) => Some(bytes),
+            ReplayBody::Streaming(_) => None,
+        }
+    }
+
     /// The body for the next attempt; `None` when a streamed body was already (partly) sent.
     pub fn for_attempt(&self) -> Option<UpstreamBody> {
         match self {

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. A module may use only modules of lower layers.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("ground", &["config", "breaker", "readiness"]),
+    ("ground", &["config", "breaker", "readiness", "openai"]),
     ("rules", &["limit", "admission"]),
     ("vocabulary", &["http", "endpoint"]),
     (

@@ -1,0 +1,163 @@
+//! A streamed OpenAI answer that survives its node: relayed event by event, and when its node breaks
+//! (resets, closes before `[DONE]`, stalls, or is declared gone) continued on another endpoint and
+//! spliced into the same client stream.
+//!
+//! The relay knows the protocol through [`Splicer`] and the fleet only through [`Resume`], which the
+//! request path implements: so this layer still knows nothing of endpoints or queues. Each piece is an
+//! ordinary upstream [`ProxyBody`], with its own idle limit, gone signal, deadline and endpoint slot.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame};
+
+use super::body::{BoxError, Guard, ProxyBody, TotalTimeout};
+use crate::openai::sse::{Events, MAX_EVENT_BYTES};
+use crate::openai::{AfterCut, Splicer};
+
+/// The next piece of a stream and the resumer for the one after it, or the error the client's stream
+/// ends with.
+pub type Resuming =
+    Pin<Box<dyn Future<Output = Result<(ProxyBody, Box<dyn Resume>), BoxError>> + Send>>;
+
+/// Continues a broken stream on another endpoint (implemented by the request path).
+pub trait Resume: Send {
+    /// Sends `request`, the continuation's body, to an endpoint not yet tried for this request. `why`
+    /// says how the last piece broke.
+    fn resume(self: Box<Self>, request: Vec<u8>, why: String) -> Resuming;
+    /// The stream broke and was not continued: it was complete but for its end (`None`: tongs wrote
+    /// the end), or it could not be continued safely (the reason).
+    fn not_continued(&mut self, refused: Option<&'static str>, why: &str);
+}
+
+/// A relayed, continuable stream.
+pub struct Relay {
+    piece: Pin<Box<ProxyBody>>,
+    events: Events,
+    splicer: Splicer,
+    /// Bytes for the client, whole events only.
+    out: BytesMut,
+    resumer: Option<Box<dyn Resume>>,
+    resuming: Option<Resuming>,
+    /// The node stopped speaking SSE (an event past its size limit): passed on as is, not continued.
+    passthrough: bool,
+    /// The stream is over; what it ends with once `out` is sent (an error, or a clean end).
+    ended: Option<Option<BoxError>>,
+    /// Counts the request in the metrics when the stream goes.
+    pub(super) finish: Option<Guard>,
+}
+
+impl Relay {
+    /// Relays `piece`, the first node's stream, continuing it through `resumer` when it breaks.
+    pub fn new(piece: ProxyBody, splicer: Splicer, resumer: Box<dyn Resume>) -> Relay {
+        Relay {
+            piece: Box::pin(piece),
+            events: Events::new(),
+            splicer,
+            out: BytesMut::new(),
+            resumer: Some(resumer),
+            resuming: None,
+            passthrough: false,
+            ended: None,
+            finish: None,
+        }
+    }
+
+    pub fn is_end_stream(&self) -> bool {
+        self.out.is_empty() && matches!(self.ended, Some(None))
+    }
+
+    fn end(&mut self, error: Option<BoxError>) {
+        self.ended = Some(error);
+        self.piece = Box::pin(ProxyBody::empty());
+        self.resumer = None;
+    }
+
+    /// The current piece broke (`error`, or `None` for an end before `[DONE]`).
+    fn broken(&mut self, error: Option<BoxError>) {
+        self.events.clear();
+        let why = error.as_ref().map_or_else(
+            || "the node ended the stream before [DONE]".to_owned(),
+            |e| e.to_string(),
+        );
+        if self.passthrough || error.as_ref().is_some_and(|e| e.is::<TotalTimeout>()) {
+            return self.end(error);
+        }
+        let after = self.splicer.cut(&mut self.out);
+        let Some(mut resumer) = self.resumer.take() else {
+            return self.end(error);
+        };
+        match after {
+            AfterCut::Continue(request) => {
+                self.piece = Box::pin(ProxyBody::empty());
+                self.resuming = Some(resumer.resume(request, why));
+            }
+            AfterCut::Complete => {
+                resumer.not_continued(None, &why);
+                self.end(None);
+            }
+            AfterCut::Refused(reason) => {
+                resumer.not_continued(Some(reason), &why);
+                self.end(error);
+            }
+        }
+    }
+
+    pub fn poll_frame(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            if !self.out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(self.out.split().freeze()))));
+            }
+            if let Some(ended) = &mut self.ended {
+                self.finish = None;
+                return Poll::Ready(ended.take().map(Err));
+            }
+            if let Some(resuming) = &mut self.resuming {
+                match resuming.as_mut().poll(cx) {
+                    Poll::Ready(Ok((piece, resumer))) => {
+                        self.resuming = None;
+                        self.piece = Box::pin(piece);
+                        self.resumer = Some(resumer);
+                        self.splicer.next_piece();
+                    }
+                    Poll::Ready(Err(error)) => {
+                        self.resuming = None;
+                        self.end(Some(error));
+                    }
+                    Poll::Pending => return Poll::Pending,
+                }
+                continue;
+            }
+            match self.piece.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else {
+                        continue; // trailers: an SSE stream has none worth keeping across pieces
+                    };
+                    if self.passthrough {
+                        self.out.extend_from_slice(&data);
+                        continue;
+                    }
+                    self.events.push(&data);
+                    while let Some(event) = self.events.next_event() {
+                        self.splicer.event(&event, &mut self.out);
+                    }
+                    if self.events.pending() > MAX_EVENT_BYTES {
+                        self.passthrough = true;
+                        if let Some(event) = self.events.take() {
+                            self.out.extend_from_slice(&event);
+                        }
+                    }
+                }
+                Poll::Ready(Some(Err(error))) => self.broken(Some(error)),
+                Poll::Ready(None) if self.splicer.is_done() || self.passthrough => self.end(None),
+                Poll::Ready(None) => self.broken(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}

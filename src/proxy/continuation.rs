@@ -1,0 +1,305 @@
+//! Continuing a broken OpenAI stream on another endpoint: the request path's side of
+//! [`Relay`](crate::http::relay::Relay).
+//!
+//! When a relayed stream's node breaks, the relay hands over the continuation request (see
+//! [`crate::openai`]); [`Continuer`] sends it like a retry — to an endpoint not yet tried for this
+//! request, through the pick, the queue and hedging, within the request's deadline, drawing on the
+//! retry budget — and gives back the new node's stream as the next piece. Only a `200` event stream
+//! can be spliced: any other answer ends the client's stream with an error, as before continuation.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Response, StatusCode};
+use tokio::time::Instant;
+
+use super::acquire::Tried;
+use super::attempt::{Attempt, Failure, Sending};
+use super::hedge::Race;
+use super::request::Template;
+use super::{Proxy, ProxySettings, WorkerPath};
+use crate::admission::Priority;
+use crate::http::relay::{Relay, Resume, Resuming};
+use crate::http::{BoxError, ProxyBody};
+use crate::metrics::Continuation;
+use crate::openai::{Continuable, Splicer};
+use crate::retry::ReplayBody;
+
+/// Why a broken stream was not continued; the client's stream ends with this error.
+#[derive(Debug, thiserror::Error)]
+pub enum ContinuationError {
+    #[error("the stream broke ({why}) and was not continued: {reason}")]
+    Refused { why: String, reason: &'static str },
+    #[error("the stream broke ({why}) and no endpoint continued it: {detail}")]
+    Failed { why: String, detail: String },
+}
+
+/// What a request keeps, once its stream is committed, to continue that stream elsewhere.
+pub(super) struct Continuer {
+    proxy: Arc<Proxy>,
+    worker: Arc<WorkerPath>,
+    settings: Arc<ProxySettings>,
+    /// The client's request, for a body of another length.
+    template: Template,
+    tried: Tried,
+    request_id: HeaderValue,
+    priority: Priority,
+    deadline: Instant,
+    /// The endpoint streaming now.
+    streaming: Arc<str>,
+    /// Continuations taken so far.
+    taken: u32,
+}
+
+/// The request as it stood when its stream was committed.
+pub(super) struct Committing<'a> {
+    pub worker: &'a Arc<WorkerPath>,
+    pub settings: &'a Arc<ProxySettings>,
+    pub template: &'a Template,
+    pub tried: Tried,
+    pub request_id: &'a HeaderValue,
+    pub priority: Priority,
+    pub deadline: Instant,
+}
+
+/// Whether a committed answer is a stream the relay can splice: a `200` of Server-Sent Events, not
+/// compressed.
+fn spliceable(status: StatusCode, headers: &http::HeaderMap) -> bool {
+    let event_stream = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+    let encoded = headers
+        .get(header::CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() != b"identity");
+    status == StatusCode::OK && event_stream && !encoded
+}
+
+impl Proxy {
+    /// Wraps a committed answer to a continuable request in a relay, when it is a stream that can be
+    /// spliced; any other answer goes to the client as it is.
+    pub(super) fn relay(
+        self: &Arc<Self>,
+        response: Response<ProxyBody>,
+        request: Continuable,
+        streaming: &str,
+        at: Committing<'_>,
+    ) -> Response<ProxyBody> {
+        let (mut parts, body) = response.into_parts();
+        if !spliceable(parts.status, &parts.headers) {
+            return Response::from_parts(parts, body);
+        }
+        // The relay may rewrite a continuation's chunks: the length is not the node's any more.
+        parts.headers.remove(header::CONTENT_LENGTH);
+        let continuer = Continuer {
+            proxy: Arc::clone(self),
+            worker: Arc::clone(at.worker),
+            settings: Arc::clone(at.settings),
+            template: at.template.for_new_body(),
+            tried: at.tried,
+            request_id: at.request_id.clone(),
+            priority: at.priority,
+            deadline: at.deadline,
+            streaming: streaming.into(),
+            taken: 0,
+        };
+        let relay = Relay::new(body, Splicer::new(request), Box::new(continuer));
+        Response::from_parts(parts, ProxyBody::relay(relay))
+    }
+}
+
+impl Resume for Continuer {
+    fn resume(self: Box<Self>, request: Vec<u8>, why: String) -> Resuming {
+        Box::pin(self.continue_elsewhere(Bytes::from(request), why))
+    }
+
+    fn not_continued(&mut self, refused: Option<&'static str>, why: &str) {
+        let request_id = self.request_id.to_str().unwrap_or_default();
+        match refused {
+            None => {
+                self.count(Continuation::Completed);
+                tracing::info!(
+                    request_id,
+                    endpoint = &*self.streaming,
+                    why,
+                    "stream broke after its last token; tongs ended it"
+                );
+            }
+            Some(reason) => {
+                self.count(Continuation::Unsupported);
+                tracing::warn!(
+                    request_id,
+                    endpoint = &*self.streaming,
+                    why,
+                    reason,
+                    "stream broke and cannot be continued safely; it ends as an error"
+                );
+            }
+        }
+    }
+}
+
+impl Continuer {
+    fn count(&self, outcome: Continuation) {
+        self.proxy.stats.continuations.count(outcome);
+    }
+
+    /// Refuses to continue (`outcome`), with the error the client's stream ends with.
+    fn refuse(&self, outcome: Continuation, why: String, reason: &'static str) -> BoxError {
+        self.count(outcome);
+        tracing::warn!(
+            request_id = self.request_id.to_str().unwrap_or_default(),
+            endpoint = &*self.streaming,
+            why,
+            reason,
+            "stream broke and is not continued; it ends as an error"
+        );
+        ContinuationError::Refused { why, reason }.into()
+    }
+
+    async fn continue_elsewhere(
+        mut self: Box<Self>,
+        request: Bytes,
+        why: String,
+    ) -> Result<(ProxyBody, Box<dyn Resume>), BoxError> {
+        if self.taken >= self.settings.max_continuations {
+            let reason = "continuation.max_continuations reached";
+            return Err(self.refuse(Continuation::Limit, why, reason));
+        }
+        if Instant::now() >= self.deadline {
+            let reason = "the request's deadline passed";
+            return Err(self.refuse(Continuation::Failed, why, reason));
+        }
+        if !self.worker.budget.withdraw() {
+            return Err(self.refuse(Continuation::Budget, why, "the retry budget is spent"));
+        }
+        let Some(body) = ReplayBody::made(request, &self.proxy.replay_budget) else {
+            let reason = "the replay budget is spent";
+            return Err(self.refuse(Continuation::Budget, why, reason));
+        };
+        self.taken += 1;
+        let sending = Sending {
+            settings: Arc::clone(&self.settings),
+            upstream: self.worker.upstream.clone(),
+            deadline: self.deadline,
+            body,
+        };
+        let started = Instant::now();
+        let outcome = tokio::time::timeout_at(self.deadline, self.attempts(&sending)).await;
+        let request_id = self.request_id.to_str().unwrap_or_default().to_owned();
+        match outcome {
+            Ok(Ok((piece, endpoint))) => {
+                self.count(Continuation::Continued);
+                tracing::info!(
+                    request_id,
+                    from = &*self.streaming,
+                    to = &*endpoint,
+                    why,
+                    continuation = self.taken,
+                    gap_ms = started.elapsed().as_millis() as u64,
+                    "stream broke; continued on another endpoint"
+                );
+                self.streaming = endpoint;
+                Ok((piece, self))
+            }
+            Ok(Err(detail)) => Err(self.failed(why, detail)),
+            Err(_) => Err(self.failed(why, "the request's deadline passed".to_owned())),
+        }
+    }
+
+    fn failed(&self, why: String, detail: String) -> BoxError {
+        self.count(Continuation::Failed);
+        tracing::warn!(
+            request_id = self.request_id.to_str().unwrap_or_default(),
+            endpoint = &*self.streaming,
+            why,
+            detail,
+            "stream broke and no endpoint continued it; it ends as an error"
+        );
+        ContinuationError::Failed { why, detail }.into()
+    }
+
+    /// Attempts of the continuation, like a request's: the first spliceable stream is the next piece.
+    async fn attempts(&mut self, sending: &Sending) -> Result<(ProxyBody, Arc<str>), String> {
+        let settings = Arc::clone(&self.settings);
+        let mut queued = Duration::ZERO;
+        let mut last_failure: Option<Failure> = None;
+        let mut detail = "no endpoint left to try".to_owned();
+        for attempt in 1..=settings.retry.max_attempts().max(1) {
+            let acquired = self
+                .proxy
+                .acquire(
+                    &settings,
+                    &mut self.tried,
+                    self.priority,
+                    self.deadline,
+                    &mut queued,
+                    &mut last_failure,
+                )
+                .await;
+            let Ok(slot) = acquired else {
+                break;
+            };
+            let Some(attempt_body) = sending.body.for_attempt() else {
+                break;
+            };
+            let endpoint = Arc::clone(slot.outstanding.endpoint());
+            self.tried.push(endpoint.id());
+            drop(last_failure.take());
+            self.proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let race = Race {
+                request: self.template.build(&endpoint, attempt_body),
+                slot,
+                template: &self.template,
+                hedgeable: true,
+            };
+            let proxy = Arc::clone(&self.proxy);
+            match proxy
+                .race(sending, &self.worker, &mut self.tried, race)
+                .await
+            {
+                Attempt::Committed(committed) => {
+                    let status = committed.response.status();
+                    if !spliceable(status, committed.response.headers()) {
+                        return Err(format!(
+                            "{} answered the continuation with {status}, not an event stream",
+                            committed.outstanding.endpoint().url()
+                        ));
+                    }
+                    let url: Arc<str> = committed.outstanding.endpoint().url().into();
+                    let piece = self.proxy.streamed(
+                        &settings,
+                        committed.first,
+                        committed.response.into_body(),
+                        committed.outstanding,
+                        committed.first_byte,
+                        self.deadline,
+                    );
+                    return Ok((piece, url));
+                }
+                Attempt::Failed(failure) => {
+                    detail = format!("{}: {}", failure.endpoint.url(), failure.error);
+                    let retry = settings.retry.should_retry(
+                        attempt,
+                        failure.kind,
+                        true,
+                        Instant::now() < self.deadline,
+                    );
+                    last_failure = Some(failure);
+                    if !retry {
+                        break;
+                    }
+                    let backoff = settings.retry.backoff(attempt);
+                    if !backoff.is_zero() {
+                        let until = (Instant::now() + backoff).min(self.deadline);
+                        tokio::time::sleep_until(until).await;
+                    }
+                }
+            }
+        }
+        Err(detail)
+    }
+}
