@@ -9,6 +9,7 @@
 //! resets, refusals and silences.
 
 mod node;
+mod reply;
 mod schedule;
 
 use std::collections::HashSet;
@@ -19,7 +20,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-pub use node::{Condition, Node, NodeStats, sse_response};
+pub use node::{Condition, Node, NodeStats};
+pub use reply::sse_response;
 pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
 
 use crate::config::{ConfigError, HumanDuration, Problem, load_validated, parse_validated};

@@ -20,8 +20,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
 use http_body_util::channel::Channel;
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -31,11 +30,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::reply::{SimBody, full, sse_response};
 use super::schedule::{Interruption, InterruptionKind, lognormal};
 use super::{NodeSpec, ResponseKind};
 use crate::http::BoxError;
-
-type SimBody = BoxBody<Bytes, BoxError>;
 
 /// What a node is doing right now.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -379,24 +377,6 @@ impl Drop for Serving {
     }
 }
 
-fn full(
-    status: StatusCode,
-    content_type: &'static str,
-    body: impl Into<Bytes>,
-) -> Response<SimBody> {
-    let mut response = Response::new(
-        Full::new(body.into())
-            .map_err(|never| match never {})
-            .boxed(),
-    );
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(content_type),
-    );
-    response
-}
-
 fn gateway_503(shared: &Shared) -> Response<SimBody> {
     shared.gateway_503.fetch_add(1, Ordering::Relaxed);
     full(
@@ -563,19 +543,4 @@ fn stream_tokens(
         }
     });
     sse_response(body.boxed())
-}
-
-/// A Server-Sent Events response around `body`, with the headers an inference server sends.
-pub fn sse_response<B>(body: B) -> Response<B> {
-    let mut response = Response::new(body);
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-cache"),
-    );
-    response
 }
