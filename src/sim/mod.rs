@@ -3,12 +3,15 @@
 //!
 //! Each node serves inference-like requests with a lognormal service time, a capacity (requests served at
 //! once, like a GPU batch) and a bounded waiting line beyond which it sheds load with `503` +
-//! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams.
+//! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams;
+//! `POST /v1/completions` and `POST /v1/chat/completions` answer as vLLM's OpenAI server does, with a
+//! deterministic model whose every answer a client can predict (see `openai.rs`).
 //! Nodes fail the ways real remote nodes fail (see [`InterruptionKind`]) on a fixed or seeded random
 //! schedule, then recover. Everything listens on real sockets so a proxy in front of it meets real
 //! resets, refusals and silences.
 
 mod node;
+mod openai;
 mod reply;
 mod schedule;
 
