@@ -55,10 +55,12 @@ pub struct NodeSpec {
     #[serde(default = "default_queue")]
     pub queue: usize,
     /// `json` (one body after the service time) or `sse` (a token stream over the service time).
-    /// A request with `Accept: text/event-stream` always gets a stream.
+    /// A request with `Accept: text/event-stream` always gets a stream. The OpenAI paths follow the
+    /// request's `stream` field instead.
     #[serde(default)]
     pub response: ResponseKind,
-    /// Tokens in a streamed response.
+    /// Tokens in a streamed response. On the OpenAI paths, the `max_tokens` of a request that names
+    /// none, and the pace of every stream: a token each service time × 0.9 / `tokens`.
     #[serde(default = "default_tokens")]
     pub tokens: u32,
     /// Report in-flight count and capacity in `x-sim-in-flight` / `x-sim-capacity` response headers.
