@@ -185,11 +185,12 @@ async fn exchange(client: &LoadClient, request: Request<Full<Bytes>>, stream: bo
     }
     let text = String::from_utf8_lossy(&text);
     if status == StatusCode::OK {
-        // A success is a complete answer from a node: the stream's end marker, or the node's JSON.
+        // A success is a complete answer from a node: the stream's end marker, or the node's JSON
+        // completion (the simulator answers `/v1/completions` as vLLM does).
         let complete = if stream {
             text.ends_with("data: [DONE]\n\n")
         } else {
-            text.starts_with(r#"{"node":"#) && text.ends_with('}')
+            text.starts_with(r#"{"id":"cmpl-"#) && text.ends_with('}')
         };
         return match (complete, first_byte) {
             (true, Some(first_byte)) => Outcome::Succeeded { first_byte },

@@ -70,7 +70,9 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             let mut spec = NodeSpec::new(&format!("{gpu}-{i}"), Duration::from_millis(mean_ms));
             spec.capacity = capacity;
             spec.queue = capacity * 4;
-            spec.tokens = 12;
+            // The load asks for 16 tokens a stream (`build_request`); paced for 16, a stream lasts about
+            // its service time.
+            spec.tokens = 16;
             spec.report_load = true;
             if !options.interruptions {
                 return spec;

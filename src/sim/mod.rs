@@ -3,12 +3,16 @@
 //!
 //! Each node serves inference-like requests with a lognormal service time, a capacity (requests served at
 //! once, like a GPU batch) and a bounded waiting line beyond which it sheds load with `503` +
-//! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams.
+//! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams;
+//! `POST /v1/completions` and `POST /v1/chat/completions` answer as vLLM's OpenAI server does, with a
+//! deterministic model whose every answer a client can predict (see `openai.rs`).
 //! Nodes fail the ways real remote nodes fail (see [`InterruptionKind`]) on a fixed or seeded random
 //! schedule, then recover. Everything listens on real sockets so a proxy in front of it meets real
 //! resets, refusals and silences.
 
 mod node;
+mod openai;
+mod reply;
 mod schedule;
 
 use std::collections::HashSet;
@@ -19,7 +23,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-pub use node::{Condition, Node, NodeStats, sse_response};
+pub use node::{Condition, Node, NodeStats};
+pub use reply::sse_response;
 pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
 
 use crate::config::{ConfigError, HumanDuration, Problem, load_validated, parse_validated};
@@ -50,10 +55,12 @@ pub struct NodeSpec {
     #[serde(default = "default_queue")]
     pub queue: usize,
     /// `json` (one body after the service time) or `sse` (a token stream over the service time).
-    /// A request with `Accept: text/event-stream` always gets a stream.
+    /// A request with `Accept: text/event-stream` always gets a stream. The OpenAI paths follow the
+    /// request's `stream` field instead.
     #[serde(default)]
     pub response: ResponseKind,
-    /// Tokens in a streamed response.
+    /// Tokens in a streamed response. On the OpenAI paths, the `max_tokens` of a request that names
+    /// none, and the pace of every stream: a token each service time × 0.9 / `tokens`.
     #[serde(default = "default_tokens")]
     pub tokens: u32,
     /// Report in-flight count and capacity in `x-sim-in-flight` / `x-sim-capacity` response headers.

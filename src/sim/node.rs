@@ -10,6 +10,9 @@
 //! - `slow`: service times are multiplied by the interruption's factor.
 //! - `gray`: `/health` answers and connections are accepted, but a request hangs before its answer and a
 //!   stream stalls after its first chunk, until the node recovers (then they go on where they stopped).
+//!
+//! `POST /v1/completions` and `POST /v1/chat/completions` are admitted like any other request, then
+//! answered as vLLM's OpenAI server would (see [`super::openai`]).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -20,8 +23,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
 use http_body_util::channel::Channel;
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -31,11 +33,11 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::openai;
+use super::reply::{SimBody, full, sse_response};
 use super::schedule::{Interruption, InterruptionKind, lognormal};
 use super::{NodeSpec, ResponseKind};
 use crate::http::BoxError;
-
-type SimBody = BoxBody<Bytes, BoxError>;
 
 /// What a node is doing right now.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -93,8 +95,8 @@ pub struct NodeStats {
     pub interruptions: u64,
 }
 
-struct Shared {
-    spec: NodeSpec,
+pub(super) struct Shared {
+    pub(super) spec: NodeSpec,
     received: AtomicU64,
     capacity: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -106,6 +108,8 @@ struct Shared {
     shed: AtomicU64,
     gateway_503: AtomicU64,
     interruptions: AtomicU64,
+    /// Numbers the OpenAI answers' ids.
+    answers: AtomicU64,
     rng: Mutex<fastrand::Rng>,
     condition: watch::Sender<Condition>,
 }
@@ -147,6 +151,7 @@ impl Node {
             shed: AtomicU64::new(0),
             gateway_503: AtomicU64::new(0),
             interruptions: AtomicU64::new(0),
+            answers: AtomicU64::new(0),
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
             condition,
         });
@@ -203,6 +208,13 @@ impl Node {
             peak_in_flight: s.peak_in_flight.load(Ordering::Relaxed),
             interruptions: s.interruptions.load(Ordering::Relaxed),
         }
+    }
+}
+
+impl Shared {
+    /// The next number in this node's sequence of OpenAI answers (1, 2, ...).
+    pub(super) fn next_answer(&self) -> u64 {
+        self.answers.fetch_add(1, Ordering::Relaxed) + 1
     }
 }
 
@@ -299,10 +311,14 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>, stop: CancellationTo
     };
     let _ = stream.set_nodelay(true);
     let mut conditions = shared.condition.subscribe();
+    // A handler cancels it to have this connection reset (the OpenAI answers' `x-sim-cut` hook).
+    let reset_asked = CancellationToken::new();
     let service_shared = Arc::clone(&shared);
+    let service_reset = reset_asked.clone();
     let service = service_fn(move |request| {
         let shared = Arc::clone(&service_shared);
-        async move { Ok::<_, Infallible>(handle(request, shared).await) }
+        let reset = service_reset.clone();
+        async move { Ok::<_, Infallible>(handle(request, shared, reset).await) }
     });
     let builder = auto::Builder::new(TokioExecutor::new());
     let connection = builder.serve_connection(TokioIo::new(stream), service);
@@ -328,6 +344,7 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>, stop: CancellationTo
         tokio::select! {
             _ = &mut connection => return,
             () = stop.cancelled() => return reset(twin),
+            () = reset_asked.cancelled() => return reset(twin),
             changed = conditions.changed() => if changed.is_err() { return reset(twin) },
         }
     }
@@ -351,7 +368,7 @@ impl Drop for InFlight {
 }
 
 /// A request holding one unit of the node's capacity.
-struct Serving {
+pub(super) struct Serving {
     shared: Arc<Shared>,
     _permit: OwnedSemaphorePermit,
     _in_flight: InFlight,
@@ -368,7 +385,8 @@ impl Serving {
         }
     }
 
-    fn finish(&self) {
+    /// Counts the request as served: its answer is complete.
+    pub(super) fn finish(&self) {
         self.shared.served.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -377,24 +395,6 @@ impl Drop for Serving {
     fn drop(&mut self) {
         self.shared.serving.fetch_sub(1, Ordering::Relaxed);
     }
-}
-
-fn full(
-    status: StatusCode,
-    content_type: &'static str,
-    body: impl Into<Bytes>,
-) -> Response<SimBody> {
-    let mut response = Response::new(
-        Full::new(body.into())
-            .map_err(|never| match never {})
-            .boxed(),
-    );
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static(content_type),
-    );
-    response
 }
 
 fn gateway_503(shared: &Shared) -> Response<SimBody> {
@@ -406,16 +406,20 @@ fn gateway_503(shared: &Shared) -> Response<SimBody> {
     )
 }
 
-fn wants_stream(request: &Request<Incoming>, spec: &NodeSpec) -> bool {
+fn wants_stream(headers: &http::HeaderMap, spec: &NodeSpec) -> bool {
     spec.response == ResponseKind::Sse
-        || request
-            .headers()
+        || headers
             .get(header::ACCEPT)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.contains("text/event-stream"))
 }
 
-async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<SimBody> {
+/// Answers one request; `reset` resets the request's connection when cancelled.
+async fn handle(
+    request: Request<Incoming>,
+    shared: Arc<Shared>,
+    reset: CancellationToken,
+) -> Response<SimBody> {
     let condition = *shared.condition.borrow();
     if condition.is(InterruptionKind::Gateway503) {
         return gateway_503(&shared);
@@ -463,10 +467,11 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
         }
     };
     let serving = Serving::new(&shared, permit, in_flight);
-    let stream = wants_stream(&request, &shared.spec);
+    let api = openai::Api::route(request.method(), request.uri().path());
+    let (head, body) = request.into_parts();
     // The prompt is read like a real server would, bounded so a huge body cannot exhaust memory.
-    let prompt_bytes = match Limited::new(request.into_body(), 16 << 20).collect().await {
-        Ok(body) => body.to_bytes().len(),
+    let body = match Limited::new(body, 16 << 20).collect().await {
+        Ok(body) => body.to_bytes(),
         Err(_) => {
             return full(
                 StatusCode::PAYLOAD_TOO_LARGE,
@@ -487,7 +492,15 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
         );
         sample.mul_f64(shared.condition.borrow().slow_factor())
     };
-    let mut response = if stream {
+    let mut response = if let Some(api) = api {
+        let admitted = openai::Admitted {
+            shared: Arc::clone(&shared),
+            serving,
+            service_time,
+            reset,
+        };
+        openai::answer(api, &head.headers, &body, admitted).await
+    } else if wants_stream(&head.headers, &shared.spec) {
         stream_tokens(Arc::clone(&shared), serving, service_time)
     } else {
         tokio::time::sleep(service_time).await;
@@ -497,7 +510,7 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
             r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
             shared.spec.name,
             service_time.as_millis(),
-            prompt_bytes,
+            body.len(),
             shared.spec.tokens
         );
         full(StatusCode::OK, "application/json", body)
@@ -519,13 +532,20 @@ async fn handle(request: Request<Incoming>, shared: Arc<Shared>) -> Response<Sim
 }
 
 /// Waits while the node is in a gray failure (returns at once otherwise).
-async fn while_gray(shared: &Shared) {
+pub(super) async fn while_gray(shared: &Shared) {
     let mut conditions = shared.condition.subscribe();
     while conditions.borrow_and_update().is(InterruptionKind::Gray) {
         if conditions.changed().await.is_err() {
             return;
         }
     }
+}
+
+/// When a stream of `tokens` tokens over `service_time` sends its first token, and the gap between
+/// the next ones: a tenth of the service time, then the rest spread evenly.
+pub(super) fn pace(service_time: Duration, tokens: u32) -> (Duration, Duration) {
+    let first = service_time.mul_f64(0.1);
+    (first, service_time.saturating_sub(first) / tokens.max(1))
 }
 
 /// An SSE token stream: the first token after a tenth of the service time, the rest spread evenly.
@@ -537,8 +557,7 @@ fn stream_tokens(
     let (mut sender, body) = Channel::<Bytes, BoxError>::new(1);
     let tokens = shared.spec.tokens;
     tokio::spawn(async move {
-        let first = service_time.mul_f64(0.1);
-        let gap = service_time.saturating_sub(first) / tokens.max(1);
+        let (first, gap) = pace(service_time, tokens);
         tokio::time::sleep(first).await;
         for token in 0..tokens {
             if token > 0 {
@@ -563,19 +582,4 @@ fn stream_tokens(
         }
     });
     sse_response(body.boxed())
-}
-
-/// A Server-Sent Events response around `body`, with the headers an inference server sends.
-pub fn sse_response<B>(body: B) -> Response<B> {
-    let mut response = Response::new(body);
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        header::HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(
-        header::CACHE_CONTROL,
-        header::HeaderValue::from_static("no-cache"),
-    );
-    response
 }

@@ -12,3 +12,4 @@ mod support;
 
 mod demo;
 mod nodes;
+mod openai;
