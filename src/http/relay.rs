@@ -153,6 +153,8 @@ impl Relay {
                         }
                     }
                 }
+                // Whatever befalls the connection after `[DONE]`, the client has its whole stream.
+                Poll::Ready(Some(Err(_))) if self.splicer.is_done() => self.end(None),
                 Poll::Ready(Some(Err(error))) => self.broken(Some(error)),
                 Poll::Ready(None) if self.splicer.is_done() || self.passthrough => self.end(None),
                 Poll::Ready(None) => self.broken(None),

@@ -15,6 +15,7 @@ mod answers;
 mod backpressure;
 mod balancing;
 mod bodies;
+mod continuation;
 mod forwarding;
 mod gray;
 mod latency;

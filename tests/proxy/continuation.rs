@@ -1,0 +1,374 @@
+//! Streams that survive their node: a streamed OpenAI completion whose node breaks after it started is
+//! continued on another endpoint and spliced into the client's stream.
+//!
+//! The nodes are the simulator's (`tongs::sim`), standing in for vLLM's OpenAI server: its model counts
+//! on from the last number of its context, one number per token, so the test knows the exact text an
+//! uninterrupted node would produce. The `x-sim-cut` header (a hook of the simulator) breaks a stream
+//! right after the chunk carrying a given absolute number, whichever node streams it — reset, clean
+//! close before `[DONE]`, or stall — so each case cuts exactly where it says.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+use crate::support::*;
+use tongs::sim::{Condition, InterruptionKind, NodeSpec};
+
+/// Tokens of every request (the simulator's model counts from 100: " 101" ... " 110").
+const TOKENS: u64 = 10;
+
+fn openai_nodes(count: usize) -> Vec<NodeSpec> {
+    sim_nodes(count, Duration::from_millis(200), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS as u32;
+        spec.capacity = 16;
+    })
+}
+
+/// What a client saw of one stream.
+#[derive(Debug)]
+struct Seen {
+    /// Every chunk's JSON, in order (`[DONE]` not included).
+    chunks: Vec<Value>,
+    dones: usize,
+    /// Data after `[DONE]`, or an event that is not `data: ...`.
+    stray: Vec<String>,
+    /// The body ended with an error (the connection broke).
+    broken: bool,
+}
+
+impl Seen {
+    fn text(&self) -> String {
+        self.chunks
+            .iter()
+            .filter_map(|c| {
+                let choice = c["choices"].get(0)?;
+                choice["text"]
+                    .as_str()
+                    .or(choice["delta"]["content"].as_str())
+                    .map(str::to_owned)
+            })
+            .collect()
+    }
+
+    fn finishes(&self) -> Vec<Value> {
+        self.chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0).map(|ch| ch["finish_reason"].clone()))
+            .filter(|f| !f.is_null())
+            .collect()
+    }
+
+    fn usages(&self) -> Vec<Value> {
+        self.chunks
+            .iter()
+            .map(|c| c["usage"].clone())
+            .filter(|u| !u.is_null())
+            .collect()
+    }
+
+    /// One well-formed stream: constant ids, one finish, one `[DONE]` at the end, nothing stray.
+    fn assert_whole(&self, what: &str) {
+        assert!(!self.broken, "{what}: the stream broke: {self:?}");
+        assert_eq!(self.dones, 1, "{what}: one [DONE]: {self:?}");
+        assert!(self.stray.is_empty(), "{what}: {self:?}");
+        let first = &self.chunks[0];
+        for chunk in &self.chunks {
+            for key in ["id", "created", "model"] {
+                assert_eq!(chunk[key], first[key], "{what}: {key} constant: {self:?}");
+            }
+        }
+        assert_eq!(
+            self.finishes(),
+            vec![json!("length")],
+            "{what}: one final chunk: {self:?}"
+        );
+    }
+}
+
+/// The text an uninterrupted node produces for "count from 100", `TOKENS` tokens.
+fn expected_text() -> String {
+    (101..=100 + TOKENS).map(|n| format!(" {n}")).collect()
+}
+
+fn body(chat: bool, usage: bool) -> Value {
+    let mut body = if chat {
+        json!({"model": "counter", "stream": true, "max_tokens": TOKENS,
+            "messages": [{"role": "user", "content": "count from 100"}]})
+    } else {
+        json!({"model": "counter", "stream": true, "max_tokens": TOKENS, "prompt": "count from 100"})
+    };
+    if usage {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+/// Streams `body` through the proxy with `x-sim-cut: cut` (none if empty) and `extra` headers.
+async fn stream(
+    proxy: &TestProxy,
+    chat: bool,
+    body: &Value,
+    cut: &str,
+    extra: &[(&str, &str)],
+) -> Seen {
+    let path = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
+    let mut request = Request::post(proxy.url(path)).header("content-type", "application/json");
+    if !cut.is_empty() {
+        request = request.header("x-sim-cut", cut);
+    }
+    for (name, value) in extra {
+        request = request.header(*name, *value);
+    }
+    let request = request.body(full(Bytes::from(body.to_string()))).unwrap();
+    let read = async {
+        let response = client().request(request).await.expect("an answer");
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        let mut raw = Vec::new();
+        let mut broken = false;
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(frame) => raw.extend_from_slice(frame.data_ref().map_or(&[][..], |d| d)),
+                Err(_) => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        (String::from_utf8(raw).unwrap(), broken)
+    };
+    let (raw, broken) = tokio::time::timeout(HANG, read)
+        .await
+        .expect("the stream ends within the test's deadline");
+    let mut seen = Seen {
+        chunks: Vec::new(),
+        dones: 0,
+        stray: Vec::new(),
+        broken,
+    };
+    for event in raw.split("\n\n").filter(|e| !e.is_empty()) {
+        match event.strip_prefix("data: ") {
+            Some("[DONE]") => seen.dones += 1,
+            Some(data) if seen.dones == 0 => match serde_json::from_str(data) {
+                Ok(chunk) => seen.chunks.push(chunk),
+                Err(_) => seen.stray.push(event.to_owned()),
+            },
+            _ => seen.stray.push(event.to_owned()),
+        }
+    }
+    seen
+}
+
+async fn continuations(proxy: &TestProxy, outcome: &str) -> f64 {
+    sample(
+        proxy,
+        &format!("tongs_continuations_total{{outcome=\"{outcome}\"}}"),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_stream_cut_anywhere_reaches_the_client_exactly_as_an_uninterrupted_node_makes_it() {
+    let fleet = sim_fleet(1, openai_nodes(3)).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    let mut expected_continuations = 0.0;
+    for chat in [false, true] {
+        for usage in [false, true] {
+            // At the first token, in the middle, just before the last.
+            for cut in ["101", "105", "109", "105:close"] {
+                let what = format!("chat {chat}, usage {usage}, cut {cut}");
+                let seen = stream(&proxy, chat, &body(chat, usage), cut, &[]).await;
+                seen.assert_whole(&what);
+                assert_eq!(seen.text(), expected_text(), "{what}: {seen:?}");
+                let usages = seen.usages();
+                if usage {
+                    // The original prompt's 3 words; every token of every piece.
+                    assert_eq!(
+                        usages,
+                        vec![json!({"prompt_tokens": 3, "completion_tokens": TOKENS,
+                            "total_tokens": 3 + TOKENS})],
+                        "{what}"
+                    );
+                } else {
+                    assert!(usages.is_empty(), "{what}: {usages:?}");
+                }
+                expected_continuations += 1.0;
+                assert_eq!(
+                    continuations(&proxy, "continued").await,
+                    expected_continuations,
+                    "{what}"
+                );
+            }
+        }
+    }
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_cut_twice_is_continued_twice_and_max_continuations_bounds_it() {
+    let fleet = sim_fleet(2, openai_nodes(3)).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    let seen = stream(&proxy, true, &body(true, true), "103,107", &[]).await;
+    seen.assert_whole("cut twice");
+    assert_eq!(seen.text(), expected_text());
+    assert_eq!(continuations(&proxy, "continued").await, 2.0);
+    proxy.stop().await;
+
+    let once = "continuation: { max_continuations: 1 }\n";
+    let proxy = start_proxy(config_with(once, &fleet.urls())).await;
+    let seen = stream(&proxy, false, &body(false, false), "103,107", &[]).await;
+    assert!(
+        seen.broken,
+        "the second cut ends the stream as an error: {seen:?}"
+    );
+    assert_eq!(seen.dones, 0);
+    assert_eq!(seen.text(), " 101 102 103 104 105 106 107");
+    assert_eq!(continuations(&proxy, "continued").await, 1.0);
+    assert_eq!(continuations(&proxy, "limit").await, 1.0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_stalled_stream_is_continued_elsewhere() {
+    let fleet = sim_fleet(3, openai_nodes(3)).await;
+    let config = "stream: { idle_min: 300ms, idle_multiplier: 2 }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    let started = std::time::Instant::now();
+    let seen = stream(&proxy, true, &body(true, false), "104:stall", &[]).await;
+    seen.assert_whole("stall");
+    assert_eq!(seen.text(), expected_text());
+    // A 200 ms answer, the idle limit, another 200 ms answer: far from the test's deadline.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(continuations(&proxy, "continued").await, 1.0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_whose_node_heartbeats_declare_gone_is_continued() {
+    let fleet = sim_fleet(4, openai_nodes(3)).await;
+    // The stall alone would take a minute to notice: only the heartbeats can end it in time.
+    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n\
+                  stream: { idle_min: 60s }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    eventually("every node healthy", HANG, || {
+        proxy.app_registry.counts().healthy() == 3
+    })
+    .await;
+    let fleet_ref = &fleet;
+    let stalled = async {
+        // The node that stalls the stream goes down (its gateway answers 503 to heartbeats too) once
+        // the stream is under way on it.
+        eventually("a node holds the stalled stream", HANG, || {
+            fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let node = fleet_ref
+            .nodes()
+            .iter()
+            .find(|n| n.stats().in_flight == 1)
+            .expect("the node holding the stream");
+        node.set_condition(Condition::Interrupted {
+            kind: InterruptionKind::Gateway503,
+            factor: 1.0,
+        });
+    };
+    let request = body(false, true);
+    let (seen, ()) = tokio::join!(
+        stream(&proxy, false, &request, "102:stall", &[]),
+        stalled
+    );
+    seen.assert_whole("gone");
+    assert_eq!(seen.text(), expected_text());
+    assert_eq!(continuations(&proxy, "continued").await, 1.0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn streams_that_must_not_be_continued_end_as_errors_as_before() {
+    let fleet = sim_fleet(5, openai_nodes(3)).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    // The client opted out of retries.
+    let seen = stream(
+        &proxy,
+        true,
+        &body(true, false),
+        "103",
+        &[("x-tongs-retry", "off")],
+    )
+    .await;
+    assert!(seen.broken, "{seen:?}");
+    // Two choices share the stream.
+    let mut two = body(false, false);
+    two["n"] = json!(2);
+    let seen = stream(&proxy, false, &two, "103", &[]).await;
+    assert!(seen.broken, "{seen:?}");
+    // Log probabilities.
+    let mut logprobs = body(true, false);
+    logprobs["logprobs"] = json!(true);
+    let seen = stream(&proxy, true, &logprobs, "103", &[]).await;
+    assert!(seen.broken, "{seen:?}");
+    assert_eq!(continuations(&proxy, "continued").await, 0.0);
+    proxy.stop().await;
+
+    let off = "continuation: { enabled: false }\n";
+    let proxy = start_proxy(config_with(off, &fleet.urls())).await;
+    let seen = stream(&proxy, true, &body(true, false), "103", &[]).await;
+    assert!(seen.broken, "{seen:?}");
+    assert_eq!(seen.text(), " 101 102 103");
+    assert_eq!(continuations(&proxy, "continued").await, 0.0);
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn a_spent_retry_budget_ends_the_stream_as_an_error() {
+    let fleet = sim_fleet(6, openai_nodes(3)).await;
+    let config = "retry: { budget_percent: 0, budget_min_per_second: 0 }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    let seen = stream(&proxy, true, &body(true, false), "103", &[]).await;
+    assert!(seen.broken, "{seen:?}");
+    assert_eq!(continuations(&proxy, "budget").await, 1.0);
+    proxy.stop().await;
+}
+
+/// A stream with a tool call in it cannot be continued by appending text: it ends as an error, counted.
+/// The endpoint is a scripted backend speaking vLLM's chunk format.
+#[tokio::test]
+async fn a_tool_call_in_the_stream_rules_a_continuation_out() {
+    use http_body_util::channel::Channel;
+    let backend = backend(|_request| async {
+        let (mut sender, body) = Channel::<Bytes, BoxError>::new(4);
+        tokio::spawn(async move {
+            let chunk = json!({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]},
+                "finish_reason": null}]});
+            let _ = sender
+                .send_data(Bytes::from(format!("data: {chunk}\n\n")))
+                .await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            sender.abort("the node died".into());
+        });
+        http::Response::builder()
+            .header("content-type", "text/event-stream")
+            .body(body.boxed())
+            .unwrap()
+    })
+    .await;
+    let proxy = start_proxy(config_with("", &[backend.url()])).await;
+    let seen = stream(&proxy, true, &body(true, false), "", &[]).await;
+    assert!(seen.broken, "{seen:?}");
+    assert_eq!(continuations(&proxy, "unsupported").await, 1.0);
+    proxy.stop().await;
+}
