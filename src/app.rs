@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +55,9 @@ pub struct Parts {
     pub health: Arc<ArcSwap<HealthConfig>>,
     /// `Salad-Api-Key` for gateways, shared by every client and replaced by reloads.
     pub gateway_key: Arc<GatewayKey>,
+    /// The bearer token the admin port requires (none: open), read again by every reload so a rotated
+    /// Secret takes effect without a restart.
+    pub admin_token: Arc<ArcSwapOption<String>>,
 }
 
 impl Parts {
@@ -79,6 +82,7 @@ impl Parts {
             metrics,
             health: Arc::new(ArcSwap::from_pointee(HealthConfig::default())),
             gateway_key: Arc::default(),
+            admin_token: Arc::default(),
         }
     }
 
@@ -105,6 +109,16 @@ impl Parts {
         if let Err(err) = self.discovery.configure(&config.discovery.kubernetes) {
             errors.push(AppError::RegistrationToken(err));
         }
+        match &config.admin.bearer_token_file {
+            None => self.admin_token.store(None),
+            Some(path) => match read_token(path) {
+                Ok(token) => self.admin_token.store(Some(Arc::new(token))),
+                Err(source) => errors.push(AppError::Token {
+                    path: path.clone(),
+                    source,
+                }),
+            },
+        }
         errors
     }
 
@@ -119,6 +133,18 @@ impl Parts {
             metrics: Arc::clone(&self.metrics),
         }
     }
+}
+
+/// A token file's token, trimmed; an empty one is refused, since it would let `Bearer ` through.
+fn read_token(path: &std::path::Path) -> std::io::Result<String> {
+    let token = std::fs::read_to_string(path)?.trim().to_owned();
+    if token.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "the file is empty",
+        ));
+    }
+    Ok(token)
 }
 
 /// Reloads apply through the same [`Parts::apply`] as the start did.
@@ -213,8 +239,6 @@ pub struct App {
     parts: Parts,
     server_settings: ServerSettings,
     config: Config,
-    /// Bearer token the admin port requires (none: open).
-    admin_token: Option<Arc<str>>,
     /// The file to watch for reloads (none: the configuration was built in code).
     config_path: Option<PathBuf>,
     /// The SaladCloud API key as read at start (the API client's; reloads do not change it).
@@ -244,17 +268,6 @@ impl App {
             .first()
             .and_then(|l| l.local_addr().ok())
             .unwrap_or(config.listen);
-        let admin_token = match &config.admin.bearer_token_file {
-            Some(path) => Some(
-                std::fs::read_to_string(path)
-                    .map(|token| Arc::<str>::from(token.trim()))
-                    .map_err(|source| AppError::Token {
-                        path: path.clone(),
-                        source,
-                    })?,
-            ),
-            None => None,
-        };
         let admin_listener = server::bind(config.admin.listen, "admin (admin.listen)").await?;
         Ok(App {
             proxy_addr,
@@ -264,7 +277,6 @@ impl App {
             parts,
             server_settings: ServerSettings::from_config(config),
             config: config.clone(),
-            admin_token,
             config_path: None,
             salad_key,
         })
@@ -342,7 +354,7 @@ impl App {
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
             parts.admin(),
-            self.admin_token.clone(),
+            Arc::clone(&parts.admin_token),
             admin::Limits::from_config(&self.config),
             admin_stop.clone(),
         ));

@@ -65,10 +65,6 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
         "admin.max_connections",
         current.admin.max_connections != next.admin.max_connections,
     );
-    check(
-        "admin.bearer_token_file",
-        current.admin.bearer_token_file != next.admin.bearer_token_file,
-    );
     check("workers", current.workers != next.workers);
     check(
         "timeouts.connect",

@@ -20,6 +20,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwapOption;
 use http::{Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -142,7 +143,7 @@ impl Limits {
 pub async fn serve(
     listener: TcpListener,
     state: State,
-    token: Option<Arc<str>>,
+    token: Arc<ArcSwapOption<String>>,
     limits: Limits,
     shutdown: CancellationToken,
 ) {
@@ -183,7 +184,8 @@ pub async fn serve(
                     // Nodes present their own token, not the admin one.
                     register::register(request, &state.discovery).await
                 } else {
-                    match &token {
+                    // The token in force now: a reload may have rotated it.
+                    match &*token.load() {
                         Some(token) if !auth::authorized(&request, token) => auth::unauthorized(),
                         _ => routes::route(&request, &state),
                     }

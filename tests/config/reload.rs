@@ -243,3 +243,59 @@ async fn a_bad_version_is_reported_once_and_reads_do_not_trigger_reloads() {
     assert_eq!(metric(&proxy, invalid).await, Some(2.0));
     proxy.stop().await;
 }
+
+/// A rotated admin token (the Secret's file rewritten, as the kubelet does) takes effect with the next
+/// reload, without a restart; the old token stops working then.
+#[tokio::test]
+async fn a_rotated_admin_token_takes_effect_on_reload() {
+    let backend = text_backend("ok").await;
+    let dir = TempDir::new("admin-token");
+    let token_file = dir.0.join("token");
+    std::fs::write(&token_file, "first\n").unwrap();
+    let extra = format!(
+        "admin: {{ listen: 127.0.0.1:0, bearer_token_file: {} }}\n",
+        token_file.display()
+    );
+    let text = config_text(&backend.url(), "").replace("admin: { listen: 127.0.0.1:0 }\n", &extra);
+    let mut volume = Volume::new(&text);
+    let (proxy, _) = start(&volume.file()).await;
+    let status = |token: &'static str| {
+        let url = format!("http://{}/debug/endpoints", proxy.admin);
+        async move {
+            let request = Request::get(url)
+                .header("authorization", format!("Bearer {token}"))
+                .body(full(""))
+                .unwrap();
+            send(request).await.0
+        }
+    };
+    assert_eq!(status("first").await, 200);
+    assert_eq!(status("second").await, 401);
+
+    std::fs::write(&token_file, "second\n").unwrap();
+    // The file alone is not watched: the token in force stays until a reload.
+    assert_eq!(status("first").await, 200);
+    volume.publish(&format!("{text}# rotated\n"));
+    eventually_async("the rotated token in force", TEN_SECONDS, || async {
+        status("second").await == 200
+    })
+    .await;
+    assert_eq!(status("first").await, 401);
+
+    // An empty token file makes the new version invalid (validation names the field): rejected, and the
+    // token in force stays.
+    std::fs::write(&token_file, "   \n").unwrap();
+    volume.publish(&format!("{text}# emptied\n"));
+    let rejected = || async {
+        let request = Request::get(format!("http://{}/metrics", proxy.admin))
+            .header("authorization", "Bearer second")
+            .body(full(""))
+            .unwrap();
+        let (_, text) = send(request).await;
+        text.contains("tongs_config_reloads_total{result=\"invalid\"} 1")
+    };
+    eventually_async("the emptied version rejected", TEN_SECONDS, rejected).await;
+    assert_eq!(status("second").await, 200);
+    assert_eq!(status("").await, 401);
+    proxy.shutdown.cancel();
+}
