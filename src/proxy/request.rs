@@ -190,8 +190,35 @@ fn upstream_uri(endpoint: &Endpoint, path_and_query: &PathAndQuery) -> Uri {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
-    use crate::config::EndpointUrl;
+    use crate::config::{Config, EndpointUrl};
+
+    proptest! {
+        /// Whatever a client writes in `x-tongs-timeout-ms`: a positive whole number of milliseconds is
+        /// its deadline, anything else a 400 naming the header; never a panic.
+        #[test]
+        fn any_deadline_header_is_a_deadline_or_a_clear_error(value in proptest::collection::vec(any::<u8>(), 0..24)) {
+            let settings = ProxySettings::from_config(&Config::default());
+            let Ok(value) = HeaderValue::from_bytes(&value) else {
+                return Ok(());
+            };
+            let mut headers = HeaderMap::new();
+            headers.insert(settings.deadline_header.clone(), value.clone());
+            let number = std::str::from_utf8(value.as_bytes())
+                .ok()
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .filter(|&ms| ms > 0);
+            match (client_deadline(&settings, &headers), number) {
+                (Ok(Some(wanted)), Some(ms)) => prop_assert_eq!(wanted, Duration::from_millis(ms)),
+                (Err(ProxyError::BadDeadline { header, .. }), None) => {
+                    prop_assert_eq!(header, settings.deadline_header.to_string());
+                }
+                (other, number) => prop_assert!(false, "{other:?} for {number:?}"),
+            }
+        }
+    }
 
     fn endpoint(url: &str) -> Endpoint {
         Endpoint::new(1, url, EndpointUrl::parse(url).unwrap(), 1)
