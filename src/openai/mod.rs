@@ -13,7 +13,8 @@
 pub mod splice;
 pub mod sse;
 
-use serde_json::{Map, Value};
+use bytes::Bytes;
+use serde_json::Value;
 
 pub use splice::{AfterCut, Splicer};
 
@@ -41,10 +42,13 @@ impl Api {
 #[derive(Clone, Debug)]
 pub struct Continuable {
     pub api: Api,
-    /// The request body as the client sent it.
-    body: Map<String, Value>,
+    /// The request body as the client sent it (shared with the copy kept for replay, and parsed again
+    /// only when a continuation is needed, so a stream holds no second, larger copy of its prompt).
+    body: Bytes,
     /// The client asked for a `usage` chunk (`stream_options.include_usage`).
     pub usage_wanted: bool,
+    /// The token limit the client asked for, if any.
+    max_tokens: Option<u64>,
 }
 
 /// Why a streamed request is not continued when its node breaks (named in the README's list).
@@ -87,9 +91,9 @@ impl NotContinuable {
 const MAX_TOKEN_FIELDS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
 
 impl Continuable {
-    /// Reads a request: `path` without its query, `body` the whole buffered body.
-    pub fn read(api: Api, body: &[u8]) -> Result<Continuable, NotContinuable> {
-        let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(body) else {
+    /// Reads a request whose whole body is `raw`.
+    pub fn read(api: Api, raw: &Bytes) -> Result<Continuable, NotContinuable> {
+        let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(raw) else {
             return Err(NotContinuable::NotAStream);
         };
         if body.get("stream") != Some(&Value::Bool(true)) {
@@ -139,18 +143,20 @@ impl Continuable {
             .get("stream_options")
             .and_then(|o| o.get("include_usage"))
             == Some(&Value::Bool(true));
+        let max_tokens = MAX_TOKEN_FIELDS
+            .iter()
+            .find_map(|key| body.get(*key).and_then(Value::as_u64));
         Ok(Continuable {
             api,
-            body,
+            body: raw.clone(),
             usage_wanted,
+            max_tokens,
         })
     }
 
     /// The token limit the client asked for, if any.
     pub fn max_tokens(&self) -> Option<u64> {
-        MAX_TOKEN_FIELDS
-            .iter()
-            .find_map(|key| self.body.get(*key).and_then(Value::as_u64))
+        self.max_tokens
     }
 
     /// The request that continues the generation after `text` (`tokens` of it): the original body
@@ -158,7 +164,10 @@ impl Continuable {
     /// assistant message to continue (chat: vLLM's and SGLang's `continue_final_message`), and the
     /// token limits are lowered by what was streamed.
     pub fn continuation(&self, text: &str, tokens: u64) -> Vec<u8> {
-        let mut body = self.body.clone();
+        // Read as a continuable request before, so an object.
+        let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&self.body) else {
+            return self.body.to_vec();
+        };
         for key in MAX_TOKEN_FIELDS {
             if let Some(max) = body.get_mut(key)
                 && let Some(n) = max.as_u64()
@@ -208,7 +217,7 @@ mod tests {
     use super::*;
 
     fn read(api: Api, body: Value) -> Result<Continuable, NotContinuable> {
-        Continuable::read(api, body.to_string().as_bytes())
+        Continuable::read(api, &Bytes::from(body.to_string()))
     }
 
     #[test]
@@ -255,7 +264,7 @@ mod tests {
             Err(NotContinuable::Messages)
         );
         assert_eq!(
-            Continuable::read(Api::Chat, b"not json").map(|_| ()),
+            Continuable::read(Api::Chat, &Bytes::from_static(b"not json")).map(|_| ()),
             Err(NotContinuable::NotAStream)
         );
 

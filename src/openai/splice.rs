@@ -346,7 +346,7 @@ mod tests {
         if usage {
             body["stream_options"] = json!({"include_usage": true});
         }
-        Splicer::new(Continuable::read(Api::Chat, body.to_string().as_bytes()).unwrap())
+        Splicer::new(Continuable::read(Api::Chat, &bytes::Bytes::from(body.to_string())).unwrap())
     }
 
     fn event(value: Value) -> Vec<u8> {

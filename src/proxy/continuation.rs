@@ -52,6 +52,9 @@ pub(super) struct Continuer {
     streaming: Arc<str>,
     /// Continuations taken so far.
     taken: u32,
+    /// The client's body (which the continuation request is made from) keeps its place in the replay
+    /// budget while the stream runs: memory a stream holds is counted like a retry's.
+    _kept: ReplayBody,
 }
 
 /// The request as it stood when its stream was committed.
@@ -63,6 +66,7 @@ pub(super) struct Committing<'a> {
     pub request_id: &'a HeaderValue,
     pub priority: Priority,
     pub deadline: Instant,
+    pub body: &'a ReplayBody,
 }
 
 /// Whether a committed answer is a stream the relay can splice: a `200` of Server-Sent Events, not
@@ -105,6 +109,7 @@ impl Proxy {
             deadline: at.deadline,
             streaming: streaming.into(),
             taken: 0,
+            _kept: at.body.clone(),
         };
         let relay = Relay::new(body, Splicer::new(request), Box::new(continuer));
         Response::from_parts(parts, ProxyBody::relay(relay))

@@ -389,6 +389,7 @@ impl Proxy {
                         request_id: &request_id,
                         priority,
                         deadline,
+                        body,
                     };
                     let response = self.relay(response, continuable, &streaming, at);
                     return (response, Outcome::Proxied);

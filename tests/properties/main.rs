@@ -249,7 +249,7 @@ proptest! {
         if let Some(max) = max {
             body["max_tokens"] = json!(max);
         }
-        let request = Continuable::read(api, body.to_string().as_bytes()).expect("a continuable request");
+        let request = Continuable::read(api, &bytes::Bytes::from(body.to_string())).expect("a continuable request");
         let mut splicer = Splicer::new(request);
         let mut out = BytesMut::new();
         for (n, piece) in pieces.iter().enumerate() {
