@@ -91,8 +91,14 @@ fn check_port(url: &str, authority: &http::uri::Authority) -> Result<(), String>
         Some(end) => &text[end + 1..],
         None => text.find(':').map_or("", |colon| &text[colon..]),
     };
-    let Some(port) = after_host.strip_prefix(':') else {
+    if after_host.is_empty() {
         return Ok(());
+    }
+    // The URI parser lets text follow a bracketed host (`[::1]5:0`): a port only comes after a colon.
+    let Some(port) = after_host.strip_prefix(':') else {
+        return Err(format!(
+            "{url:?} has {after_host:?} after its host; write [IPv6]:PORT"
+        ));
     };
     if port.is_empty() {
         return Err(format!(
@@ -108,8 +114,15 @@ fn check_port(url: &str, authority: &http::uri::Authority) -> Result<(), String>
 /// A host name's labels are not empty (`a..salad.cloud`, `.salad.cloud`): DNS has no such name, and
 /// the allowlist's patterns would compare text no resolver agrees with. An IPv6 literal has no labels.
 fn check_labels(url: &str, host: &str) -> Result<(), String> {
-    if host.starts_with('[') {
-        return Ok(());
+    if let Some(literal) = host.strip_prefix('[') {
+        // A bracketed host is an IPv6 address, nothing else (`[]` is accepted by the URI parser).
+        let address = literal.strip_suffix(']').unwrap_or(literal);
+        return match address.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => Ok(()),
+            Err(_) => Err(format!(
+                "{url:?} has {host:?} for a host, not an IPv6 address"
+            )),
+        };
     }
     let name = host.strip_suffix('.').unwrap_or(host);
     if name.split('.').any(str::is_empty) {
@@ -156,6 +169,11 @@ mod tests {
             ("https://.salad.cloud", "empty label"),
             ("https://a.salad.cloud..", "empty label"),
             ("http://10..0.7:8000", "empty label"),
+            // Found by the fuzz target `addresses`: text after a bracketed host hid a port 0.
+            ("Http://[]5:0", "after its host"),
+            ("http://[::1]x", "after its host"),
+            ("http://[]:80", "not an IPv6 address"),
+            ("http://[zz]:80", "not an IPv6 address"),
         ] {
             let err = EndpointUrl::parse(url).expect_err(url);
             assert!(err.contains(says), "{url}: {err}");

@@ -1,0 +1,19 @@
+//! Headers nodes and clients send: `Retry-After` never waits past its cap, any `x-priority` is a
+//! priority.
+#![no_main]
+
+use std::time::Duration;
+
+use http::header::{HeaderMap, HeaderValue, RETRY_AFTER};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|bytes: &[u8]| {
+    let Ok(value) = HeaderValue::from_bytes(bytes) else {
+        return;
+    };
+    let mut headers = HeaderMap::new();
+    headers.insert(RETRY_AFTER, value.clone());
+    let cap = Duration::from_secs(30);
+    assert!(tongs::retry::retry_after(&headers, cap) <= cap);
+    let _ = tongs::admission::Priority::from_header(Some(&value));
+});
