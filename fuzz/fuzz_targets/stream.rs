@@ -11,7 +11,11 @@ fuzz_target!(|input: &[u8]| {
     let Some((&flags, stream)) = input.split_first() else {
         return;
     };
-    let api = if flags & 1 == 0 { Api::Completions } else { Api::Chat };
+    let api = if flags & 1 == 0 {
+        Api::Completions
+    } else {
+        Api::Chat
+    };
     let body = match (api, flags & 2 == 0) {
         (Api::Completions, usage) => format!(
             r#"{{"stream":true,"prompt":"go","max_tokens":{},"stream_options":{{"include_usage":{usage}}}}}"#,
