@@ -99,6 +99,11 @@ impl Tracker {
         }
     }
 
+    /// The gateway host the SaladCloud API gave for the pod with `uid`.
+    pub fn gateway(&self, uid: &str) -> Option<&str> {
+        self.gateways.get(uid).map(String::as_str)
+    }
+
     fn count(&mut self, state: PodState, delta: i64) {
         let index = PodState::ALL.iter().position(|s| *s == state).unwrap_or(0);
         self.counts[index] = self.counts[index].saturating_add_signed(delta);

@@ -2,9 +2,10 @@
 //!
 //! Pure functions over [`PodFacts`], the few fields of a pod tongs needs (kept instead of the whole
 //! object, so 5,000 pods cost little memory). An address taken from an annotation is used only if the
-//! allowlist allows it: whoever can annotate a pod must not be able to make tongs send traffic (with the
-//! SaladCloud key attached) anywhere they like. Addresses from the API server (`status.podIP`) and from
-//! the SaladCloud API are trusted.
+//! allowlist allows it: whoever can annotate a pod must not be able to make tongs send traffic anywhere
+//! they like. Addresses from the API
+//! server (`status.podIP`) and from the SaladCloud API are trusted, and come before the Tailscale
+//! address a node registers itself (`tailscale` last, see [`Rules::other_source`]).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -265,28 +266,7 @@ impl Rules {
         }
         let keys = &self.config.annotations;
         let mut wants_lookup = false;
-        let mut found = None;
-        for &rule in &self.config.rules {
-            let url = match rule {
-                Rule::Url => self.url_rule(pod, &mut rejections),
-                Rule::Tailscale => self.tailscale_rule(pod, &mut rejections),
-                Rule::SaladApi if pod.salad && self.salad_api => match gateway_host {
-                    Some(host) => EndpointUrl::parse(&format!("https://{host}"))
-                        .ok()
-                        .map(|parsed| (format!("https://{host}"), parsed)),
-                    None => {
-                        wants_lookup = true;
-                        None
-                    }
-                },
-                Rule::SaladApi => None,
-                Rule::PodIp => self.pod_ip_rule(pod, &mut rejections),
-            };
-            if let Some(url) = url {
-                found = Some((rule, url));
-                break;
-            }
-        }
+        let found = self.address(pod, gateway_host, &mut rejections, &mut wants_lookup, None);
         let weight = match pod.annotation(&keys.weight) {
             None => 1,
             Some(text) => match text.parse::<u32>() {
@@ -346,6 +326,59 @@ impl Rules {
             // the order) takes over once the gateway is known.
             wants_lookup,
         }
+    }
+
+    /// The first rule (but `skip`) that gives `pod` an address, and the address. Sets `wants_lookup`
+    /// when the salad-api rule needs the pod's container group looked up in the SaladCloud API.
+    fn address(
+        &self,
+        pod: &PodFacts,
+        gateway_host: Option<&str>,
+        rejections: &mut Vec<Rejection>,
+        wants_lookup: &mut bool,
+        skip: Option<Rule>,
+    ) -> Option<(Rule, (String, EndpointUrl))> {
+        let lookups = pod.salad && self.salad_api;
+        for &rule in &self.config.rules {
+            if Some(rule) == skip {
+                continue;
+            }
+            let url = match rule {
+                Rule::Url => self.url_rule(pod, rejections),
+                Rule::Tailscale => self.tailscale_rule(pod, rejections),
+                Rule::SaladApi if lookups => match gateway_host {
+                    Some(host) => EndpointUrl::parse(&format!("https://{host}"))
+                        .ok()
+                        .map(|parsed| (format!("https://{host}"), parsed)),
+                    None => {
+                        *wants_lookup = true;
+                        None
+                    }
+                },
+                Rule::SaladApi => None,
+                Rule::PodIp => self.pod_ip_rule(pod, rejections),
+            };
+            if let Some(url) = url {
+                return Some((rule, url));
+            }
+        }
+        None
+    }
+
+    /// The rule other than `tailscale` that gives `pod` an address now, whatever its phase: a node's
+    /// registration must not fill the Tailscale address of such a pod (`discovery::register`).
+    /// A salad-api lookup still under way gives none yet; once it does, salad-api (listed before
+    /// `tailscale`, as validation requires) takes over from the registered address.
+    pub fn other_source(&self, pod: &PodFacts, gateway_host: Option<&str>) -> Option<Rule> {
+        let (mut ignored, mut lookup) = (Vec::new(), false);
+        self.address(
+            pod,
+            gateway_host,
+            &mut ignored,
+            &mut lookup,
+            Some(Rule::Tailscale),
+        )
+        .map(|(rule, _)| rule)
     }
 
     fn url_rule(
@@ -505,11 +538,18 @@ mod tests {
         assert_eq!(url_of(&derived), Some("https://a-b.salad.cloud"));
         assert_eq!(derived.rule, Some(Rule::Url));
         pod.annotations.remove("tongs.dev/url");
+        // The podIP (from the API server) comes before the Tailscale address a node registers.
+        assert_eq!(
+            url_of(&rules().derive(&pod, None)),
+            Some("http://10.1.2.3:8080")
+        );
+        pod.pod_ip = None;
         assert_eq!(
             url_of(&rules().derive(&pod, None)),
             Some("http://100.64.1.2:8000")
         );
         pod.annotations.clear();
+        pod.pod_ip = Some("10.1.2.3".parse().unwrap());
         assert_eq!(
             url_of(&rules().derive(&pod, None)),
             Some("http://10.1.2.3:8080")
@@ -563,6 +603,48 @@ mod tests {
     }
 
     #[test]
+    fn other_sources_than_tailscale_are_named_for_registration() {
+        let registered = with(facts(), "tongs.dev/tailscale-address", "100.64.1.2:8000");
+        assert_eq!(rules().other_source(&registered, None), None);
+        let mut pending = registered.clone();
+        pending.phase = "Pending".into();
+        assert_eq!(rules().other_source(&pending, None), None);
+        // A podIP, whatever the phase.
+        let mut with_ip = pending.clone();
+        with_ip.pod_ip = Some("10.1.2.3".parse().unwrap());
+        with_ip.named_port = Some(8000);
+        assert_eq!(rules().other_source(&with_ip, None), Some(Rule::PodIp));
+        // A loopback podIP gives no address, so it does not count.
+        with_ip.pod_ip = Some("127.0.0.1".parse().unwrap());
+        assert_eq!(rules().other_source(&with_ip, None), None);
+        // A url annotation, when the allowlist admits it.
+        let url = with(registered.clone(), "tongs.dev/url", "https://a.salad.cloud");
+        assert_eq!(rules().other_source(&url, None), Some(Rule::Url));
+        let refused = with(registered.clone(), "tongs.dev/url", "https://evil.example");
+        assert_eq!(rules().other_source(&refused, None), None);
+        // A SaladCloud gateway, once the API has named it.
+        let mut salad = registered;
+        salad.salad = true;
+        assert_eq!(rules().other_source(&salad, None), None);
+        assert_eq!(
+            rules().other_source(&salad, Some("plum.salad.cloud")),
+            Some(Rule::SaladApi)
+        );
+        // Only listed rules count.
+        let only_tailscale = Rules::new(
+            &KubernetesConfig {
+                rules: vec![Rule::Tailscale],
+                ..KubernetesConfig::default()
+            },
+            true,
+        );
+        assert_eq!(
+            only_tailscale.other_source(&salad, Some("plum.salad.cloud")),
+            None
+        );
+    }
+
+    #[test]
     fn disallowed_annotations_are_rejected_and_the_next_rule_is_tried() {
         let mut pod = with(facts(), "tongs.dev/url", "https://attacker.example");
         pod = with(pod, "tongs.dev/tailscale-address", "169.254.169.254:80");
@@ -571,12 +653,16 @@ mod tests {
         let derived = rules().derive(&pod, None);
         assert_eq!(url_of(&derived), Some("http://10.1.2.3:9000"));
         let reasons: Vec<_> = derived.rejections.iter().map(|r| r.reason).collect();
+        // pod-ip gave the address before tailscale was tried.
+        assert_eq!(reasons, [Reason::UrlNotAllowed]);
+        pod.pod_ip = None;
+        let derived = rules().derive(&pod, None);
+        assert_eq!(derived.state, PodState::NoAddress);
+        let reasons: Vec<_> = derived.rejections.iter().map(|r| r.reason).collect();
         assert_eq!(
             reasons,
             [Reason::UrlNotAllowed, Reason::TailscaleNotAllowed]
         );
-        pod.pod_ip = None;
-        assert_eq!(rules().derive(&pod, None).state, PodState::NoAddress);
     }
 
     #[test]

@@ -332,6 +332,12 @@ pub async fn settle(api: &FakeKubeApi, proxy: &TestProxy) {
     .await;
 }
 
+/// The `metadata.uid` the API server gave pod `name` (of namespace `gpu`).
+pub fn uid_of(api: &FakeKubeApi, name: &str) -> String {
+    let pod = api.pod(NS, name).unwrap_or_else(|| panic!("no pod {name}"));
+    pod["metadata"]["uid"].as_str().expect("a uid").to_owned()
+}
+
 /// Creates pod `name`, Running and Ready at `ip:port` (its containerPort named `http`).
 pub fn serve_pod(api: &FakeKubeApi, name: &str, ip: &str, port: u16) {
     api.create(PodBuilder::new(name).ip(ip).http_port(port).json());
