@@ -3,7 +3,8 @@
 //! Pure functions over [`PodFacts`], the few fields of a pod tongs needs (kept instead of the whole
 //! object, so 5,000 pods cost little memory). An address taken from an annotation is used only if the
 //! allowlist allows it: whoever can annotate a pod must not be able to make tongs send traffic anywhere
-//! they like. Addresses from the API
+//! they like (and the SaladCloud key never follows an annotation: a SaladCloud pod's gateway URL is
+//! looked up so the API can confirm it, see [`crate::upstream::GatewayKey`]). Addresses from the API
 //! server (`status.podIP`) and from the SaladCloud API are trusted, and come before the Tailscale
 //! address a node registers itself (`tailscale` last, see [`Rules::other_source`]).
 
@@ -329,7 +330,10 @@ impl Rules {
     }
 
     /// The first rule (but `skip`) that gives `pod` an address, and the address. Sets `wants_lookup`
-    /// when the salad-api rule needs the pod's container group looked up in the SaladCloud API.
+    /// when the pod's container group should be looked up in the SaladCloud API: for the salad-api
+    /// rule, whose address it is, and for a SaladCloud pod's `https://` url annotation, which gets the
+    /// SaladCloud key only once the API confirms the host is the group's gateway
+    /// ([`crate::upstream::GatewayKey`]).
     fn address(
         &self,
         pod: &PodFacts,
@@ -344,7 +348,18 @@ impl Rules {
                 continue;
             }
             let url = match rule {
-                Rule::Url => self.url_rule(pod, rejections),
+                Rule::Url => {
+                    let url = self.url_rule(pod, rejections);
+                    if lookups
+                        && gateway_host.is_none()
+                        && url
+                            .as_ref()
+                            .is_some_and(|(_, parsed)| parsed.scheme == http::uri::Scheme::HTTPS)
+                    {
+                        *wants_lookup = true;
+                    }
+                    url
+                }
                 Rule::Tailscale => self.tailscale_rule(pod, rejections),
                 Rule::SaladApi if lookups => match gateway_host {
                     Some(host) => EndpointUrl::parse(&format!("https://{host}"))
@@ -597,9 +612,22 @@ mod tests {
         let derived = rules().derive(&pod, Some("plum-2.salad.cloud"));
         assert_eq!(url_of(&derived), Some("https://plum-2.salad.cloud"));
         assert!(!derived.wants_lookup);
-        // An earlier rule that gives an address makes the lookup moot.
+        // An earlier rule that gives a plain-HTTP address makes the lookup moot.
+        let plain = with(pod.clone(), "tongs.dev/url", "http://100.64.0.9:8000");
+        assert!(!rules().derive(&plain, None).wants_lookup);
+        // A gateway URL in the annotation serves at once, and is looked up all the same: only the
+        // SaladCloud API can say the host is this group's gateway (and so may get the key).
         let annotated = with(pod, "tongs.dev/url", "https://x.salad.cloud");
-        assert!(!rules().derive(&annotated, None).wants_lookup);
+        let derived = rules().derive(&annotated, None);
+        assert_eq!(url_of(&derived), Some("https://x.salad.cloud"));
+        assert!(derived.wants_lookup);
+        let derived = rules().derive(&annotated, Some("other.salad.cloud"));
+        assert_eq!(url_of(&derived), Some("https://x.salad.cloud"));
+        assert!(!derived.wants_lookup);
+        // Not a SaladCloud pod: no group to ask about.
+        let mut ordinary = annotated;
+        ordinary.salad = false;
+        assert!(!rules().derive(&ordinary, None).wants_lookup);
     }
 
     #[test]
