@@ -102,7 +102,7 @@ impl Parts {
         self.health.store(Arc::new(config.health.clone()));
         // The key file is read again, so a rotated Secret takes effect with the next reload.
         match config.salad.api_key() {
-            Ok(key) => self.gateway_key.set(&config.salad, key.as_deref()),
+            Ok(key) => self.gateway_key.set(config, key.as_deref()),
             Err(err) => errors.push(AppError::SaladKey(err)),
         }
         self.registry.replace(EndpointSpec::from_config(config));
@@ -380,6 +380,7 @@ impl App {
                 status: Arc::clone(&parts.discovery),
                 readiness: Arc::clone(&parts.readiness),
                 salad,
+                gateway_key: Arc::clone(&parts.gateway_key),
             }
             .run(discovery_stop.clone()),
         );

@@ -29,7 +29,8 @@ pub struct KubernetesConfig {
     pub field_selector: String,
     /// Serve a pod only while its Ready condition is true (besides Running and not terminating).
     pub require_ready: bool,
-    /// How a pod becomes an endpoint: the first rule that yields an address wins.
+    /// How a pod becomes an endpoint: the first rule that yields an address wins. With registration
+    /// on, `tailscale` must come after every other rule listed (see [`RegistrationConfig`]).
     pub rules: Vec<Rule>,
     pub annotations: AnnotationKeys,
     /// The containerPort name the `pod-ip` rule uses when the port annotation is absent.
@@ -56,7 +57,9 @@ impl Default for KubernetesConfig {
             label_selector: String::new(),
             field_selector: String::new(),
             require_ready: true,
-            rules: vec![Rule::Url, Rule::Tailscale, Rule::SaladApi, Rule::PodIp],
+            // Addresses the API server or the SaladCloud API vouch for, and the url annotation, come
+            // before the Tailscale address a node registers itself.
+            rules: vec![Rule::Url, Rule::SaladApi, Rule::PodIp, Rule::Tailscale],
             annotations: AnnotationKeys::default(),
             port_name: "http".into(),
             allow: vec![
@@ -120,11 +123,26 @@ impl Default for AnnotationKeys {
 }
 
 /// `POST /v1/nodes/register` on the admin port: a node reports its Tailscale address.
+///
+/// A registration needs two things: the fleet's token (this file, `Authorization: Bearer`), which keeps
+/// out whoever is not a node, and the pod's own `metadata.uid`, which ties the registration to the one
+/// pod the caller runs as (`discovery::register` says why the UID, and who knows it). A
+/// registration fills only the Tailscale address of a pod no other rule gives an address, and
+/// `tailscale` must come last in `rules`, so a registered address never overrides one from the API
+/// server, the SaladCloud API or the url annotation.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RegistrationConfig {
-    /// A file holding the token nodes present (`Authorization: Bearer`); unset turns registration off.
+    /// A file holding the fleet's token nodes present (`Authorization: Bearer`), besides their pod's
+    /// UID in the body; unset turns registration off.
     pub token_file: Option<PathBuf>,
+}
+
+impl RegistrationConfig {
+    /// Whether nodes may register.
+    pub fn enabled(&self) -> bool {
+        self.token_file.is_some()
+    }
 }
 
 /// One entry of the allowlist, parsed.
@@ -237,6 +255,22 @@ fn parse_port(pattern: &str, port: &str) -> Result<u16, String> {
 }
 
 impl KubernetesConfig {
+    /// With registration on, the first rule listed after `tailscale` (which a registered address would
+    /// then override); none when `tailscale` is last, absent, or registration is off.
+    fn registration_outranked(&self) -> Option<&'static str> {
+        if !self.registration.enabled() {
+            return None;
+        }
+        let at = self
+            .rules
+            .iter()
+            .position(|rule| *rule == Rule::Tailscale)?;
+        self.rules[at + 1..]
+            .iter()
+            .find(|rule| **rule != Rule::Tailscale)
+            .map(|rule| rule.name())
+    }
+
     /// The allowlist, parsed; entries that do not parse are left out (validation reports them).
     pub fn allow_rules(&self) -> Vec<AllowRule> {
         self.allow
@@ -312,6 +346,17 @@ impl KubernetesConfig {
                     format!("{} is listed twice", rule.name()),
                 );
             }
+        }
+        if let Some(trusted) = self.registration_outranked() {
+            problem(
+                "rules",
+                format!(
+                    "with registration on (registration.token_file), tailscale must come after {trusted}: \
+                     an address a node registers must never override one from the API server, the \
+                     SaladCloud API or the url annotation; list tailscale last, e.g. \
+                     [url, salad-api, pod-ip, tailscale]"
+                ),
+            );
         }
         if let Some(path) = &self.kubeconfig
             && !path.is_file()
@@ -535,5 +580,49 @@ mod tests {
                 "discovery.kubernetes.rules[1]"
             ]
         );
+    }
+
+    #[test]
+    fn with_registration_on_tailscale_comes_last() {
+        let with = |rules: Vec<Rule>, token: bool| KubernetesConfig {
+            enabled: true,
+            label_selector: "app=llm".into(),
+            rules,
+            registration: RegistrationConfig {
+                token_file: token.then(|| PathBuf::from("/etc/tongs-registration/token")),
+            },
+            ..KubernetesConfig::default()
+        };
+        let problems = |config: KubernetesConfig| {
+            let mut problems = Vec::new();
+            config.validate(&mut problems);
+            problems
+        };
+        // The default order, and any order without registration, pass.
+        assert!(problems(with(KubernetesConfig::default().rules, true)).is_empty());
+        assert!(problems(with(vec![Rule::Tailscale], true)).is_empty());
+        assert!(problems(with(vec![Rule::Url, Rule::PodIp], true)).is_empty());
+        assert!(problems(with(vec![Rule::Tailscale, Rule::PodIp], false)).is_empty());
+        for (rules, outranked) in [
+            (
+                vec![Rule::Url, Rule::Tailscale, Rule::SaladApi, Rule::PodIp],
+                "salad-api",
+            ),
+            (vec![Rule::Tailscale, Rule::PodIp], "pod-ip"),
+            (vec![Rule::Tailscale, Rule::Url], "url"),
+        ] {
+            let found = problems(with(rules, true));
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert_eq!(found[0].field, "discovery.kubernetes.rules");
+            assert!(
+                found[0].message.contains(&format!("after {outranked}"))
+                    && found[0].message.contains("registration.token_file")
+                    && found[0]
+                        .message
+                        .contains("[url, salad-api, pod-ip, tailscale]"),
+                "{}",
+                found[0].message
+            );
+        }
     }
 }

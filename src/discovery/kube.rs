@@ -9,7 +9,9 @@
 //!
 //! SaladCloud pods need their gateway host from the SaladCloud API: lookups run beside the watch (at
 //! most [`LOOKUP_CONCURRENCY`] at once, retried with backoff while the group has no gateway yet), are
-//! cached by pod UID, and are optionally written back into the pod's URL annotation.
+//! cached by pod UID (and kept across a restart of the watch), and are optionally written back into
+//! the pod's URL annotation. The hosts found are the gateways the SaladCloud key may go to
+//! ([`GatewayKey::confirm`]): a gateway named only by an annotation gets no key.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -30,6 +32,7 @@ use super::salad::{Group, LookupError, SaladApi};
 use crate::config::KubernetesConfig;
 use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
+use crate::upstream::GatewayKey;
 
 /// The registry source this module writes.
 pub const SOURCE: &str = "kubernetes";
@@ -68,6 +71,8 @@ pub struct Tracker {
     relist: Option<HashMap<Arc<str>, PodFacts>>,
     /// Gateway hosts found through the SaladCloud API, by pod UID.
     gateways: HashMap<String, String>,
+    /// `gateways` changed since [`Tracker::take_gateway_hosts`] last read it.
+    gateways_changed: bool,
     /// What changed in the endpoints since the registry last heard.
     changes: Changes,
     /// Pods by [`PodState`], kept as pods come and go (a count over thousands on every event would
@@ -89,14 +94,34 @@ pub struct Changes {
 
 impl Tracker {
     pub fn new(rules: Arc<Rules>) -> Tracker {
+        Tracker::with_gateways(rules, HashMap::new())
+    }
+
+    /// A tracker that already knows these gateway hosts (by pod UID), found by an earlier watch: the
+    /// SaladCloud API's answers do not depend on discovery's settings, and the first list drops those
+    /// of pods that are gone.
+    pub fn with_gateways(rules: Arc<Rules>, gateways: HashMap<String, String>) -> Tracker {
         Tracker {
             rules,
             pods: BTreeMap::new(),
             relist: None,
-            gateways: HashMap::new(),
+            gateways_changed: true,
+            gateways,
             changes: Changes::default(),
             counts: [0; 3],
         }
+    }
+
+    /// The gateway host the SaladCloud API gave for the pod with `uid`.
+    pub fn gateway(&self, uid: &str) -> Option<&str> {
+        self.gateways.get(uid).map(String::as_str)
+    }
+
+    /// Every gateway host the SaladCloud API gave for a pod watched now, if they changed since the
+    /// last call.
+    pub fn take_gateway_hosts(&mut self) -> Option<HashSet<String>> {
+        std::mem::take(&mut self.gateways_changed)
+            .then(|| self.gateways.values().cloned().collect())
     }
 
     fn count(&mut self, state: PodState, delta: i64) {
@@ -143,7 +168,9 @@ impl Tracker {
                 }
                 let uids: HashSet<&str> =
                     self.pods.values().map(|t| t.facts.uid.as_str()).collect();
+                let known = self.gateways.len();
                 self.gateways.retain(|uid, _| uids.contains(uid.as_str()));
+                self.gateways_changed |= self.gateways.len() != known;
                 status.listed();
                 true
             }
@@ -168,7 +195,7 @@ impl Tracker {
                 match self.pods.remove(&facts.key) {
                     Some(gone) => {
                         self.count(gone.derived.state, -1);
-                        self.gateways.remove(&gone.facts.uid);
+                        self.gateways_changed |= self.gateways.remove(&gone.facts.uid).is_some();
                         if let Some(spec) = gone.derived.spec {
                             self.changes.removed.push(spec.url);
                         }
@@ -273,6 +300,7 @@ impl Tracker {
             self.pods.insert(Arc::clone(&tracked.facts.key), tracked);
             return false;
         }
+        self.gateways_changed |= self.gateways.get(uid) != Some(&host);
         self.gateways.insert(uid.to_owned(), host);
         self.count(tracked.derived.state, -1);
         let facts = tracked.facts.clone();
@@ -287,6 +315,8 @@ pub struct Discovery {
     pub status: Arc<super::Status>,
     pub readiness: Arc<Readiness>,
     pub salad: Option<SaladApi>,
+    /// Told which gateway hosts the SaladCloud API confirmed.
+    pub gateway_key: Arc<GatewayKey>,
 }
 
 impl Discovery {
@@ -299,6 +329,7 @@ impl Discovery {
             if !current.enabled {
                 status.set_watched(None);
                 self.registry.set_source(SOURCE, Vec::new());
+                self.gateway_key.confirm(HashSet::new());
                 self.readiness.set_synced();
             }
             tokio::select! {
@@ -328,10 +359,14 @@ impl Discovery {
             watch_config = watch_config.fields(&config.field_selector);
         }
         let rules = Arc::new(Rules::new(config, self.salad.is_some()));
+        let known = status
+            .watched()
+            .map(|before| before.tracker().gateways.clone())
+            .unwrap_or_default();
         let watched = Arc::new(Watched {
             client: client.clone(),
             rules: Arc::clone(&rules),
-            tracker: Mutex::new(Tracker::new(rules)),
+            tracker: Mutex::new(Tracker::with_gateways(rules, known)),
         });
         status.set_watched(Some(Arc::clone(&watched)));
         tracing::info!(
@@ -397,6 +432,9 @@ impl Discovery {
     }
 
     fn publish(&self, tracker: &mut Tracker, status: &Status) {
+        if let Some(hosts) = tracker.take_gateway_hosts() {
+            self.gateway_key.confirm(hosts);
+        }
         status.set_pods(tracker.counts());
         let changes = tracker.take_changes();
         if changes.full {
@@ -657,5 +695,30 @@ mod tests {
         assert_eq!(counted, 1);
         // It still serves through its podIP.
         assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+    }
+
+    #[test]
+    fn the_confirmed_gateway_hosts_follow_the_pods() {
+        let status = Status::default();
+        let known = HashMap::from([
+            ("uid-a".to_owned(), "a.salad.cloud".to_owned()),
+            ("uid-gone".to_owned(), "gone.salad.cloud".to_owned()),
+        ]);
+        let rules = Arc::new(Rules::new(&KubernetesConfig::default(), true));
+        let mut tracker = Tracker::with_gateways(rules, known);
+        // What an earlier watch found is kept until the first list says which pods remain.
+        tracker.on_event(Event::Init, &status);
+        tracker.on_event(Event::InitApply(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.on_event(Event::InitDone, &status);
+        assert_eq!(tracker.gateway("uid-a"), Some("a.salad.cloud"));
+        assert_eq!(
+            tracker.take_gateway_hosts(),
+            Some(HashSet::from(["a.salad.cloud".to_owned()]))
+        );
+        assert_eq!(tracker.take_gateway_hosts(), None, "nothing changed since");
+        tracker.on_event(Event::Apply(pod("a", "10.0.0.2", "Running")), &status);
+        assert_eq!(tracker.take_gateway_hosts(), None);
+        tracker.on_event(Event::Delete(pod("a", "10.0.0.2", "Running")), &status);
+        assert_eq!(tracker.take_gateway_hosts(), Some(HashSet::new()));
     }
 }

@@ -31,13 +31,15 @@ use crate::config::KubernetesConfig;
 use crate::metrics::DiscoveryFigures;
 
 /// Outcomes of a registration, as counted.
-pub const REGISTRATION_RESULTS: [&str; 7] = [
+pub const REGISTRATION_RESULTS: [&str; 9] = [
     "registered",
     "unchanged",
     "unauthorized",
     "bad-request",
     "unknown-pod",
+    "wrong-uid",
     "not-allowed",
+    "has-address",
     "failed",
 ];
 
@@ -55,13 +57,13 @@ pub struct Status {
     rejections: [AtomicU64; 8],
     watch_errors: AtomicU64,
     lists: AtomicU64,
-    registrations: [AtomicU64; 7],
+    registrations: [AtomicU64; 9],
     lookups: [AtomicU64; 3],
     /// The watch in force: its client and pods (for registration).
     watched: ArcSwapOption<Watched>,
     /// The configuration discovery follows (a reload sends a new one).
     config: tokio::sync::watch::Sender<KubernetesConfig>,
-    /// The token nodes present to register.
+    /// The fleet's token nodes present to register (besides their pod's UID).
     registration_token: ArcSwapOption<String>,
 }
 

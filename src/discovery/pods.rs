@@ -2,9 +2,11 @@
 //!
 //! Pure functions over [`PodFacts`], the few fields of a pod tongs needs (kept instead of the whole
 //! object, so 5,000 pods cost little memory). An address taken from an annotation is used only if the
-//! allowlist allows it: whoever can annotate a pod must not be able to make tongs send traffic (with the
-//! SaladCloud key attached) anywhere they like. Addresses from the API server (`status.podIP`) and from
-//! the SaladCloud API are trusted.
+//! allowlist allows it: whoever can annotate a pod must not be able to make tongs send traffic anywhere
+//! they like (and the SaladCloud key never follows an annotation: a SaladCloud pod's gateway URL is
+//! looked up so the API can confirm it, see [`crate::upstream::GatewayKey`]). Addresses from the API
+//! server (`status.podIP`) and from the SaladCloud API are trusted, and come before the Tailscale
+//! address a node registers itself (`tailscale` last, see [`Rules::other_source`]).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -265,28 +267,7 @@ impl Rules {
         }
         let keys = &self.config.annotations;
         let mut wants_lookup = false;
-        let mut found = None;
-        for &rule in &self.config.rules {
-            let url = match rule {
-                Rule::Url => self.url_rule(pod, &mut rejections),
-                Rule::Tailscale => self.tailscale_rule(pod, &mut rejections),
-                Rule::SaladApi if pod.salad && self.salad_api => match gateway_host {
-                    Some(host) => EndpointUrl::parse(&format!("https://{host}"))
-                        .ok()
-                        .map(|parsed| (format!("https://{host}"), parsed)),
-                    None => {
-                        wants_lookup = true;
-                        None
-                    }
-                },
-                Rule::SaladApi => None,
-                Rule::PodIp => self.pod_ip_rule(pod, &mut rejections),
-            };
-            if let Some(url) = url {
-                found = Some((rule, url));
-                break;
-            }
-        }
+        let found = self.address(pod, gateway_host, &mut rejections, &mut wants_lookup, None);
         let weight = match pod.annotation(&keys.weight) {
             None => 1,
             Some(text) => match text.parse::<u32>() {
@@ -346,6 +327,73 @@ impl Rules {
             // the order) takes over once the gateway is known.
             wants_lookup,
         }
+    }
+
+    /// The first rule (but `skip`) that gives `pod` an address, and the address. Sets `wants_lookup`
+    /// when the pod's container group should be looked up in the SaladCloud API: for the salad-api
+    /// rule, whose address it is, and for a SaladCloud pod's `https://` url annotation, which gets the
+    /// SaladCloud key only once the API confirms the host is the group's gateway
+    /// ([`crate::upstream::GatewayKey`]).
+    fn address(
+        &self,
+        pod: &PodFacts,
+        gateway_host: Option<&str>,
+        rejections: &mut Vec<Rejection>,
+        wants_lookup: &mut bool,
+        skip: Option<Rule>,
+    ) -> Option<(Rule, (String, EndpointUrl))> {
+        let lookups = pod.salad && self.salad_api;
+        for &rule in &self.config.rules {
+            if Some(rule) == skip {
+                continue;
+            }
+            let url = match rule {
+                Rule::Url => {
+                    let url = self.url_rule(pod, rejections);
+                    if lookups
+                        && gateway_host.is_none()
+                        && url
+                            .as_ref()
+                            .is_some_and(|(_, parsed)| parsed.scheme == http::uri::Scheme::HTTPS)
+                    {
+                        *wants_lookup = true;
+                    }
+                    url
+                }
+                Rule::Tailscale => self.tailscale_rule(pod, rejections),
+                Rule::SaladApi if lookups => match gateway_host {
+                    Some(host) => EndpointUrl::parse(&format!("https://{host}"))
+                        .ok()
+                        .map(|parsed| (format!("https://{host}"), parsed)),
+                    None => {
+                        *wants_lookup = true;
+                        None
+                    }
+                },
+                Rule::SaladApi => None,
+                Rule::PodIp => self.pod_ip_rule(pod, rejections),
+            };
+            if let Some(url) = url {
+                return Some((rule, url));
+            }
+        }
+        None
+    }
+
+    /// The rule other than `tailscale` that gives `pod` an address now, whatever its phase: a node's
+    /// registration must not fill the Tailscale address of such a pod (`discovery::register`).
+    /// A salad-api lookup still under way gives none yet; once it does, salad-api (listed before
+    /// `tailscale`, as validation requires) takes over from the registered address.
+    pub fn other_source(&self, pod: &PodFacts, gateway_host: Option<&str>) -> Option<Rule> {
+        let (mut ignored, mut lookup) = (Vec::new(), false);
+        self.address(
+            pod,
+            gateway_host,
+            &mut ignored,
+            &mut lookup,
+            Some(Rule::Tailscale),
+        )
+        .map(|(rule, _)| rule)
     }
 
     fn url_rule(
@@ -505,11 +553,18 @@ mod tests {
         assert_eq!(url_of(&derived), Some("https://a-b.salad.cloud"));
         assert_eq!(derived.rule, Some(Rule::Url));
         pod.annotations.remove("tongs.dev/url");
+        // The podIP (from the API server) comes before the Tailscale address a node registers.
+        assert_eq!(
+            url_of(&rules().derive(&pod, None)),
+            Some("http://10.1.2.3:8080")
+        );
+        pod.pod_ip = None;
         assert_eq!(
             url_of(&rules().derive(&pod, None)),
             Some("http://100.64.1.2:8000")
         );
         pod.annotations.clear();
+        pod.pod_ip = Some("10.1.2.3".parse().unwrap());
         assert_eq!(
             url_of(&rules().derive(&pod, None)),
             Some("http://10.1.2.3:8080")
@@ -557,9 +612,64 @@ mod tests {
         let derived = rules().derive(&pod, Some("plum-2.salad.cloud"));
         assert_eq!(url_of(&derived), Some("https://plum-2.salad.cloud"));
         assert!(!derived.wants_lookup);
-        // An earlier rule that gives an address makes the lookup moot.
+        // An earlier rule that gives a plain-HTTP address makes the lookup moot.
+        let plain = with(pod.clone(), "tongs.dev/url", "http://100.64.0.9:8000");
+        assert!(!rules().derive(&plain, None).wants_lookup);
+        // A gateway URL in the annotation serves at once, and is looked up all the same: only the
+        // SaladCloud API can say the host is this group's gateway (and so may get the key).
         let annotated = with(pod, "tongs.dev/url", "https://x.salad.cloud");
-        assert!(!rules().derive(&annotated, None).wants_lookup);
+        let derived = rules().derive(&annotated, None);
+        assert_eq!(url_of(&derived), Some("https://x.salad.cloud"));
+        assert!(derived.wants_lookup);
+        let derived = rules().derive(&annotated, Some("other.salad.cloud"));
+        assert_eq!(url_of(&derived), Some("https://x.salad.cloud"));
+        assert!(!derived.wants_lookup);
+        // Not a SaladCloud pod: no group to ask about.
+        let mut ordinary = annotated;
+        ordinary.salad = false;
+        assert!(!rules().derive(&ordinary, None).wants_lookup);
+    }
+
+    #[test]
+    fn other_sources_than_tailscale_are_named_for_registration() {
+        let registered = with(facts(), "tongs.dev/tailscale-address", "100.64.1.2:8000");
+        assert_eq!(rules().other_source(&registered, None), None);
+        let mut pending = registered.clone();
+        pending.phase = "Pending".into();
+        assert_eq!(rules().other_source(&pending, None), None);
+        // A podIP, whatever the phase.
+        let mut with_ip = pending.clone();
+        with_ip.pod_ip = Some("10.1.2.3".parse().unwrap());
+        with_ip.named_port = Some(8000);
+        assert_eq!(rules().other_source(&with_ip, None), Some(Rule::PodIp));
+        // A loopback podIP gives no address, so it does not count.
+        with_ip.pod_ip = Some("127.0.0.1".parse().unwrap());
+        assert_eq!(rules().other_source(&with_ip, None), None);
+        // A url annotation, when the allowlist admits it.
+        let url = with(registered.clone(), "tongs.dev/url", "https://a.salad.cloud");
+        assert_eq!(rules().other_source(&url, None), Some(Rule::Url));
+        let refused = with(registered.clone(), "tongs.dev/url", "https://evil.example");
+        assert_eq!(rules().other_source(&refused, None), None);
+        // A SaladCloud gateway, once the API has named it.
+        let mut salad = registered;
+        salad.salad = true;
+        assert_eq!(rules().other_source(&salad, None), None);
+        assert_eq!(
+            rules().other_source(&salad, Some("plum.salad.cloud")),
+            Some(Rule::SaladApi)
+        );
+        // Only listed rules count.
+        let only_tailscale = Rules::new(
+            &KubernetesConfig {
+                rules: vec![Rule::Tailscale],
+                ..KubernetesConfig::default()
+            },
+            true,
+        );
+        assert_eq!(
+            only_tailscale.other_source(&salad, Some("plum.salad.cloud")),
+            None
+        );
     }
 
     #[test]
@@ -571,12 +681,16 @@ mod tests {
         let derived = rules().derive(&pod, None);
         assert_eq!(url_of(&derived), Some("http://10.1.2.3:9000"));
         let reasons: Vec<_> = derived.rejections.iter().map(|r| r.reason).collect();
+        // pod-ip gave the address before tailscale was tried.
+        assert_eq!(reasons, [Reason::UrlNotAllowed]);
+        pod.pod_ip = None;
+        let derived = rules().derive(&pod, None);
+        assert_eq!(derived.state, PodState::NoAddress);
+        let reasons: Vec<_> = derived.rejections.iter().map(|r| r.reason).collect();
         assert_eq!(
             reasons,
             [Reason::UrlNotAllowed, Reason::TailscaleNotAllowed]
         );
-        pod.pod_ip = None;
-        assert_eq!(rules().derive(&pod, None).state, PodState::NoAddress);
     }
 
     #[test]

@@ -3,19 +3,63 @@
 //! A GPU node that comes online reports the address it can be reached at (its Tailscale `IP:port`):
 //!
 //! ```json
-//! {"namespace": "gpu", "pod": "llm-7d9f-abcde", "address": "100.101.102.103:8000"}
+//! {"namespace": "gpu", "pod": "llm-7d9f-abcde", "uid": "4b1e0f6e-...", "address": "100.101.102.103:8000"}
 //! ```
 //!
-//! with `Authorization: Bearer <token>` (the Secret in `discovery.kubernetes.registration.token_file`,
-//! compared in constant time). tongs checks that the pod is one it watches (so it exists and matches
-//! the namespace and selectors), that the address is in the allowlist, and writes the pod's Tailscale
-//! annotation. Every tongs replica then learns the address through its own pod watch: registration
-//! keeps no state in tongs, and any replica may answer it.
+//! with `Authorization: Bearer <token>`. tongs checks that the pod is one it watches (so it exists and
+//! matches the namespace and selectors), that `uid` is that pod's, that the address is in the allowlist
+//! and that no other rule gives the pod an address, and writes the pod's Tailscale annotation. Every
+//! tongs replica then learns the address through its own pod watch: registration keeps no state in
+//! tongs, and any replica may answer it.
+//!
+//! # Who may register what
+//!
+//! A registration is tied to its caller by two proofs, each compared in constant time:
+//!
+//! - **the fleet's token** (the Secret in `discovery.kubernetes.registration.token_file`): every node
+//!   holds the same one. It keeps out whoever is not a node, and nothing more: alone it registers
+//!   nothing.
+//! - **the pod's `metadata.uid`**: the API server draws it at random (a version-4 UUID) when it creates
+//!   the pod, and a node learns its own one — on SaladCloud from `POD_METADATA_YAML`, the pod's metadata
+//!   as JSON that the Virtual Kubelet passes to the container; on interLink from an environment variable
+//!   with `valueFrom.fieldRef.fieldPath: metadata.uid`, which interLink resolves — and never another
+//!   pod's: a SaladCloud or interLink node has no credentials for the Kubernetes API, and tongs tells
+//!   nodes nothing about other pods.
+//!
+//! So a node whose container an attacker controls can register **its own pod only** (at any address
+//! the allowlist admits: traffic it would receive anyway), and only while that pod has no other address
+//! (below); it cannot register another pod (its UID is unknown to the node, and guessing 122 random
+//! bits is hopeless), and a pod replaced under the same name has a new UID, so the old node's
+//! registrations stop working. Who *can* register a pod: whoever holds the fleet's token **and** can
+//! read that pod's UID — besides the node, anyone allowed to `get` the pod or its events (and, on
+//! SaladCloud, anyone who can read the container group's environment in the SaladCloud project).
+//! On SaladCloud the token itself is a literal environment variable of the pod spec (the Virtual
+//! Kubelet resolves no `valueFrom`), so reading pods is enough there: grant it to no one you would not
+//! let annotate pods. The admin port answers in plain HTTP: reach it through the tailnet.
+//!
+//! Why not the alternatives the design started from. A per-pod token (an HMAC of `namespace/pod` under
+//! a key only tongs holds) needs a channel that gives each pod its own token: on SaladCloud that is only
+//! a literal environment variable of the pod spec, which the pod's creator must compute — impossible
+//! for the replicas of a Deployment, whose names the API server picks — and anyone who can read the pod
+//! reads it, exactly as they read the UID. A TokenReview of the pod's service-account token would bind
+//! the pod best, but the SaladCloud Virtual Kubelet mounts no volumes (no service-account token at all),
+//! and interLink projects one only with its projected volumes enabled (its installer disables them by
+//! default). The UID is what every node has, on both, with no work for the operator.
+//!
+//! # What a registration may change
+//!
+//! Only the Tailscale annotation of a pod that no other rule gives an address: a pod with a podIP
+//! (`pod-ip`), a gateway the SaladCloud API named (`salad-api`) or a url annotation the allowlist
+//! admits (`url`) is refused with 409 `has-address`, and with registration on, `tailscale` must come
+//! last in `discovery.kubernetes.rules` (config validation), so an address the API server or the
+//! SaladCloud API gives later still takes precedence over a registered one. The merge patch carries
+//! the UID as a precondition, so it cannot land on a pod that replaced the one tongs checked.
 
 use super::object::WatchedPod;
 use http::StatusCode;
 use kube::api::{Api, Patch, PatchParams};
 use serde::Deserialize;
+use subtle::ConstantTimeEq;
 
 use super::Status;
 use super::pods::parse_address;
@@ -29,6 +73,8 @@ pub const MAX_BODY_BYTES: usize = 16 * 1024;
 pub struct Registration {
     pub namespace: String,
     pub pod: String,
+    /// The pod's `metadata.uid`: the proof that the caller runs as this pod.
+    pub uid: String,
     pub address: String,
 }
 
@@ -55,10 +101,10 @@ fn answer(status: StatusCode, result: &'static str, detail: String, counted: &St
     }
 }
 
-/// Whether `given` is the expected token, in time that does not depend on where they differ.
-pub fn token_matches(given: &str, expected: &str) -> bool {
-    let (a, b) = (given.trim().as_bytes(), expected.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+/// Whether `given` (surrounding whitespace ignored) is `expected`, in time that does not depend on
+/// where they differ.
+pub fn secret_matches(given: &str, expected: &str) -> bool {
+    bool::from(given.trim().as_bytes().ct_eq(expected.as_bytes()))
 }
 
 /// Handles one registration. `authorization` is the request's `Authorization` header.
@@ -77,7 +123,7 @@ pub async fn register(
         );
     };
     let given = authorization.and_then(|v| v.strip_prefix("Bearer "));
-    if !given.is_some_and(|given| token_matches(given, token)) {
+    if !given.is_some_and(|given| secret_matches(given, token)) {
         return answer(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
@@ -92,7 +138,8 @@ pub async fn register(
                 StatusCode::BAD_REQUEST,
                 "bad-request",
                 format!(
-                    "body must be JSON {{\"namespace\", \"pod\", \"address\": \"IP:port\"}}: {err}"
+                    "body must be JSON {{\"namespace\", \"pod\", \"uid\" (the pod's metadata.uid), \
+                     \"address\": \"IP:port\"}}: {err}"
                 ),
                 status,
             );
@@ -118,31 +165,57 @@ pub async fn register(
         );
     };
     let key = format!("{}/{}", registration.namespace, registration.pod);
-    let current = {
+    let annotation = watched.rules.config().annotations.tailscale_address.clone();
+    let (uid, current, other) = {
         let tracker = watched.tracker();
-        match tracker.pod(&key) {
-            Some(pod) => pod
-                .annotations
-                .get(&watched.rules.config().annotations.tailscale_address)
-                .cloned(),
-            None => {
-                drop(tracker);
-                return answer(
-                    StatusCode::NOT_FOUND,
-                    "unknown-pod",
-                    format!(
-                        "pod {key} is not among the pods tongs watches (namespace, label and field selectors)"
-                    ),
-                    status,
-                );
-            }
+        let Some(pod) = tracker.pod(&key) else {
+            drop(tracker);
+            return answer(
+                StatusCode::NOT_FOUND,
+                "unknown-pod",
+                format!(
+                    "pod {key} is not among the pods tongs watches (namespace, label and field selectors)"
+                ),
+                status,
+            );
+        };
+        // An empty UID (a pod object without one) matches nothing.
+        if pod.uid.is_empty() || !secret_matches(&registration.uid, &pod.uid) {
+            drop(tracker);
+            return answer(
+                StatusCode::FORBIDDEN,
+                "wrong-uid",
+                format!(
+                    "uid is not pod {key}'s metadata.uid: a node registers its own pod only (or the \
+                     pod was replaced since the node started)"
+                ),
+                status,
+            );
         }
+        let other = watched.rules.other_source(pod, tracker.gateway(&pod.uid));
+        (
+            pod.uid.clone(),
+            pod.annotations.get(&annotation).cloned(),
+            other,
+        )
     };
     if !watched.rules.allows_address(address) {
         return answer(
             StatusCode::FORBIDDEN,
             "not-allowed",
             format!("pod {key}: address {address} is not in discovery.kubernetes.allow"),
+            status,
+        );
+    }
+    if let Some(rule) = other {
+        return answer(
+            StatusCode::CONFLICT,
+            "has-address",
+            format!(
+                "pod {key} has an address from the {} rule; a registration only fills the Tailscale \
+                 address of a pod with no other",
+                rule.name()
+            ),
             status,
         );
     }
@@ -155,9 +228,10 @@ pub async fn register(
             status,
         );
     }
-    let annotation = watched.rules.config().annotations.tailscale_address.clone();
     let api: Api<WatchedPod> = Api::namespaced(watched.client.clone(), &registration.namespace);
-    let patch = serde_json::json!({ "metadata": { "annotations": { annotation: value } } });
+    // The UID makes the patch conditional: it applies only to the pod whose UID the node proved.
+    let patch =
+        serde_json::json!({ "metadata": { "uid": uid, "annotations": { annotation: value } } });
     match api
         .patch(
             &registration.pod,
@@ -178,6 +252,12 @@ pub async fn register(
             format!("pod {key} no longer exists"),
             status,
         ),
+        Err(kube::Error::Api(err)) if err.code == 409 => answer(
+            StatusCode::FORBIDDEN,
+            "wrong-uid",
+            format!("pod {key} was replaced (its uid changed): {}", err.message),
+            status,
+        ),
         Err(err) => answer(
             StatusCode::BAD_GATEWAY,
             "failed",
@@ -192,12 +272,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tokens_compare_exactly() {
-        assert!(token_matches("s3cret", "s3cret"));
-        assert!(token_matches(" s3cret\n", "s3cret"));
-        assert!(!token_matches("s3cre", "s3cret"));
-        assert!(!token_matches("s3creT", "s3cret"));
-        assert!(!token_matches("", "s3cret"));
+    fn secrets_compare_exactly() {
+        assert!(secret_matches("s3cret", "s3cret"));
+        assert!(secret_matches(" s3cret\n", "s3cret"));
+        assert!(!secret_matches("s3cre", "s3cret"));
+        assert!(!secret_matches("s3creT", "s3cret"));
+        assert!(!secret_matches("s3crett", "s3cret"));
+        assert!(!secret_matches("", "s3cret"));
     }
 
     #[tokio::test]
@@ -211,11 +292,25 @@ mod tests {
         assert_eq!(missing.status, StatusCode::UNAUTHORIZED);
         let malformed = register(&status, Some("t"), Some("Bearer t"), b"{\"pod\":1}").await;
         assert_eq!(malformed.status, StatusCode::BAD_REQUEST);
+        // The old body, without the pod's UID, is refused and says what is missing.
+        let no_uid = register(
+            &status,
+            Some("t"),
+            Some("Bearer t"),
+            br#"{"namespace":"gpu","pod":"a","address":"100.64.0.1:8000"}"#,
+        )
+        .await;
+        assert_eq!(no_uid.status, StatusCode::BAD_REQUEST);
+        let detail = no_uid.body["detail"].as_str().unwrap();
+        assert!(
+            detail.contains("uid") && detail.contains("metadata.uid"),
+            "{detail}"
+        );
         let bad_address = register(
             &status,
             Some("t"),
             Some("Bearer t"),
-            br#"{"namespace":"gpu","pod":"a","address":"100.64.0.1"}"#,
+            br#"{"namespace":"gpu","pod":"a","uid":"u","address":"100.64.0.1"}"#,
         )
         .await;
         assert_eq!(bad_address.status, StatusCode::BAD_REQUEST);
@@ -229,14 +324,14 @@ mod tests {
             &status,
             Some("t"),
             Some("Bearer t"),
-            br#"{"namespace":"gpu","pod":"a","address":"100.64.0.1:8000"}"#,
+            br#"{"namespace":"gpu","pod":"a","uid":"u","address":"100.64.0.1:8000"}"#,
         )
         .await;
         assert_eq!(not_running.status, StatusCode::SERVICE_UNAVAILABLE);
         let counted: Vec<_> = status.registrations().filter(|(_, n)| *n > 0).collect();
         assert_eq!(
             counted,
-            [("unauthorized", 2), ("bad-request", 2), ("failed", 2)]
+            [("unauthorized", 2), ("bad-request", 3), ("failed", 2)]
         );
     }
 }

@@ -5,7 +5,8 @@
 //! endpoint gets its own pool of kept-alive connections. The transport is chosen per endpoint:
 //! - `https://` endpoints (the SaladCloud Container Gateway) are verified against the webpki roots plus
 //!   an optional extra CA file, with SNI taken from the endpoint's host and HTTP/2 used when the server
-//!   offers it by ALPN; those that match `salad.gateways` get the `Salad-Api-Key` ([`gateway_key`]);
+//!   offers it by ALPN; those that match `salad.gateways` and that static config or the SaladCloud API
+//!   vouch for get the `Salad-Api-Key` ([`gateway_key`]);
 //! - Tailscale addresses go through tailscaled's SOCKS5 or HTTP CONNECT proxy when one is configured
 //!   ([`route`]);
 //! - everything else (podIPs) is plain TCP.

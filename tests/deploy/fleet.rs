@@ -228,7 +228,10 @@ fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, proble
          cannot reach whenever no other rule has an address for it; leave pod-ip out of rules"
     );
     let salad_config = &config.salad;
+    // The key reaches a discovered gateway only within salad.gateways and once the SaladCloud API has
+    // confirmed its host (src/upstream/gateway_key.rs): the key, the pattern and salad.api.
     let sends_key = (salad_config.api_key_file.is_some() || salad_config.api_key_env.is_some())
+        && salad_config.api_enabled()
         && salad_config
             .gateway_rules()
             .iter()
@@ -241,8 +244,9 @@ fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, proble
             problems,
             at,
             sends_key,
-            "salad.com/networking-auth is \"true\", but tongs sends no Salad-Api-Key to *.salad.cloud \
-             (salad.api_key_file or api_key_env, and salad.gateways): its heartbeats would fail"
+            "salad.com/networking-auth is \"true\", but tongs sends no Salad-Api-Key to these pods' \
+             gateways (salad.api_key_file or api_key_env, salad.gateways, and salad.api to confirm \
+             each gateway): its heartbeats would fail"
         );
     }
     let via_gateway = kubernetes.rules.contains(&Rule::SaladApi) && salad_config.api_enabled();

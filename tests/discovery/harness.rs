@@ -197,6 +197,16 @@ impl Cluster {
     /// Config text: `discovery.kubernetes` on this cluster in namespace `gpu` with selector
     /// `app=llm` (unless `settings` name others), plus `settings` (YAML lines under `discovery.kubernetes`) and `top` (top-level).
     pub fn config(&self, settings: &[&str], top: &str) -> tongs::config::Config {
+        self.config_and_static(settings, top, &[])
+    }
+
+    /// [`Cluster::config`] with `statics` as `discovery.static` endpoints too.
+    pub fn config_and_static(
+        &self,
+        settings: &[&str],
+        top: &str,
+        statics: &[String],
+    ) -> tongs::config::Config {
         let mut yaml = format!(
             "{top}\ndiscovery:\n  kubernetes:\n    enabled: true\n    kubeconfig: {}\n",
             self.kubeconfig.display()
@@ -209,6 +219,12 @@ impl Cluster {
         }
         for line in settings {
             yaml.push_str(&format!("    {line}\n"));
+        }
+        if !statics.is_empty() {
+            yaml.push_str("  static:\n");
+            for url in statics {
+                yaml.push_str(&format!("    - url: {url}\n"));
+            }
         }
         config_with(&yaml, &[])
     }
@@ -330,6 +346,12 @@ pub async fn settle(api: &FakeKubeApi, proxy: &TestProxy) {
         pods_tracked(proxy).await == before
     })
     .await;
+}
+
+/// The `metadata.uid` the API server gave pod `name` (of namespace `gpu`).
+pub fn uid_of(api: &FakeKubeApi, name: &str) -> String {
+    let pod = api.pod(NS, name).unwrap_or_else(|| panic!("no pod {name}"));
+    pod["metadata"]["uid"].as_str().expect("a uid").to_owned()
 }
 
 /// Creates pod `name`, Running and Ready at `ip:port` (its containerPort named `http`).

@@ -1,13 +1,18 @@
-//! Node self-registration on the admin port: refusals, and a registration that becomes an endpoint
-//! through the pod annotation it writes.
+//! Node self-registration on the admin port: refusals, a registration that becomes an endpoint
+//! through the pod annotation it writes, a node that can register its own pod only (the fleet's token
+//! and its pod's UID), and a registration that never overrides an address from the API server, the
+//! SaladCloud API or a url annotation.
 //!
 //! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
 //! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
+
+use std::collections::BTreeSet;
 
 use http::Request;
 use serde_json::{Value, json};
 
 use crate::harness::*;
+use crate::salad_api::FakeSaladApi;
 use crate::support::*;
 
 async fn register(proxy: &TestProxy, token: Option<&str>, body: &str) -> (u16, Value) {
@@ -38,7 +43,9 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
     assert!(urls(&proxy).await.is_empty(), "node-0 has no address yet");
 
     let address = format!("127.0.0.5:{}", node.port());
-    let good = json!({"namespace": NS, "pod": "node-0", "address": address}).to_string();
+    let uid = uid_of(api, "node-0");
+    let good =
+        json!({"namespace": NS, "pod": "node-0", "uid": uid, "address": address}).to_string();
     let token = Some("s3cret-token");
     assert_eq!(register(&proxy, None, &good).await.0, 401);
     assert_eq!(register(&proxy, Some("s3cret-tokem"), &good).await.0, 401);
@@ -46,13 +53,20 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
         register(&proxy, token, "{\"namespace\": \"gpu\",").await.0,
         400
     );
-    let no_port = json!({"namespace": NS, "pod": "node-0", "address": "127.0.0.5"});
+    let no_port = json!({"namespace": NS, "pod": "node-0", "uid": uid, "address": "127.0.0.5"});
     assert_eq!(register(&proxy, token, &no_port.to_string()).await.0, 400);
-    let ghost = json!({"namespace": NS, "pod": "ghost", "address": address});
+    // The body of old: the token alone, without the pod's UID.
+    let no_uid = json!({"namespace": NS, "pod": "node-0", "address": address});
+    let (status, answer) = register(&proxy, token, &no_uid.to_string()).await;
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer["detail"].as_str().unwrap().contains("metadata.uid"));
+    let ghost = json!({"namespace": NS, "pod": "ghost", "uid": uid, "address": address});
     assert_eq!(register(&proxy, token, &ghost.to_string()).await.0, 404);
-    let unwatched = json!({"namespace": "batch", "pod": "node-1", "address": address});
+    let batch_uid = api.pod("batch", "node-1").unwrap()["metadata"]["uid"].clone();
+    let unwatched =
+        json!({"namespace": "batch", "pod": "node-1", "uid": batch_uid, "address": address});
     assert_eq!(register(&proxy, token, &unwatched.to_string()).await.0, 404);
-    let outside = json!({"namespace": NS, "pod": "node-0", "address": "10.9.8.7:8000"});
+    let outside = json!({"namespace": NS, "pod": "node-0", "uid": uid, "address": "10.9.8.7:8000"});
     let (status, answer) = register(&proxy, token, &outside.to_string()).await;
     assert_eq!(status, 403, "{answer}");
     assert!(
@@ -70,9 +84,10 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
         (patches[0].namespace.as_str(), patches[0].name.as_str()),
         (NS, "node-0")
     );
+    // The UID makes the patch conditional on the very pod the node proved it runs as.
     assert_eq!(
         patches[0].body,
-        json!({"metadata": {"annotations": {"tongs.dev/tailscale-address": address}}})
+        json!({"metadata": {"uid": uid, "annotations": {"tongs.dev/tailscale-address": address}}})
     );
     assert_eq!(patches[0].status, 200);
     let stored = api.pod(NS, "node-0").expect("node-0");
@@ -105,8 +120,9 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
         api.stats().lists_failed >= 1
     })
     .await;
-    let moved =
-        json!({"namespace": NS, "pod": "node-0", "address": format!("127.0.0.6:{}", node.port())});
+    let moved = json!({
+        "namespace": NS, "pod": "node-0", "uid": uid, "address": format!("127.0.0.6:{}", node.port())
+    });
     let (status, answer) = register(&proxy, token, &moved.to_string()).await;
     assert_eq!(
         (status, answer["result"].as_str()),
@@ -121,7 +137,7 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
         ("registered", 1.0),
         ("unchanged", 1.0),
         ("unauthorized", 2.0),
-        ("bad-request", 2.0),
+        ("bad-request", 3.0),
         ("unknown-pod", 3.0),
         ("not-allowed", 1.0),
     ] {
@@ -135,5 +151,278 @@ async fn nodes_register_their_address_through_a_pod_annotation() {
             "{result}"
         );
     }
+    cluster.finish(proxy).await;
+}
+
+/// A registration with the fleet's token: `pod` (of namespace `gpu`) at `address`, proving `uid`.
+async fn register_as(
+    proxy: &TestProxy,
+    pod: &str,
+    uid: Option<&str>,
+    address: &str,
+) -> (u16, Value) {
+    let mut body = json!({"namespace": NS, "pod": pod, "address": address});
+    if let Some(uid) = uid {
+        body["uid"] = json!(uid);
+    }
+    register(proxy, Some(FLEET_TOKEN), &body.to_string()).await
+}
+
+const FLEET_TOKEN: &str = "fleet-token-0f9e";
+
+/// `discovery.kubernetes` lines for loopback pods with registration on (the token in the cluster's
+/// directory).
+fn registering(cluster: &Cluster) -> String {
+    let token_file = cluster.file("fleet-token", FLEET_TOKEN);
+    format!("registration: {{ token_file: {} }}", token_file.display())
+}
+
+async fn registrations(proxy: &TestProxy, result: &str) -> f64 {
+    metric_or_zero(
+        proxy,
+        &format!("tongs_node_registrations_total{{result=\"{result}\"}}"),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_node_holding_the_fleet_token_registers_its_own_pod_only() {
+    let cluster = Cluster::start("tongs-register-own").await;
+    let api = &cluster.api;
+    let node_a = named("127.0.0.5", "node-a").await;
+    let node_b = named("127.0.0.6", "node-b").await;
+    api.create(PodBuilder::new("node-a").json());
+    api.create(PodBuilder::new("node-b").json());
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS, &registering(&cluster)], "")).await;
+    until("/readyz answers 200", || async {
+        admin_get(&proxy, "/readyz").await.0 == 200
+    })
+    .await;
+    let (uid_a, uid_b) = (uid_of(api, "node-a"), uid_of(api, "node-b"));
+    let at_a = format!("127.0.0.5:{}", node_a.port());
+    let at_b = format!("127.0.0.6:{}", node_b.port());
+
+    // Node A's container is compromised: it holds the fleet's token and its own pod's UID, and wants
+    // node-b's traffic. None of its tries changes anything.
+    for (uid, why) in [
+        (None, "the token alone (the body of old)"),
+        (Some(uid_a.as_str()), "its own pod's UID"),
+        (Some(""), "an empty UID"),
+        (
+            Some("00000000-0000-4000-8000-00000000ffff"),
+            "a guessed UID",
+        ),
+    ] {
+        let (status, answer) = register_as(&proxy, "node-b", uid, &at_a).await;
+        assert!(
+            status == 400 || (status == 403 && answer["result"] == "wrong-uid"),
+            "{why}: {status} {answer}"
+        );
+    }
+    assert!(api.patches().is_empty(), "{:?}", api.patches());
+    settle(api, &proxy).await;
+    assert!(urls(&proxy).await.is_empty(), "node-b has no address");
+
+    // node-b registers itself, with its own UID, and is served there.
+    let (status, answer) = register_as(&proxy, "node-b", Some(&uid_b), &at_b).await;
+    assert_eq!(
+        (status, answer["result"].as_str()),
+        (200, Some("registered")),
+        "{answer}"
+    );
+    until_urls(&proxy, &[&format!("http://{at_b}")]).await;
+    // Node A tries again: still refused, node-b keeps its address.
+    let (status, answer) = register_as(&proxy, "node-b", Some(&uid_a), &at_a).await;
+    assert_eq!(
+        (status, answer["result"].as_str()),
+        (403, Some("wrong-uid")),
+        "{answer}"
+    );
+    // Node A may register its own pod.
+    let (status, answer) = register_as(&proxy, "node-a", Some(&uid_a), &at_a).await;
+    assert_eq!(status, 200, "{answer}");
+    until_urls(
+        &proxy,
+        &[&format!("http://{at_a}"), &format!("http://{at_b}")],
+    )
+    .await;
+    assert_eq!(api.patches().len(), 2);
+    assert!(api.patches().iter().all(|p| p.status == 200));
+    let stored = api.pod(NS, "node-b").unwrap();
+    assert_eq!(
+        stored["metadata"]["annotations"]["tongs.dev/tailscale-address"],
+        at_b.as_str()
+    );
+
+    // node-b's pod is replaced under the same name (a re-created pod): the UID the old node knew no
+    // longer registers it; the new pod's does.
+    api.delete(NS, "node-b");
+    api.create(PodBuilder::new("node-b").json());
+    let new_uid_b = uid_of(api, "node-b");
+    assert_ne!(new_uid_b, uid_b);
+    until_urls(&proxy, &[&format!("http://{at_a}")]).await;
+    let (status, answer) = register_as(&proxy, "node-b", Some(&uid_b), &at_b).await;
+    assert_eq!(
+        (status, answer["result"].as_str()),
+        (403, Some("wrong-uid")),
+        "{answer}"
+    );
+    let (status, answer) = register_as(&proxy, "node-b", Some(&new_uid_b), &at_b).await;
+    assert_eq!(status, 200, "{answer}");
+    until_urls(
+        &proxy,
+        &[&format!("http://{at_a}"), &format!("http://{at_b}")],
+    )
+    .await;
+
+    assert_eq!(registrations(&proxy, "wrong-uid").await, 5.0);
+    assert_eq!(registrations(&proxy, "bad-request").await, 1.0);
+    assert_eq!(registrations(&proxy, "registered").await, 3.0);
+    cluster.finish(proxy).await;
+}
+
+#[tokio::test]
+async fn a_registration_never_overrides_an_address_from_the_api_server_the_salad_api_or_a_url() {
+    let cluster = Cluster::start("tongs-register-precedence").await;
+    let api = &cluster.api;
+    let salad_key = "sk-test-5d1c";
+    let salad = FakeSaladApi::start("acme", "llm", salad_key).await;
+    let key_file = cluster.file("salad-key", salad_key);
+    let by_ip = named("127.0.0.2", "by-pod-ip").await;
+    let by_url = named("127.0.0.3", "by-url").await;
+    let late = named("127.0.0.4", "late-pod-ip").await;
+    // Where the registrations point: the node's own Tailscale address, standing in for an attacker's.
+    let tailnet = named("127.0.0.9", "registered").await;
+    let tailnet_2 = named("127.0.0.10", "registered-2").await;
+    api.create(
+        PodBuilder::new("with-ip")
+            .ip("127.0.0.2")
+            .http_port(by_ip.port())
+            .json(),
+    );
+    api.create(
+        PodBuilder::new("with-url")
+            .annotate("tongs.dev/url", &by_url.url())
+            .json(),
+    );
+    salad.set_group("gpu-with-gateway", Some("plum-9.salad.cloud"), "running", 1);
+    api.create(PodBuilder::new("with-gateway").salad().json());
+    // No address yet: the API server gives it a podIP later, the SaladCloud API a gateway later.
+    api.create(PodBuilder::new("late-ip").http_port(late.port()).json());
+    salad.set_group("gpu-late-gateway", None, "deploying", 0);
+    api.create(PodBuilder::new("late-gateway").salad().json());
+    let top = format!(
+        "salad:\n  api_key_file: {}\n  api: {{ url: \"{}\", organization: acme, project: llm }}\n",
+        key_file.display(),
+        salad.url()
+    );
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS, &registering(&cluster)], &top)).await;
+    let gateway = "https://plum-9.salad.cloud";
+    until_urls(&proxy, &[&by_ip.url(), &by_url.url(), gateway]).await;
+    until("late-gateway's group is looked up", || async {
+        salad.lookups_of("gpu-late-gateway") >= 1
+    })
+    .await;
+
+    // Each pod's own node (or whoever holds the token and can read the pod) registers a Tailscale
+    // address: refused, with or without the UID, and nothing is written.
+    let at_tailnet = format!("127.0.0.9:{}", tailnet.port());
+    let pods = [
+        ("with-ip", "pod-ip"),
+        ("with-url", "url"),
+        ("with-gateway", "salad-api"),
+    ];
+    let mut answers = Vec::new();
+    for (pod, _) in pods {
+        answers.push(register_as(&proxy, pod, None, &at_tailnet).await);
+    }
+    for (pod, _) in pods {
+        let uid = uid_of(api, pod);
+        answers.push(register_as(&proxy, pod, Some(&uid), &at_tailnet).await);
+    }
+    // The endpoints stay where the API server, the SaladCloud API and the url annotation put them.
+    settle(api, &proxy).await;
+    assert_eq!(
+        urls(&proxy).await,
+        BTreeSet::from([by_ip.url(), by_url.url(), gateway.to_owned()]),
+        "{answers:?}"
+    );
+    assert!(api.patches().is_empty(), "{:?}", api.patches());
+    for ((pod, _), (status, answer)) in pods.iter().zip(&answers) {
+        assert_eq!(*status, 400, "{pod} without its UID: {answer}");
+    }
+    for ((pod, rule), (status, answer)) in pods.iter().zip(&answers[pods.len()..]) {
+        assert_eq!(
+            (*status, answer["result"].as_str()),
+            (409, Some("has-address")),
+            "{pod}: {answer}"
+        );
+        let detail = answer["detail"].as_str().unwrap();
+        assert!(detail.contains(&format!("the {rule} rule")), "{detail}");
+    }
+
+    // A pod with no other address may be registered; an address the API server gives it later takes
+    // precedence (pod-ip comes before tailscale), and so does a gateway the SaladCloud API names later.
+    let (status, answer) = register_as(
+        &proxy,
+        "late-ip",
+        Some(&uid_of(api, "late-ip")),
+        &at_tailnet,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    let at_tailnet_2 = format!("127.0.0.10:{}", tailnet_2.port());
+    let (status, answer) = register_as(
+        &proxy,
+        "late-gateway",
+        Some(&uid_of(api, "late-gateway")),
+        &at_tailnet_2,
+    )
+    .await;
+    assert_eq!(status, 200, "{answer}");
+    until_urls(
+        &proxy,
+        &[
+            &by_ip.url(),
+            &by_url.url(),
+            gateway,
+            &tailnet.url(),
+            &tailnet_2.url(),
+        ],
+    )
+    .await;
+    api.update(NS, "late-ip", |pod| {
+        pod["status"]["podIP"] = json!("127.0.0.4");
+        pod["status"]["podIPs"] = json!([{"ip": "127.0.0.4"}]);
+    });
+    salad.set_group("gpu-late-gateway", Some("fig-3.salad.cloud"), "running", 1);
+    until_urls(
+        &proxy,
+        &[
+            &by_ip.url(),
+            &by_url.url(),
+            gateway,
+            &late.url(),
+            "https://fig-3.salad.cloud",
+        ],
+    )
+    .await;
+    // And a registration now is refused.
+    let (status, _) = register_as(
+        &proxy,
+        "late-ip",
+        Some(&uid_of(api, "late-ip")),
+        &at_tailnet,
+    )
+    .await;
+    assert_eq!(status, 409);
+
+    assert_eq!(
+        tailnet.hits() + tailnet_2.hits(),
+        0,
+        "no client request was sent"
+    );
+    assert_eq!(registrations(&proxy, "has-address").await, 4.0);
+    assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
     cluster.finish(proxy).await;
 }

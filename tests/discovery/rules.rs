@@ -230,7 +230,10 @@ async fn annotations_outside_the_allowlist_are_refused_counted_and_logged_once()
         "allow: [\"http://127.0.0.2:{}\", 127.0.0.2/32]",
         good.port()
     );
-    let proxy = start_proxy(cluster.config(&[&allow], "")).await;
+    // tailscale before pod-ip (allowed with registration off), so both annotations are tried.
+    let proxy =
+        start_proxy(cluster.config(&[&allow, "rules: [url, tailscale, salad-api, pod-ip]"], ""))
+            .await;
     // The hostile pod falls through to its podIP; the other has no address at all.
     until_urls(&proxy, &[&good.url()]).await;
     let rejections = |reason: &'static str| {

@@ -1,5 +1,5 @@
-//! The salad-api rule against a fake SaladCloud API: lookups with the key, retries, write-back, and
-//! the rule order with a podIP.
+//! The salad-api rule against a fake SaladCloud API: lookups with the key, retries, write-back, the
+//! rule order with a podIP, and which gateways the key goes to.
 //!
 //! Fakes: the SaladCloud API (`tests/support/salad_api.rs`) and the Kubernetes API server
 //! (`tests/support/kube_api/`); the Container Gateway and the GPU nodes behind it are in-process
@@ -12,6 +12,7 @@ use serde_json::json;
 
 use crate::harness::*;
 use crate::salad_api::FakeSaladApi;
+use crate::support::gateway::{FakeGateway, GatewayPki};
 use crate::support::*;
 
 const SALAD_KEY: &str = "sk-test-7f3a";
@@ -193,5 +194,144 @@ async fn a_salad_pod_with_a_pod_ip_serves_there_until_its_gateway_is_known() {
     .await;
     salad.set_group("gpu-llm-2", Some("plum-2.salad.cloud"), "running", 1);
     until_urls(&proxy, &["https://plum-2.salad.cloud"]).await;
+    cluster.finish(proxy).await;
+}
+
+/// The SaladCloud key on the socket: a gateway the SaladCloud API confirmed for this project, and one
+/// `discovery.static` names, receive it on every request and heartbeat; a gateway that only an
+/// annotation names — whoever wrote it, for whatever host under `salad.gateways` — never does.
+///
+/// No `*.salad.cloud` name resolves to this machine, so loopback IPs stand in for gateway hosts (the
+/// fake API answers `networking.dns: 127.0.0.7`) and the range `127.0.0.0/8` for `salad.gateways`'
+/// `https://*.salad.cloud`.
+#[tokio::test]
+async fn the_salad_key_goes_only_to_gateways_the_salad_api_or_static_config_vouches_for() {
+    let cluster = Cluster::start("tongs-salad-key").await;
+    let api = &cluster.api;
+    let salad = FakeSaladApi::start("acme", "llm", SALAD_KEY).await;
+    let key_file = cluster.file("salad-key", SALAD_KEY);
+    let pki = GatewayPki::new(&["127.0.0.7", "127.0.0.8", "127.0.0.9"]);
+    let ca_file = cluster.file("gateway-ca.pem", &pki.ca_pem);
+    let confirmed = FakeGateway::start(&pki, "127.0.0.7", "confirmed").await;
+    // A gateway of someone else's SaladCloud organisation, named in pods' url annotations.
+    let foreign = FakeGateway::start(&pki, "127.0.0.8", "foreign").await;
+    let fixed = FakeGateway::start(&pki, "127.0.0.9", "static").await;
+    // llm-ok's group has the gateway its annotation names (written back by a replica, say);
+    // llm-foreign's group has its own gateway, not the one someone wrote into its pod.
+    salad.set_group("gpu-llm-ok", Some("127.0.0.7"), "running", 1);
+    salad.set_group(
+        "gpu-llm-foreign",
+        Some("tamarind-x.salad.cloud"),
+        "running",
+        1,
+    );
+    api.create(
+        PodBuilder::new("llm-ok")
+            .salad()
+            .annotate("tongs.dev/url", &confirmed.url())
+            .json(),
+    );
+    api.create(
+        PodBuilder::new("llm-foreign")
+            .salad()
+            .annotate("tongs.dev/url", &foreign.url())
+            .json(),
+    );
+    // Not a SaladCloud pod: no group the API could confirm.
+    let plain_url = format!("{}/plain", foreign.url());
+    api.create(
+        PodBuilder::new("plain")
+            .annotate("tongs.dev/url", &plain_url)
+            .json(),
+    );
+    let top = format!(
+        "salad:\n  api_key_file: {}\n  gateways: [127.0.0.0/8]\n  api: {{ url: \"{}\", organization: acme, project: llm }}\n\
+         upstream: {{ extra_ca_file: {} }}\n\
+         health: {{ interval: 100ms, timeout: 2s }}\n{COIN_TOSS}",
+        key_file.display(),
+        salad.url(),
+        ca_file.display()
+    );
+    let proxy =
+        start_proxy(cluster.config_and_static(&[LOOPBACK_PODS], &top, &[fixed.url()])).await;
+    until_urls(
+        &proxy,
+        &[&confirmed.url(), &foreign.url(), &plain_url, &fixed.url()],
+    )
+    .await;
+
+    // Heartbeats and client traffic (with a key of the client's own) reach every gateway; the new
+    // endpoints start slowly, so requests go on until each has had some.
+    let request = || {
+        http::Request::get(proxy.url("/v1/models"))
+            .header("salad-api-key", "sk-client-own")
+            .body(full(""))
+            .unwrap()
+    };
+    until("every gateway has had heartbeats and requests", || async {
+        assert_eq!(send(request()).await.0, 200);
+        [&foreign, &confirmed, &fixed].iter().all(|gateway| {
+            let seen = gateway.seen();
+            seen.iter().filter(|r| r.path == "/health").count() >= 10
+                && seen.iter().any(|r| r.path == "/v1/models")
+        })
+    })
+    .await;
+    let leaked: Vec<_> = foreign
+        .seen()
+        .into_iter()
+        .filter(|r| r.key.is_some())
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "a gateway only an annotation names got a key: {leaked:?}"
+    );
+    until("both SaladCloud pods are looked up", || async {
+        lookups(&proxy, "found").await >= 2.0
+    })
+    .await;
+
+    // The confirmed gateway gets the key from its confirmation on, and keeps it.
+    until("the confirmed gateway is sent tongs' key", || async {
+        confirmed
+            .seen()
+            .iter()
+            .any(|r| r.key.as_deref() == Some(SALAD_KEY))
+    })
+    .await;
+    let from = foreign.seen().len();
+    until("more heartbeats after the lookups", || async {
+        foreign.seen().len() >= from + 10
+    })
+    .await;
+    let seen = confirmed.seen();
+    let first = seen
+        .iter()
+        .position(|r| r.key.is_some())
+        .expect("a keyed request");
+    assert!(
+        seen[first..]
+            .iter()
+            .all(|r| r.key.as_deref() == Some(SALAD_KEY)),
+        "{seen:?}"
+    );
+    // The static one from the first request on; the client's own key never passes.
+    let seen = fixed.seen();
+    assert!(seen.iter().any(|r| r.path == "/v1/models"));
+    assert!(
+        seen.iter().all(|r| r.key.as_deref() == Some(SALAD_KEY)),
+        "{seen:?}"
+    );
+    let leaked: Vec<_> = foreign
+        .seen()
+        .into_iter()
+        .filter(|r| r.key.is_some())
+        .collect();
+    assert!(
+        leaked.is_empty(),
+        "a gateway only an annotation names got a key: {leaked:?}"
+    );
+    assert_eq!(salad.lookups_of("gpu-plain"), 0);
+    assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
     cluster.finish(proxy).await;
 }

@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests: a proxy on ephemeral ports, scriptable backends, clients,
 //! one accept loop for every test server, and the fakes that stand in for services that cannot run
-//! here: the Kubernetes API server ([`kube_api`]) and the SaladCloud public API ([`salad_api`]).
+//! here: the Kubernetes API server ([`kube_api`]), the SaladCloud public API ([`salad_api`]) and a
+//! Container Gateway that records the key it is sent ([`gateway`]).
 //!
 //! Everything runs over real sockets on 127.0.0.1 (or [::1]); nothing is mocked in-process.
 //!
@@ -10,6 +11,7 @@
 
 #![allow(dead_code)]
 
+pub mod gateway;
 pub mod kube_api;
 pub mod salad_api;
 
