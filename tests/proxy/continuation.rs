@@ -286,10 +286,7 @@ async fn a_stream_whose_node_heartbeats_declare_gone_is_continued() {
         });
     };
     let request = body(false, true);
-    let (seen, ()) = tokio::join!(
-        stream(&proxy, false, &request, "102:stall", &[]),
-        stalled
-    );
+    let (seen, ()) = tokio::join!(stream(&proxy, false, &request, "102:stall", &[]), stalled);
     seen.assert_whole("gone");
     assert_eq!(seen.text(), expected_text());
     assert_eq!(continuations(&proxy, "continued").await, 1.0);
