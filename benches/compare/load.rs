@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
-use tongs::demo::build_request;
+use tongs::demo::{AnswerFault, build_request, check_completion};
 
 use super::support::lock;
 use super::support::stats::{latency_histogram, micros};
@@ -40,6 +41,9 @@ pub struct Tally {
     pub failures: BTreeMap<String, u64>,
     /// Streams that broke after their first chunk: from their last chunk to the break, µs.
     pub stall_end: Histogram<u64>,
+    /// Each successful stream's longest gap between two consecutive body chunks, as the client saw
+    /// them (a continuation's pause shows here).
+    pub longest_gaps: Vec<Duration>,
     /// When the last success completed, from the start of the measured window.
     pub last_success: Duration,
 }
@@ -55,6 +59,7 @@ impl Tally {
             rejected: latency_histogram(),
             failures: BTreeMap::new(),
             stall_end: latency_histogram(),
+            longest_gaps: Vec::new(),
             last_success: Duration::ZERO,
         }
     }
@@ -67,6 +72,8 @@ impl Tally {
 enum Outcome {
     Succeeded {
         first_byte: Duration,
+        /// A stream's longest gap between two consecutive chunks.
+        longest_gap: Option<Duration>,
     },
     Rejected,
     Failed(String),
@@ -117,17 +124,22 @@ pub async fn offer(
         }
         tasks.spawn(async move {
             let began = Instant::now();
-            let outcome = tokio::time::timeout(CLIENT_TIMEOUT, exchange(&client, request, stream))
-                .await
-                .unwrap_or_else(|_| Outcome::Failed("client-timeout".into()));
+            let outcome =
+                tokio::time::timeout(CLIENT_TIMEOUT, exchange(&client, request, index, stream))
+                    .await
+                    .unwrap_or_else(|_| Outcome::Failed("client-timeout".into()));
             if !recorded {
                 return;
             }
             let took = micros(began.elapsed());
             let mut tally = lock(&tally);
             match outcome {
-                Outcome::Succeeded { first_byte } => {
+                Outcome::Succeeded {
+                    first_byte,
+                    longest_gap,
+                } => {
                     tally.succeeded += 1;
+                    tally.longest_gaps.extend(longest_gap);
                     tally.last_success = tally.last_success.max(window_start.elapsed());
                     tally.latency.saturating_record(took);
                     tally.first_byte.saturating_record(micros(first_byte));
@@ -151,7 +163,17 @@ pub async fn offer(
 /// other 503 was made by the proxy itself: a refusal.
 const NODE_503_BODIES: [&str; 2] = ["node at capacity", "No instance is ready"];
 
-async fn exchange(client: &LoadClient, request: Request<Full<Bytes>>, stream: bool) -> Outcome {
+/// Inexact answers described on stderr so far.
+static INEXACT_SHOWN: AtomicU32 = AtomicU32::new(0);
+
+/// Sends request `index` of the load and reads its answer: a success is a 200 with the exact answer
+/// the simulated model writes ([`check_completion`]).
+async fn exchange(
+    client: &LoadClient,
+    request: Request<Full<Bytes>>,
+    index: u64,
+    stream: bool,
+) -> Outcome {
     let began = Instant::now();
     let response = match client.request(request).await {
         Ok(response) => response,
@@ -160,7 +182,8 @@ async fn exchange(client: &LoadClient, request: Request<Full<Bytes>>, stream: bo
     let status = response.status();
     let mut body = response.into_body();
     let mut first_byte = None;
-    let mut last_chunk = None;
+    let mut last_chunk: Option<Instant> = None;
+    let mut longest_gap = Duration::ZERO;
     let mut text = Vec::new();
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
@@ -176,27 +199,36 @@ async fn exchange(client: &LoadClient, request: Request<Full<Bytes>>, stream: bo
                 first_byte = Some(began.elapsed());
             }
             if !data.is_empty() {
-                last_chunk = Some(Instant::now());
+                let now = Instant::now();
+                if let Some(last) = last_chunk {
+                    longest_gap = longest_gap.max(now.saturating_duration_since(last));
+                }
+                last_chunk = Some(now);
             }
             if text.len() < 64 * 1024 {
                 text.extend_from_slice(&data);
             }
         }
     }
-    let text = String::from_utf8_lossy(&text);
     if status == StatusCode::OK {
-        // A success is a complete answer from a node: the stream's end marker, or the node's JSON
-        // completion (the simulator answers `/v1/completions` as vLLM does).
-        let complete = if stream {
-            text.ends_with("data: [DONE]\n\n")
-        } else {
-            text.starts_with(r#"{"id":"cmpl-"#) && text.ends_with('}')
-        };
-        return match (complete, first_byte) {
-            (true, Some(first_byte)) => Outcome::Succeeded { first_byte },
+        // A success is the whole answer, exactly as the simulator's model writes it (it answers
+        // `/v1/completions` as vLLM does), streamed or not.
+        return match (check_completion(index, stream, &text), first_byte) {
+            (Ok(()), Some(first_byte)) => Outcome::Succeeded {
+                first_byte,
+                longest_gap: stream.then_some(longest_gap),
+            },
+            (Err(AnswerFault::Inexact(why)), _) => {
+                // A few for the log: what went wrong, not only that it did.
+                if INEXACT_SHOWN.fetch_add(1, Ordering::Relaxed) < 10 {
+                    eprintln!("compare: inexact answer to request {index}: {why}");
+                }
+                Outcome::Failed("inexact".into())
+            }
             _ => Outcome::Failed("incomplete".into()),
         };
     }
+    let text = String::from_utf8_lossy(&text);
     if status == StatusCode::SERVICE_UNAVAILABLE
         && !NODE_503_BODIES.iter().any(|node| text.contains(node))
     {

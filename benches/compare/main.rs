@@ -16,6 +16,10 @@
 //!   requests hang, one whose health comes back before its worker does — and a partition;
 //! - `stalls`: every request an SSE stream at 50 %, with a gray node that stalls its streams after their
 //!   first chunk, a partition and a reset mid-stream; how long a stalled stream takes to end;
+//! - `cuts`: every request a streamed completion, on six identical nodes at 50 %, cut mid-flight by
+//!   resets, partitions and gray stalls spread over the run on different nodes (at most two out at
+//!   once); the share of streams that end complete and exact, and what a pause cost those that
+//!   survived one: their longest gap between two chunks (see `cuts.rs`, and its own table);
 //! - `throughput`: an nginx origin that answers at once, wrk at a fixed number of connections (closed
 //!   loop), as many requests per second as each proxy takes; the origin alone is the baseline.
 //!
@@ -38,6 +42,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod cuts;
 mod load;
 mod peers;
 
@@ -72,7 +77,7 @@ const NODE_QUEUE: usize = 8;
 const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
-const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls throughput";
+const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive nginx haproxy caddy";
 
 fn main() -> Result<()> {
@@ -89,6 +94,7 @@ enum Scenario {
     Streaming,
     Gray,
     Stalls,
+    Cuts,
     Throughput,
 }
 
@@ -101,6 +107,7 @@ impl Scenario {
             "streaming" => Scenario::Streaming,
             "gray" => Scenario::Gray,
             "stalls" => Scenario::Stalls,
+            "cuts" => Scenario::Cuts,
             "throughput" => Scenario::Throughput,
             other => bail!("SCENARIOS: unknown scenario {other:?} (known: {ALL_SCENARIOS})"),
         })
@@ -114,6 +121,7 @@ impl Scenario {
             Scenario::Streaming => "streaming",
             Scenario::Gray => "gray",
             Scenario::Stalls => "stalls",
+            Scenario::Cuts => "cuts",
             Scenario::Throughput => "throughput",
         }
     }
@@ -121,7 +129,7 @@ impl Scenario {
     /// Offered load as a share of the fleet's capacity.
     fn load(self) -> f64 {
         match self {
-            Scenario::Churn | Scenario::Gray | Scenario::Stalls => 0.5,
+            Scenario::Churn | Scenario::Gray | Scenario::Stalls | Scenario::Cuts => 0.5,
             Scenario::Overload => 2.0,
             _ => 0.6,
         }
@@ -240,7 +248,12 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
     } else {
         ResponseKind::Json
     };
-    fleet::config(seed, &NODES, SPREAD, queue, response)
+    let nodes: &[fleet::Node] = if scenario == Scenario::Cuts {
+        &cuts::NODES
+    } else {
+        &NODES
+    };
+    fleet::config(seed, nodes, SPREAD, queue, response)
 }
 
 /// The churn schedule, as shares of the measured window: (node, kind, starts at, lasts). Each kind hits
@@ -276,7 +289,10 @@ const STALLS: [(&str, InterruptionKind, f64, f64); 4] = [
 impl Scenario {
     /// Every request an SSE stream.
     fn streams(self) -> bool {
-        matches!(self, Scenario::Streaming | Scenario::Stalls)
+        matches!(
+            self,
+            Scenario::Streaming | Scenario::Stalls | Scenario::Cuts
+        )
     }
 
     /// The interruptions driven during the measured window, if any.
@@ -285,6 +301,7 @@ impl Scenario {
             Scenario::Churn => &CHURN,
             Scenario::Gray => &GRAY,
             Scenario::Stalls => &STALLS,
+            Scenario::Cuts => &cuts::SCHEDULE,
             _ => &[],
         }
     }
@@ -346,6 +363,8 @@ struct Row {
     per_second: f64,
     cpu_per_request: Option<Duration>,
     peak_rss_kib: Option<u64>,
+    /// The cuts scenario's own figures.
+    cuts: Option<cuts::Figures>,
 }
 
 async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) -> Result<Row> {
@@ -412,6 +431,11 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     if let Some(schedule) = schedule {
         schedule.abort();
     }
+    let cuts = if scenario == Scenario::Cuts {
+        Some(cuts::Figures::measure(&config, &tally.longest_gaps, &running).await)
+    } else {
+        None
+    };
     let row = Row {
         scenario,
         proxy: Some(proxy),
@@ -436,6 +460,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         cpu_per_request: (tally.sent > 0)
             .then(|| usage.cpu.saturating_sub(cpu_before) / tally.sent as u32),
         peak_rss_kib: Some(usage.peak_rss_kib),
+        cuts,
     };
     debug_assert_eq!(
         tally.sent,
@@ -521,6 +546,7 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
                 cpu_per_request: proxy
                     .map(|_| after.cpu.saturating_sub(before.cpu) / result.requests.max(1) as u32),
                 peak_rss_kib: proxy.map(|_| after.peak_rss_kib),
+                cuts: None,
             })
         }
     };
@@ -572,10 +598,13 @@ async fn run(settings: Settings) -> Result<()> {
         fleet::describe(&config),
         settings.seed,
     )?;
+    if settings.scenarios.contains(&Scenario::Cuts) {
+        writeln!(header, "{}", cuts::describe(settings.seed))?;
+    }
     writeln!(
         header,
-        "load: open loop, {} s measured after {} s unrecorded (churn, gray and stalls {} s); steady and \
-         streaming at 60 %, churn, gray and stalls at 50 %, overload at 200 % of capacity; client timeout {} s; \
+        "load: open loop, {} s measured after {} s unrecorded (churn, gray, stalls and cuts {} s); steady and \
+         streaming at 60 %, churn, gray, stalls and cuts at 50 %, overload at 200 % of capacity; client timeout {} s; \
          throughput: wrk -t1 -c{} for {} s",
         settings.duration.as_secs_f64(),
         settings.warmup.as_secs_f64(),
@@ -597,7 +626,7 @@ async fn run(settings: Settings) -> Result<()> {
         }
     }
 
-    let table = table(&rows);
+    let table = table(&rows) + &cuts::table(&rows);
     let verdicts = verdicts(&rows);
     println!();
     print!("{table}");
@@ -723,6 +752,7 @@ fn verdicts(rows: &[Row]) -> String {
         Scenario::Streaming,
         Scenario::Gray,
         Scenario::Stalls,
+        Scenario::Cuts,
     ] {
         let of: Vec<&Row> = rows.iter().filter(|r| r.scenario == scenario).collect();
         let peers: Vec<&&Row> = of
@@ -805,6 +835,7 @@ fn verdicts(rows: &[Row]) -> String {
             tongs.attempts_per_request,
         );
     }
+    cuts::verdicts(rows, &mut out);
     let throughput: Vec<&Row> = rows
         .iter()
         .filter(|r| r.scenario == Scenario::Throughput)

@@ -3,6 +3,7 @@
 //! (the "coordinated omission" a closed loop suffers from).
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -28,6 +30,11 @@ pub enum ClientOutcome {
     Status(u16),
     /// The connection or the streamed body broke.
     Broken,
+    /// A 200 whose answer is not whole: a stream not ended by `data: [DONE]`, or a body that is not a
+    /// JSON answer.
+    Incomplete,
+    /// A 200 with a whole answer that is not the one the model writes (see [`check_completion`]).
+    Inexact,
     /// No complete answer within the client's own timeout.
     TimedOut,
     /// Still running when the run ended.
@@ -41,6 +48,8 @@ impl ClientOutcome {
             ClientOutcome::Rejected => "rejected".into(),
             ClientOutcome::Status(code) => code.to_string(),
             ClientOutcome::Broken => "broken".into(),
+            ClientOutcome::Incomplete => "incomplete".into(),
+            ClientOutcome::Inexact => "inexact".into(),
             ClientOutcome::TimedOut => "client-timeout".into(),
             ClientOutcome::Unfinished => "unfinished".into(),
         }
@@ -167,6 +176,7 @@ impl LoadGenerator {
             }
             let stream = plan.stream_every > 0 && index.is_multiple_of(plan.stream_every);
             let request = build_request(&plan.target, index, stream);
+            let expected = Expected { index, stream };
             let (client, recorder, timeout) = (
                 client.clone(),
                 Arc::clone(&self.recorder),
@@ -175,11 +185,12 @@ impl LoadGenerator {
             self.recorder.lock().unwrap_or_else(|p| p.into_inner()).sent += 1;
             tasks.spawn(async move {
                 let began = Instant::now();
-                let outcome = match tokio::time::timeout(timeout, exchange(&client, request)).await
-                {
-                    Ok(outcome) => outcome,
-                    Err(_) => ClientOutcome::TimedOut,
-                };
+                let outcome =
+                    match tokio::time::timeout(timeout, exchange(&client, request, expected)).await
+                    {
+                        Ok(outcome) => outcome,
+                        Err(_) => ClientOutcome::TimedOut,
+                    };
                 recorder
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
@@ -220,9 +231,17 @@ pub fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Byt
         .unwrap_or_else(|_| Request::new(Full::new(Bytes::new())))
 }
 
+/// The request a client sent, to check its answer.
+#[derive(Clone, Copy)]
+struct Expected {
+    index: u64,
+    stream: bool,
+}
+
 async fn exchange(
     client: &Client<HttpConnector, Full<Bytes>>,
     request: Request<Full<Bytes>>,
+    expected: Expected,
 ) -> ClientOutcome {
     let response = match client.request(request).await {
         Ok(response) => response,
@@ -234,14 +253,283 @@ async fn exchange(
         .headers()
         .contains_key(&crate::http::headers::X_TONGS_REJECT_REASON);
     // The whole body must arrive: a stream cut short is a failure whatever its status said.
-    if response.into_body().collect().await.is_err() {
+    let Ok(body) = response.into_body().collect().await else {
         return ClientOutcome::Broken;
-    }
+    };
     if status.is_success() {
-        return ClientOutcome::Succeeded;
+        // A 200 is a success only with the exact answer the simulated model writes.
+        return match check_completion(expected.index, expected.stream, &body.to_bytes()) {
+            Ok(()) => ClientOutcome::Succeeded,
+            Err(AnswerFault::Incomplete) => ClientOutcome::Incomplete,
+            Err(AnswerFault::Inexact(_)) => ClientOutcome::Inexact,
+        };
     }
     if status == StatusCode::SERVICE_UNAVAILABLE && refused_by_tongs {
         return ClientOutcome::Rejected;
     }
     ClientOutcome::Status(status.as_u16())
+}
+
+/// The text the simulator's model answers [`build_request`]`(_, index, _)` with: it counts on from the
+/// prompt's last integer, one number a token, 16 tokens: `" {index+1} {index+2} ... {index+16}"`.
+pub fn expected_text(index: u64) -> String {
+    (1..=16u64).fold(String::new(), |mut text, i| {
+        let _ = write!(text, " {}", index.saturating_add(i));
+        text
+    })
+}
+
+/// Why an answer to [`build_request`] is not the one the simulated model writes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AnswerFault {
+    /// Not whole: a stream whose last event is not `data: [DONE]` (and that has none), or a body that
+    /// is not a JSON object.
+    Incomplete,
+    /// Whole but wrong, and how.
+    Inexact(String),
+}
+
+/// Checks that `body`, the 200 answer to [`build_request`]`(_, index, stream)`, is complete and
+/// exactly what the simulated model writes ([`expected_text`]), as one uninterrupted node would send it.
+///
+/// A stream: every event's `data:` lines parse (as JSON, but for the end marker); the concatenated
+/// `choices[0].text` of the chunks equals the expected text; every chunk has the same `id`, `created`
+/// and `model`; exactly one chunk has a non-null `finish_reason`; exactly one `data: [DONE]`, the last
+/// event. Events without data (comments) are ignored. A whole answer: its JSON `choices[0].text` equals
+/// the expected text and its `finish_reason` is set.
+pub fn check_completion(index: u64, stream: bool, body: &[u8]) -> Result<(), AnswerFault> {
+    let inexact = |why: String| Err(AnswerFault::Inexact(why));
+    let expected = expected_text(index);
+    let text = if stream {
+        streamed_text(body)?
+    } else {
+        let Ok(answer) = serde_json::from_slice::<Value>(body) else {
+            return Err(AnswerFault::Incomplete);
+        };
+        let choice = &answer["choices"][0];
+        if choice["finish_reason"].is_null() {
+            return inexact("no finish_reason".into());
+        }
+        match choice["text"].as_str() {
+            Some(text) => text.to_owned(),
+            None => return inexact("no choices[0].text".into()),
+        }
+    };
+    if text != expected {
+        return inexact(format!("text {text:?}, expected {expected:?}"));
+    }
+    Ok(())
+}
+
+/// The text of a streamed completion whose events are whole and consistent (see [`check_completion`]).
+fn streamed_text(body: &[u8]) -> Result<String, AnswerFault> {
+    let inexact = |why: String| Err(AnswerFault::Inexact(why));
+    let Ok(body) = std::str::from_utf8(body) else {
+        return inexact("not UTF-8".into());
+    };
+    let body = body.replace("\r\n", "\n");
+    let mut events: Vec<&str> = body.split("\n\n").collect();
+    // What follows the last blank line: nothing in a stream that ended with a whole event.
+    let unterminated = events.pop().is_some_and(|tail| !tail.trim().is_empty());
+    let data: Vec<String> = events
+        .iter()
+        .filter_map(|event| {
+            let lines: Vec<&str> = event
+                .lines()
+                .filter_map(|line| line.strip_prefix("data:"))
+                .map(|data| data.strip_prefix(' ').unwrap_or(data))
+                .collect();
+            (!lines.is_empty()).then(|| lines.join("\n"))
+        })
+        .collect();
+    let done = data.iter().filter(|data| *data == "[DONE]").count();
+    if done == 0 {
+        return Err(AnswerFault::Incomplete);
+    }
+    if done > 1 {
+        return inexact(format!("{done} data: [DONE]"));
+    }
+    if data.last().is_none_or(|last| last != "[DONE]") || unterminated {
+        return inexact("data: [DONE] is not the last event".into());
+    }
+    let mut text = String::new();
+    let mut head: Option<[Value; 3]> = None;
+    let mut finishes = 0;
+    for (i, data) in data[..data.len() - 1].iter().enumerate() {
+        let Ok(chunk) = serde_json::from_str::<Value>(data) else {
+            return inexact(format!("event {i} is not JSON: {data:?}"));
+        };
+        let this = ["id", "created", "model"].map(|field| chunk[field].clone());
+        if this[0].as_str().is_none() {
+            return inexact(format!("chunk {i} has no id: {data}"));
+        }
+        match &head {
+            None => head = Some(this),
+            Some(first) if *first != this => {
+                return inexact(format!(
+                    "chunk {i} has id, created, model {this:?}; the first had {first:?}"
+                ));
+            }
+            Some(_) => {}
+        }
+        // A usage chunk has no choices.
+        let choice = &chunk["choices"][0];
+        if let Some(piece) = choice["text"].as_str() {
+            text.push_str(piece);
+        }
+        finishes += usize::from(!choice["finish_reason"].is_null());
+    }
+    if head.is_none() {
+        return inexact("no chunk before data: [DONE]".into());
+    }
+    if finishes != 1 {
+        return inexact(format!("{finishes} chunks with a finish_reason"));
+    }
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream as a node writes it: one chunk per token under `id`, the last one finishing.
+    fn chunks(id: &str, tokens: &[u64]) -> Vec<String> {
+        tokens
+            .iter()
+            .enumerate()
+            .map(|(i, token)| {
+                let finish = if i + 1 == tokens.len() {
+                    r#""length""#
+                } else {
+                    "null"
+                };
+                format!(
+                    r#"data: {{"id":"{id}","object":"text_completion","created":1700000000,"model":"sim","choices":[{{"index":0,"text":" {token}","logprobs":null,"finish_reason":{finish}}}]}}"#
+                ) + "\n\n"
+            })
+            .collect()
+    }
+
+    const DONE: &str = "data: [DONE]\n\n";
+
+    /// The answer to request 7: tokens 8 to 23.
+    fn tokens() -> Vec<u64> {
+        (8..=23).collect()
+    }
+
+    fn check(body: &str) -> Result<(), AnswerFault> {
+        check_completion(7, true, body.as_bytes())
+    }
+
+    fn is_inexact(result: Result<(), AnswerFault>) -> bool {
+        matches!(result, Err(AnswerFault::Inexact(_)))
+    }
+
+    #[test]
+    fn the_expected_text_counts_sixteen_on_from_the_index() {
+        assert_eq!(
+            expected_text(7),
+            " 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23"
+        );
+    }
+
+    #[test]
+    fn an_exact_stream_passes() {
+        let body = chunks("cmpl-a-1", &tokens()).concat() + DONE;
+        assert_eq!(check(&body), Ok(()));
+        // Comments, a usage chunk without choices and CRLF line ends change nothing.
+        let usage = r#"data: {"id":"cmpl-a-1","object":"text_completion","created":1700000000,"model":"sim","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":16,"total_tokens":18}}"#;
+        let body = format!(
+            ": keep-alive\n\n{}{usage}\n\n{DONE}",
+            chunks("cmpl-a-1", &tokens()).concat()
+        );
+        assert_eq!(check(&body), Ok(()));
+        assert_eq!(check(&body.replace('\n', "\r\n")), Ok(()));
+    }
+
+    #[test]
+    fn a_lost_token_is_inexact() {
+        let mut lost = tokens();
+        lost.remove(5);
+        let body = chunks("cmpl-a-1", &lost).concat() + DONE;
+        assert!(is_inexact(check(&body)), "{:?}", check(&body));
+    }
+
+    #[test]
+    fn a_repeated_token_is_inexact() {
+        let mut repeated = tokens();
+        repeated.insert(5, repeated[4]);
+        let body = chunks("cmpl-a-1", &repeated).concat() + DONE;
+        assert!(is_inexact(check(&body)), "{:?}", check(&body));
+    }
+
+    #[test]
+    fn reordered_tokens_are_inexact() {
+        let mut reordered = chunks("cmpl-a-1", &tokens());
+        reordered.swap(3, 4);
+        let body = reordered.concat() + DONE;
+        assert!(is_inexact(check(&body)), "{:?}", check(&body));
+    }
+
+    #[test]
+    fn two_ends_or_an_end_not_last_are_inexact() {
+        let body = chunks("cmpl-a-1", &tokens()).concat() + DONE + DONE;
+        assert!(is_inexact(check(&body)), "{:?}", check(&body));
+        let mut early = chunks("cmpl-a-1", &tokens());
+        early.insert(8, DONE.to_owned());
+        assert!(is_inexact(check(&early.concat())));
+        let trailing = chunks("cmpl-a-1", &tokens()).concat() + DONE + "data: {}";
+        assert!(is_inexact(check(&trailing)));
+    }
+
+    #[test]
+    fn a_changed_id_is_inexact() {
+        let mut changed = chunks("cmpl-a-1", &tokens());
+        for chunk in &mut changed[6..] {
+            *chunk = chunk.replace("cmpl-a-1", "cmpl-b-1");
+        }
+        let body = changed.concat() + DONE;
+        assert!(is_inexact(check(&body)), "{:?}", check(&body));
+    }
+
+    #[test]
+    fn two_finishes_or_none_are_inexact() {
+        let all = tokens();
+        let (first, rest) = all.split_at(6);
+        let twice = chunks("cmpl-a-1", first).concat() + &chunks("cmpl-a-1", rest).concat() + DONE;
+        assert!(is_inexact(check(&twice)));
+        let never = chunks("cmpl-a-1", &tokens())
+            .concat()
+            .replace(r#""finish_reason":"length""#, r#""finish_reason":null"#)
+            + DONE;
+        assert!(is_inexact(check(&never)));
+    }
+
+    #[test]
+    fn a_stream_without_its_end_is_incomplete() {
+        let cut = chunks("cmpl-a-1", &tokens()[..9]).concat();
+        assert_eq!(check(&cut), Err(AnswerFault::Incomplete));
+        let whole_but_unended = chunks("cmpl-a-1", &tokens()).concat();
+        assert_eq!(check(&whole_but_unended), Err(AnswerFault::Incomplete));
+        let half_an_end = chunks("cmpl-a-1", &tokens()).concat() + "data: [DO";
+        assert_eq!(check(&half_an_end), Err(AnswerFault::Incomplete));
+        assert!(is_inexact(check("data: not json\n\ndata: [DONE]\n\n")));
+    }
+
+    #[test]
+    fn a_whole_answer_is_checked_by_its_text() {
+        let answer = |text: &str| {
+            format!(
+                r#"{{"id":"cmpl-a-1","object":"text_completion","created":1700000000,"model":"sim","choices":[{{"index":0,"text":"{text}","logprobs":null,"finish_reason":"length"}}]}}"#
+            )
+        };
+        let exact = answer(&expected_text(7));
+        assert_eq!(check_completion(7, false, exact.as_bytes()), Ok(()));
+        assert!(is_inexact(check_completion(8, false, exact.as_bytes())));
+        let cut = &exact[..exact.len() - 3];
+        assert_eq!(
+            check_completion(7, false, cut.as_bytes()),
+            Err(AnswerFault::Incomplete)
+        );
+    }
 }

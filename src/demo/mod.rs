@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use load::{ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request};
+pub use load::{
+    AnswerFault, ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request, check_completion,
+    expected_text,
+};
 pub use report::Summary;
 
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
