@@ -9,9 +9,11 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame};
+use tokio::time::Instant;
 
 use super::body::{BoxError, Guard, ProxyBody, TotalTimeout};
 use crate::openai::sse::{Events, MAX_EVENT_BYTES};
@@ -25,8 +27,8 @@ pub type Resuming =
 /// Continues a broken stream on another endpoint (implemented by the request path).
 pub trait Resume: Send {
     /// Sends `request`, the continuation's body, to an endpoint not yet tried for this request. `why`
-    /// says how the last piece broke.
-    fn resume(self: Box<Self>, request: Vec<u8>, why: String) -> Resuming;
+    /// says how the last piece broke, `silent` how long the client has had nothing by then.
+    fn resume(self: Box<Self>, request: Vec<u8>, why: String, silent: Duration) -> Resuming;
     /// The stream broke and was not continued: it was complete but for its end (`None`: tongs wrote
     /// the end), or it could not be continued safely (the reason).
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str);
@@ -45,6 +47,8 @@ pub struct Relay {
     passthrough: bool,
     /// The stream is over; what it ends with once `out` is sent (an error, or a clean end).
     ended: Option<Option<BoxError>>,
+    /// When the client was last given an event (or the relay began).
+    last_event: Instant,
     /// Counts the request in the metrics when the stream goes.
     pub(super) finish: Option<Guard>,
 }
@@ -61,6 +65,7 @@ impl Relay {
             resuming: None,
             passthrough: false,
             ended: None,
+            last_event: Instant::now(),
             finish: None,
         }
     }
@@ -92,7 +97,8 @@ impl Relay {
         match after {
             AfterCut::Continue(request) => {
                 self.piece = Box::pin(ProxyBody::empty());
-                self.resuming = Some(resumer.resume(request, why));
+                let silent = self.last_event.elapsed();
+                self.resuming = Some(resumer.resume(request, why, silent));
             }
             AfterCut::Complete => {
                 resumer.not_continued(None, &why);
@@ -145,6 +151,7 @@ impl Relay {
                     self.events.push(&data);
                     while let Some(event) = self.events.next_event() {
                         self.splicer.event(&event, &mut self.out);
+                        self.last_event = Instant::now();
                     }
                     if self.events.pending() > MAX_EVENT_BYTES {
                         self.passthrough = true;

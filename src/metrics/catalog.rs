@@ -110,7 +110,7 @@ pub const HEDGES_WON: Spec = spec(
 pub const STREAMS_CUT: Spec = spec(
     "tongs_streams_cut_total",
     "counter",
-    "Committed streams tongs ended because they stalled or their endpoint was declared gone.",
+    "Committed streams tongs cut because they stalled or their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
 );
 pub const CONTINUATIONS: Spec = spec(
     "tongs_continuations_total",

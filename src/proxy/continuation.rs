@@ -20,6 +20,7 @@ use super::acquire::Tried;
 use super::attempt::{Attempt, Failure, Sending};
 use super::hedge::Race;
 use super::request::Template;
+use super::respond::Piece;
 use super::{Proxy, ProxySettings, WorkerPath};
 use crate::admission::Priority;
 use crate::http::relay::{Relay, Resume, Resuming};
@@ -117,8 +118,8 @@ impl Proxy {
 }
 
 impl Resume for Continuer {
-    fn resume(self: Box<Self>, request: Vec<u8>, why: String) -> Resuming {
-        Box::pin(self.continue_elsewhere(Bytes::from(request), why))
+    fn resume(self: Box<Self>, request: Vec<u8>, why: String, silent: Duration) -> Resuming {
+        Box::pin(self.continue_elsewhere(Bytes::from(request), why, silent))
     }
 
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str) {
@@ -169,6 +170,7 @@ impl Continuer {
         mut self: Box<Self>,
         request: Bytes,
         why: String,
+        silent: Duration,
     ) -> Result<(ProxyBody, Box<dyn Resume>), BoxError> {
         if self.taken >= self.settings.max_continuations {
             let reason = "continuation.max_continuations reached";
@@ -204,7 +206,10 @@ impl Continuer {
                     to = &*endpoint,
                     why,
                     continuation = self.taken,
-                    gap_ms = started.elapsed().as_millis() as u64,
+                    // The pause the client sees: its wait before the break was noticed (a stall's idle
+                    // limit, say), then the new node's time to its first chunk.
+                    gap_ms = (silent + started.elapsed()).as_millis() as u64,
+                    resume_ms = started.elapsed().as_millis() as u64,
                     "stream broke; continued on another endpoint"
                 );
                 self.streaming = endpoint;
@@ -275,14 +280,15 @@ impl Continuer {
                         ));
                     }
                     let url: Arc<str> = committed.outstanding.endpoint().url().into();
-                    let piece = self.proxy.streamed(
-                        &settings,
-                        committed.first,
-                        committed.response.into_body(),
-                        committed.outstanding,
-                        committed.first_byte,
-                        self.deadline,
-                    );
+                    let piece = Piece {
+                        first: committed.first,
+                        body: committed.response.into_body(),
+                        outstanding: committed.outstanding,
+                        first_byte: committed.first_byte,
+                    };
+                    let piece =
+                        self.proxy
+                            .streamed(&settings, piece, self.deadline, &self.request_id);
                     return Ok((piece, url));
                 }
                 Attempt::Failed(failure) => {

@@ -19,6 +19,15 @@ use crate::endpoint::Outstanding;
 use crate::http::headers::{self, X_REQUEST_ID};
 use crate::http::{ProxyBody, ProxyError};
 
+/// An endpoint's body and what came with it: the first frame (read before commit), the endpoint's slot,
+/// and how long the answer took to start.
+pub(super) struct Piece {
+    pub first: Option<Frame<Bytes>>,
+    pub body: Incoming,
+    pub outstanding: Outstanding,
+    pub first_byte: Option<Duration>,
+}
+
 impl Proxy {
     /// Hands a committed response to the client: its first frame, then the rest as it streams.
     pub(super) fn commit(
@@ -48,7 +57,13 @@ impl Proxy {
         let (mut parts, body) = response.into_parts();
         headers::strip_hop_by_hop(&mut parts.headers, false);
         parts.headers.insert(&X_REQUEST_ID, request_id.clone());
-        let body = self.streamed(settings, first, body, outstanding, first_byte, deadline);
+        let piece = Piece {
+            first,
+            body,
+            outstanding,
+            first_byte,
+        };
+        let body = self.streamed(settings, piece, deadline, request_id);
         Response::from_parts(parts, body)
     }
 
@@ -57,12 +72,16 @@ impl Proxy {
     pub(super) fn streamed(
         &self,
         settings: &ProxySettings,
-        first: Option<Frame<Bytes>>,
-        body: Incoming,
-        outstanding: Outstanding,
-        first_byte: Option<Duration>,
+        piece: Piece,
         deadline: Instant,
+        request_id: &HeaderValue,
     ) -> ProxyBody {
+        let Piece {
+            first,
+            body,
+            outstanding,
+            first_byte,
+        } = piece;
         ProxyBody::upstream(
             first,
             body,
@@ -72,6 +91,7 @@ impl Proxy {
                 first_byte,
                 &self.registry,
                 &self.stats,
+                request_id,
             ),
             tokio::time::sleep_until(deadline),
             settings.total_timeout,

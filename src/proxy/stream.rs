@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use http::HeaderValue;
 use tokio::time::Instant;
 
 use super::ProxySettings;
@@ -48,6 +49,8 @@ struct Streamed {
     idle: IdleSettings,
     breaker: BreakerSettings,
     max_ejected_percent: u32,
+    /// The request's id, so the cut can be matched with what became of the stream.
+    request_id: HeaderValue,
 }
 
 impl StreamGuard for Streamed {
@@ -60,20 +63,25 @@ impl StreamGuard for Streamed {
     fn cut(&mut self, why: Cut) {
         self.stats.streams_cut.fetch_add(1, Ordering::Relaxed);
         let endpoint = self.outstanding.endpoint();
+        let request_id = self.request_id.to_str().unwrap_or_default();
+        // What becomes of the stream is logged by whoever holds it: continued elsewhere (a streamed
+        // OpenAI completion, see `continuation`), or ended as an error the client sees.
         match why {
             Cut::Idle(limit) => {
                 tracing::warn!(
+                    request_id,
                     endpoint = endpoint.url(),
                     idle_ms = limit.as_millis() as u64,
-                    "stream stalled after it started; ended as an error and counted as a failure"
+                    "stream stalled after it started; cut, and counted as the endpoint's failure"
                 );
                 let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
                 endpoint.record_failure(&self.breaker, Instant::now(), may_eject);
             }
             Cut::Gone => {
                 tracing::warn!(
+                    request_id,
                     endpoint = endpoint.url(),
-                    "endpoint declared gone while a stream ran; the stream ends as an error"
+                    "endpoint declared gone while a stream ran; stream cut"
                 );
             }
         }
@@ -108,6 +116,7 @@ pub fn watch(
     first_byte: Option<Duration>,
     registry: &Arc<Registry>,
     stats: &Arc<ProxyStats>,
+    request_id: &HeaderValue,
 ) -> Watch {
     let endpoint = Arc::clone(outstanding.endpoint());
     let idle = IdleSettings::from(settings);
@@ -120,6 +129,7 @@ pub fn watch(
             idle,
             breaker: settings.breaker.clone(),
             max_ejected_percent: settings.max_ejected_percent,
+            request_id: request_id.clone(),
         }),
         idle: Some(limit),
         gone: Some(gone(&endpoint, registry)),
