@@ -16,7 +16,7 @@ use crate::{
 
 /// A custom resource's `spec`, once its `apiVersion` is `version` and its spec has only `spec_keys`
 /// (problems otherwise).
-fn custom_resource_spec<'a>(
+pub(crate) fn custom_resource_spec<'a>(
     at: &str,
     resource: &'a Value,
     version: &str,
@@ -94,6 +94,17 @@ pub(crate) fn check_service_monitor(
         at,
         scrapes_admin,
         "must scrape port `admin` at /metrics every 15s"
+    );
+    // The operator sets the target label `endpoint` to the port's name; tongs' own `endpoint` label
+    // survives only with honorLabels.
+    let keeps_endpoint = endpoints
+        .iter()
+        .all(|endpoint| endpoint["honorLabels"] == true);
+    ensure!(
+        problems,
+        at,
+        keeps_endpoint,
+        "set honorLabels: true, or Prometheus renames tongs' `endpoint` label to exported_endpoint"
     );
 }
 
