@@ -79,6 +79,7 @@ mod config;
 mod custom_resources;
 mod dashboard;
 mod deployment;
+mod docs;
 mod fleet;
 mod objects;
 mod pods;
