@@ -6,10 +6,11 @@
 //! write-back need (and no more), that its label selector picks the example GPU workloads and a rule
 //! can address them, that the files it reads secrets from are mounted Secret files, and that its
 //! Tailscale proxy is the sidecar's. The Grafana dashboard and the Dockerfile are checked against the
-//! code they describe.
+//! code they describe, the alert rules with promtool and against a real /metrics page, and the READMEs
+//! against what deploy/ asks of a user.
 //!
-//! Needs `kubectl` on the PATH (Debian's `kubernetes-client`; `scripts/test.sh` installs it). Without it
-//! the tests fail, never skip.
+//! Needs `kubectl` on the PATH (Debian's `kubernetes-client`) and `promtool` (Debian's `prometheus`);
+//! `scripts/test.sh` installs both. Without them the tests fail, never skip.
 
 #![forbid(unsafe_code)]
 
@@ -64,6 +65,9 @@ const PROMETHEUS_METADATA: &str = "serverAddress query queryParameters threshold
     activationThreshold namespace customHeaders ignoreNullValues unsafeSsl timeout";
 const METRICS_API_METADATA: &str = "url format valueLocation targetValue activationTargetValue \
     unsafeSsl authMode method timeout aggregateFromKubeServiceEndpoints aggregationType";
+const PROMETHEUS_RULE_GROUP: &str =
+    "name interval rules limit query_offset labels partial_response_strategy";
+const PROMETHEUS_RULE_RULE: &str = "record alert expr for keep_firing_for labels annotations";
 
 /// Records a problem at `$at` unless `$ok` holds. Defined above the modules, which use it: a
 /// `macro_rules!` is in scope only below its definition.
@@ -75,6 +79,7 @@ macro_rules! ensure {
     };
 }
 
+mod alerts;
 mod config;
 mod custom_resources;
 mod dashboard;

@@ -10,6 +10,7 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 use tongs::config::Config;
 
+use crate::alerts::check_prometheus_rule;
 use crate::config::check_keeps_base_keys;
 use crate::custom_resources::{check_scaled_object, check_service_monitor};
 use crate::deployment::check_tongs;
@@ -35,6 +36,7 @@ pub(crate) struct Objects {
     pub(crate) disruption_budgets: BTreeMap<String, PodDisruptionBudget>,
     pub(crate) service_monitors: BTreeMap<String, Value>,
     pub(crate) scaled_objects: BTreeMap<String, Value>,
+    pub(crate) prometheus_rules: BTreeMap<String, Value>,
 }
 
 pub(crate) fn name_of(value: &Value) -> String {
@@ -93,6 +95,9 @@ fn collect(source: &str, documents: &[Value], problems: &mut Problems) -> Object
             }
             "ScaledObject" => {
                 objects.scaled_objects.insert(name, value.clone());
+            }
+            "PrometheusRule" => {
+                objects.prometheus_rules.insert(name, value.clone());
             }
             other => problems.fail(
                 at,
@@ -160,6 +165,9 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
     }
     for (name, scaled) in &objects.scaled_objects {
         check_scaled_object(&at("ScaledObject", name), scaled, objects, problems);
+    }
+    for (name, rule) in &objects.prometheus_rules {
+        check_prometheus_rule(&at("PrometheusRule", name), rule, problems);
     }
     // What tongs.yaml asks of the rest of the rendering.
     if let (Some(tongs), Some(config)) = (&tongs, &config) {
