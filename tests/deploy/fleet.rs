@@ -111,7 +111,7 @@ pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut 
 
 /// A pod of the SaladCloud Virtual Kubelet, as tongs tells one (src/discovery/pods.rs): it carries the
 /// gateway port annotation or tolerates the virtual node's taint.
-fn is_salad(deployment: &Deployment) -> bool {
+pub(crate) fn is_salad(deployment: &Deployment) -> bool {
     let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
     let tolerations = pod_spec(deployment).and_then(|spec| spec.tolerations.as_ref());
     annotations.contains_key(SALAD_PORT_ANNOTATION)

@@ -86,6 +86,7 @@ mod dashboard;
 mod deployment;
 mod docs;
 mod fleet;
+mod network_policy;
 mod objects;
 mod pods;
 mod problems;
