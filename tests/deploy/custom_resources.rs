@@ -10,8 +10,8 @@ use crate::objects::Objects;
 use crate::pods::selector_selects;
 use crate::problems::{Problems, known_keys, typed};
 use crate::{
-    ADVANCED, METRICS_API_METADATA, PROMETHEUS_METADATA, SCALE_TARGET_REF, SCALED_OBJECT_SPEC,
-    SERVICE_MONITOR_ENDPOINT, SERVICE_MONITOR_SPEC, TRIGGER,
+    ADVANCED, METRICS_API_METADATA, MIN_SCALED_REPLICAS, PROMETHEUS_METADATA, SCALE_TARGET_REF,
+    SCALED_OBJECT_SPEC, SERVICE_MONITOR_ENDPOINT, SERVICE_MONITOR_SPEC, TRIGGER,
 };
 
 /// A custom resource's `spec`, once its `apiVersion` is `version` and its spec has only `spec_keys`
@@ -136,6 +136,13 @@ pub(crate) fn check_scaled_object(
         min <= max,
         "minReplicaCount {min} exceeds maxReplicaCount {max}"
     );
+    ensure!(
+        problems,
+        at,
+        min >= MIN_SCALED_REPLICAS,
+        "minReplicaCount {min}: keep at least {MIN_SCALED_REPLICAS} GPU nodes, or an idle fleet's \
+         every interruption is an outage"
+    );
     let fallback = &spec["fallback"];
     if !fallback.is_null() {
         known_keys(
@@ -151,6 +158,13 @@ pub(crate) fn check_scaled_object(
             at,
             complete,
             "fallback needs failureThreshold and replicas"
+        );
+        let replicas = fallback["replicas"].as_i64().unwrap_or(0);
+        ensure!(
+            problems,
+            at,
+            replicas >= min,
+            "fallback replicas {replicas} is below minReplicaCount {min}"
         );
     }
     known_keys(at, "advanced", &spec["advanced"], ADVANCED, problems);

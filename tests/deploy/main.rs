@@ -47,6 +47,8 @@ const CONFIG_DIR: &str = "/etc/tongs";
 const ARGS: [&str; 3] = ["run", "--config", "/etc/tongs/tongs.yaml"];
 /// tongs' selector label for its GPU fleet.
 const FLEET_LABEL: (&str, &str) = ("app.kubernetes.io/part-of", "tongs-fleet");
+/// The fewest GPU nodes an autoscaler may leave: one interruption must not be an outage.
+const MIN_SCALED_REPLICAS: i64 = 2;
 
 // Fields of the custom resources' schemas that deploy/ may use (the CRDs are not in the cluster here).
 const SERVICE_MONITOR_SPEC: &str = "endpoints selector namespaceSelector jobLabel targetLabels \
