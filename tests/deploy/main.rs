@@ -28,7 +28,6 @@ use crate::objects::{check_rendering, name_of, problems_after, tongs_pod_spec};
 use crate::pods::pod_spec;
 use crate::problems::{Problems, parse};
 use crate::render::{Kustomization, kustomizations, rendered};
-use crate::secrets::secret_references;
 
 // The one path: shared with the other test binaries (see `tests/support/mod.rs`).
 #[path = "../support/mod.rs"]
@@ -377,43 +376,6 @@ fn the_cross_checks_catch_broken_renderings() {
     reported(&problems, "upstream.tailscale.proxy is empty");
     reported(&problems, "no rule of discovery.kubernetes.rules");
 }
-/// The operator creates every Secret a rendering refers to (deploy/ ships none): deploy/README.md says
-/// how, with one `kubectl create secret generic` line per Secret naming its namespace and each key.
-#[test]
-fn deploy_readme_tells_how_to_create_every_secret() {
-    let readme = read("deploy/README.md");
-    let mut missing = BTreeSet::new();
-    for (source, documents) in rendered() {
-        for document in documents.iter().filter(|doc| doc["kind"] == "Deployment") {
-            let Ok(deployment) = serde_json::from_value::<Deployment>(document.clone()) else {
-                continue;
-            };
-            let Some(spec) = pod_spec(&deployment) else {
-                continue;
-            };
-            let namespace = deployment.metadata.namespace.as_deref();
-            for (secret, key) in secret_references(spec) {
-                let documented = readme.lines().any(|line| {
-                    line.contains(&format!("create secret generic {secret} "))
-                        && namespace.is_none_or(|ns| line.contains(&format!("kubectl -n {ns} ")))
-                        && key.as_deref().is_none_or(|key| {
-                            line.contains(&format!("--from-file={key}="))
-                                || line.contains(&format!("--from-literal={key}="))
-                        })
-                });
-                if !documented {
-                    missing.insert(format!("{source}: Secret {secret} key {key:?}"));
-                }
-            }
-        }
-    }
-    assert!(
-        missing.is_empty(),
-        "deploy/README.md needs `kubectl -n NAMESPACE create secret generic NAME --from-file=KEY=FILE` \
-         (or --from-literal=KEY=VALUE) for: {missing:#?}"
-    );
-}
-
 #[test]
 fn grafana_dashboard_uses_only_exported_metrics() {
     let mut problems = Problems::default();
