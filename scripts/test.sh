@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages the tests call: `kill` (procps) sends SIGTERM to the tongs binary in tests/config/cli.rs;
-# a real Prometheus scrapes tongs (tests/admin/prometheus.rs); headless Chromium loads the status page
+# a real Prometheus scrapes tongs (tests/admin/prometheus.rs) and its promtool checks and unit-tests the alert
+# rules (tests/deploy/alerts.rs); headless Chromium loads the status page
 # (tests/admin/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy/); microsocks and tinyproxy
 # play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/upstream/transports.rs); nginx, HAProxy and Caddy
 # are the peers whose configurations the comparison benchmark's smoke pass starts and serves through
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/sbin:/sbin
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)
-command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+{ command -v prometheus && command -v promtool; } >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v kubectl >/dev/null 2>&1 || need+=(kubernetes-client)
 command -v microsocks >/dev/null 2>&1 || need+=(microsocks)

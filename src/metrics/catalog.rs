@@ -210,7 +210,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 39] = [
+pub const CATALOG: [&Spec; 40] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -225,6 +225,7 @@ pub const CATALOG: [&Spec; 39] = [
     &HEDGES,
     &HEDGES_WON,
     &STREAMS_CUT,
+    &CONTINUATIONS,
     &REPLAY_BYTES,
     &REPLAY_OVER_BUDGET,
     &ENDPOINTS,

@@ -10,13 +10,13 @@ use crate::objects::Objects;
 use crate::pods::selector_selects;
 use crate::problems::{Problems, known_keys, typed};
 use crate::{
-    ADVANCED, METRICS_API_METADATA, PROMETHEUS_METADATA, SCALE_TARGET_REF, SCALED_OBJECT_SPEC,
-    SERVICE_MONITOR_ENDPOINT, SERVICE_MONITOR_SPEC, TRIGGER,
+    ADVANCED, METRICS_API_METADATA, MIN_SCALED_REPLICAS, PROMETHEUS_METADATA, SCALE_TARGET_REF,
+    SCALED_OBJECT_SPEC, SERVICE_MONITOR_ENDPOINT, SERVICE_MONITOR_SPEC, TRIGGER,
 };
 
 /// A custom resource's `spec`, once its `apiVersion` is `version` and its spec has only `spec_keys`
 /// (problems otherwise).
-fn custom_resource_spec<'a>(
+pub(crate) fn custom_resource_spec<'a>(
     at: &str,
     resource: &'a Value,
     version: &str,
@@ -95,6 +95,17 @@ pub(crate) fn check_service_monitor(
         scrapes_admin,
         "must scrape port `admin` at /metrics every 15s"
     );
+    // The operator sets the target label `endpoint` to the port's name; tongs' own `endpoint` label
+    // survives only with honorLabels.
+    let keeps_endpoint = endpoints
+        .iter()
+        .all(|endpoint| endpoint["honorLabels"] == true);
+    ensure!(
+        problems,
+        at,
+        keeps_endpoint,
+        "set honorLabels: true, or Prometheus renames tongs' `endpoint` label to exported_endpoint"
+    );
 }
 
 pub(crate) fn check_scaled_object(
@@ -125,6 +136,13 @@ pub(crate) fn check_scaled_object(
         min <= max,
         "minReplicaCount {min} exceeds maxReplicaCount {max}"
     );
+    ensure!(
+        problems,
+        at,
+        min >= MIN_SCALED_REPLICAS,
+        "minReplicaCount {min}: keep at least {MIN_SCALED_REPLICAS} GPU nodes, or an idle fleet's \
+         every interruption is an outage"
+    );
     let fallback = &spec["fallback"];
     if !fallback.is_null() {
         known_keys(
@@ -140,6 +158,13 @@ pub(crate) fn check_scaled_object(
             at,
             complete,
             "fallback needs failureThreshold and replicas"
+        );
+        let replicas = fallback["replicas"].as_i64().unwrap_or(0);
+        ensure!(
+            problems,
+            at,
+            replicas >= min,
+            "fallback replicas {replicas} is below minReplicaCount {min}"
         );
     }
     known_keys(at, "advanced", &spec["advanced"], ADVANCED, problems);

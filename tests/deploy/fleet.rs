@@ -2,7 +2,7 @@
 //! that tongs' pod discovery finds every GPU workload of a rendering and a rule gives its pods an
 //! address tongs reaches; label selectors read as the API server reads them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use tongs::config::{Config, Rule};
@@ -18,6 +18,11 @@ const SALAD_ANNOTATIONS: &str = "salad.com/gpu-classes salad.com/country-codes \
     salad.com/container-group-priority salad.com/networking-protocol salad.com/networking-port \
     salad.com/networking-auth";
 
+/// GPU replicas an example runs, so one interruption is never an outage.
+pub(crate) const MIN_GPU_REPLICAS: i32 = 3;
+/// Countries a SaladCloud example may be placed in, at least.
+const MIN_COUNTRIES: usize = 2;
+
 pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut Problems) {
     let labels = pod_labels(deployment);
     let (key, value) = FLEET_LABEL;
@@ -26,6 +31,14 @@ pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut 
         at,
         labels.get(key).is_some_and(|v| v == value),
         "pods must carry {key}: {value}"
+    );
+    let replicas = deployment.spec.as_ref().and_then(|spec| spec.replicas);
+    ensure!(
+        problems,
+        at,
+        replicas.unwrap_or(1) >= MIN_GPU_REPLICAS,
+        "replicas {replicas:?}: run at least {MIN_GPU_REPLICAS} GPU nodes, or every interruption is \
+         an outage"
     );
     let Some(spec) = pod_spec(deployment) else {
         return problems.fail(at, "has no pod spec");
@@ -86,6 +99,7 @@ pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut 
             "salad.com/networking-auth is {auth:?}"
         );
     }
+    check_country_codes(at, salad.get("salad.com/country-codes").copied(), problems);
     if let Some(priority) = salad.get("salad.com/container-group-priority") {
         let known = matches!(*priority, "high" | "medium" | "low" | "batch");
         ensure!(
@@ -109,9 +123,43 @@ pub(crate) fn check_inference(at: &str, deployment: &Deployment, problems: &mut 
     );
 }
 
+/// `salad.com/country-codes` as the Virtual Kubelet reads it (SaladTechnologies/virtual-kubelet-saladcloud,
+/// internal/provider/provider.go, getCountryCodes): split on "," without trimming, each code an ISO
+/// 3166-1 alpha-2 code it validates; one refused code drops the whole list (and the placement limit)
+/// with only a log line. Several countries, so a shortage in one does not stop every replacement.
+pub(crate) fn check_country_codes(at: &str, value: Option<&str>, problems: &mut Problems) {
+    let Some(value) = value else {
+        return problems.fail(
+            at,
+            format!(
+                "set salad.com/country-codes to {MIN_COUNTRIES} or more countries, so replacements \
+                 are not limited to one"
+            ),
+        );
+    };
+    let codes: Vec<&str> = value.split(',').collect();
+    for code in &codes {
+        let well_formed = code.len() == 2 && code.chars().all(|c| c.is_ascii_lowercase());
+        ensure!(
+            problems,
+            at,
+            well_formed,
+            "salad.com/country-codes {value:?}: {code:?} is no lowercase two-letter code (no spaces: \
+             the Virtual Kubelet does not trim them, and drops the whole list)"
+        );
+    }
+    let distinct: BTreeSet<&&str> = codes.iter().collect();
+    ensure!(
+        problems,
+        at,
+        distinct.len() >= MIN_COUNTRIES && distinct.len() == codes.len(),
+        "salad.com/country-codes {value:?}: name {MIN_COUNTRIES} or more distinct countries"
+    );
+}
+
 /// A pod of the SaladCloud Virtual Kubelet, as tongs tells one (src/discovery/pods.rs): it carries the
 /// gateway port annotation or tolerates the virtual node's taint.
-fn is_salad(deployment: &Deployment) -> bool {
+pub(crate) fn is_salad(deployment: &Deployment) -> bool {
     let annotations = pod_meta(deployment, |meta| meta.annotations.clone()).unwrap_or_default();
     let tolerations = pod_spec(deployment).and_then(|spec| spec.tolerations.as_ref());
     annotations.contains_key(SALAD_PORT_ANNOTATION)
@@ -278,4 +326,72 @@ pub(crate) fn label_selector_selects(
     labels: &BTreeMap<String, String>,
 ) -> bool {
     selector.matches_labels(|key| labels.get(key).map(String::as_str))
+}
+
+/// The redundant defaults hold in every rendering (`check_rendering`), and breaking one is reported: 3 GPU
+/// replicas, KEDA keeping 2 (and falling back to no fewer), SaladCloud nodes from several countries, and
+/// tongs' disruption budget keeping one of its 2 replicas up.
+#[test]
+fn redundant_defaults_are_checked() {
+    use serde_json::{Value, json};
+
+    use crate::objects::{name_of, problems_after};
+
+    const FULL: &str = "deploy/overlays/salad-gateway-full";
+    let reported = |problems: &[String], wanted: &str| {
+        assert!(
+            problems.iter().any(|problem| problem.contains(wanted)),
+            "expected a problem containing {wanted:?}, got {problems:#?}"
+        );
+    };
+    let edit = |kind: &'static str, name: &'static str, change: &dyn Fn(&mut Value)| {
+        problems_after(FULL, |documents| {
+            let doc = documents
+                .iter_mut()
+                .find(|doc| doc["kind"] == kind && name_of(doc) == name)
+                .unwrap_or_else(|| panic!("{kind}/{name}"));
+            change(doc);
+        })
+    };
+    let annotate = |value: Value| {
+        move |doc: &mut Value| {
+            doc["spec"]["template"]["metadata"]["annotations"]["salad.com/country-codes"] =
+                value.clone();
+        }
+    };
+
+    let problems = edit("Deployment", "inference", &|doc| {
+        doc["spec"]["replicas"] = json!(1)
+    });
+    reported(&problems, "run at least 3 GPU nodes");
+    let problems = edit("ScaledObject", "inference", &|doc| {
+        doc["spec"]["minReplicaCount"] = json!(1)
+    });
+    reported(&problems, "minReplicaCount 1: keep at least 2 GPU nodes");
+    let problems = edit("ScaledObject", "inference", &|doc| {
+        doc["spec"]["fallback"]["replicas"] = json!(1)
+    });
+    reported(&problems, "fallback replicas 1 is below minReplicaCount 2");
+    let problems = edit("Deployment", "inference", &annotate(json!("us, ca")));
+    reported(&problems, "\" ca\" is no lowercase two-letter code");
+    let problems = edit("Deployment", "inference", &annotate(json!("us")));
+    reported(&problems, "name 2 or more distinct countries");
+    let problems = edit("Deployment", "inference", &annotate(json!("us,us")));
+    reported(&problems, "name 2 or more distinct countries");
+    let problems = edit("Deployment", "inference", &|doc| {
+        let annotations = &mut doc["spec"]["template"]["metadata"]["annotations"];
+        annotations
+            .as_object_mut()
+            .expect("annotations")
+            .remove("salad.com/country-codes");
+    });
+    reported(&problems, "set salad.com/country-codes");
+    let problems = edit("PodDisruptionBudget", "tongs", &|doc| {
+        doc["spec"]["minAvailable"] = json!(0)
+    });
+    reported(&problems, "expected 1");
+    let problems = edit("Deployment", "tongs", &|doc| {
+        doc["spec"]["replicas"] = json!(1)
+    });
+    reported(&problems, "minAvailable 1 blocks every node drain");
 }

@@ -6,10 +6,11 @@
 //! write-back need (and no more), that its label selector picks the example GPU workloads and a rule
 //! can address them, that the files it reads secrets from are mounted Secret files, and that its
 //! Tailscale proxy is the sidecar's. The Grafana dashboard and the Dockerfile are checked against the
-//! code they describe.
+//! code they describe, the alert rules with promtool and against a real /metrics page, and the READMEs
+//! against what deploy/ asks of a user.
 //!
-//! Needs `kubectl` on the PATH (Debian's `kubernetes-client`; `scripts/test.sh` installs it). Without it
-//! the tests fail, never skip.
+//! Needs `kubectl` on the PATH (Debian's `kubernetes-client`) and `promtool` (Debian's `prometheus`);
+//! `scripts/test.sh` installs both. Without them the tests fail, never skip.
 
 #![forbid(unsafe_code)]
 
@@ -27,7 +28,6 @@ use crate::objects::{check_rendering, name_of, problems_after, tongs_pod_spec};
 use crate::pods::pod_spec;
 use crate::problems::{Problems, parse};
 use crate::render::{Kustomization, kustomizations, rendered};
-use crate::secrets::secret_references;
 
 // The one path: shared with the other test binaries (see `tests/support/mod.rs`).
 #[path = "../support/mod.rs"]
@@ -46,6 +46,8 @@ const CONFIG_DIR: &str = "/etc/tongs";
 const ARGS: [&str; 3] = ["run", "--config", "/etc/tongs/tongs.yaml"];
 /// tongs' selector label for its GPU fleet.
 const FLEET_LABEL: (&str, &str) = ("app.kubernetes.io/part-of", "tongs-fleet");
+/// The fewest GPU nodes an autoscaler may leave: one interruption must not be an outage.
+const MIN_SCALED_REPLICAS: i64 = 2;
 
 // Fields of the custom resources' schemas that deploy/ may use (the CRDs are not in the cluster here).
 const SERVICE_MONITOR_SPEC: &str = "endpoints selector namespaceSelector jobLabel targetLabels \
@@ -64,6 +66,9 @@ const PROMETHEUS_METADATA: &str = "serverAddress query queryParameters threshold
     activationThreshold namespace customHeaders ignoreNullValues unsafeSsl timeout";
 const METRICS_API_METADATA: &str = "url format valueLocation targetValue activationTargetValue \
     unsafeSsl authMode method timeout aggregateFromKubeServiceEndpoints aggregationType";
+const PROMETHEUS_RULE_GROUP: &str =
+    "name interval rules limit query_offset labels partial_response_strategy";
+const PROMETHEUS_RULE_RULE: &str = "record alert expr for keep_firing_for labels annotations";
 
 /// Records a problem at `$at` unless `$ok` holds. Defined above the modules, which use it: a
 /// `macro_rules!` is in scope only below its definition.
@@ -75,11 +80,14 @@ macro_rules! ensure {
     };
 }
 
+mod alerts;
 mod config;
 mod custom_resources;
 mod dashboard;
 mod deployment;
+mod docs;
 mod fleet;
+mod network_policy;
 mod objects;
 mod pods;
 mod problems;
@@ -368,43 +376,6 @@ fn the_cross_checks_catch_broken_renderings() {
     reported(&problems, "upstream.tailscale.proxy is empty");
     reported(&problems, "no rule of discovery.kubernetes.rules");
 }
-/// The operator creates every Secret a rendering refers to (deploy/ ships none): deploy/README.md says
-/// how, with one `kubectl create secret generic` line per Secret naming its namespace and each key.
-#[test]
-fn deploy_readme_tells_how_to_create_every_secret() {
-    let readme = read("deploy/README.md");
-    let mut missing = BTreeSet::new();
-    for (source, documents) in rendered() {
-        for document in documents.iter().filter(|doc| doc["kind"] == "Deployment") {
-            let Ok(deployment) = serde_json::from_value::<Deployment>(document.clone()) else {
-                continue;
-            };
-            let Some(spec) = pod_spec(&deployment) else {
-                continue;
-            };
-            let namespace = deployment.metadata.namespace.as_deref();
-            for (secret, key) in secret_references(spec) {
-                let documented = readme.lines().any(|line| {
-                    line.contains(&format!("create secret generic {secret} "))
-                        && namespace.is_none_or(|ns| line.contains(&format!("kubectl -n {ns} ")))
-                        && key.as_deref().is_none_or(|key| {
-                            line.contains(&format!("--from-file={key}="))
-                                || line.contains(&format!("--from-literal={key}="))
-                        })
-                });
-                if !documented {
-                    missing.insert(format!("{source}: Secret {secret} key {key:?}"));
-                }
-            }
-        }
-    }
-    assert!(
-        missing.is_empty(),
-        "deploy/README.md needs `kubectl -n NAMESPACE create secret generic NAME --from-file=KEY=FILE` \
-         (or --from-literal=KEY=VALUE) for: {missing:#?}"
-    );
-}
-
 #[test]
 fn grafana_dashboard_uses_only_exported_metrics() {
     let mut problems = Problems::default();

@@ -5,15 +5,18 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 use tongs::config::Config;
 
+use crate::alerts::check_prometheus_rule;
 use crate::config::check_keeps_base_keys;
 use crate::custom_resources::{check_scaled_object, check_service_monitor};
 use crate::deployment::check_tongs;
 use crate::fleet::{check_discovered_workloads, check_inference};
+use crate::network_policy::{check_network_policy, check_policy_lets_tongs_reach};
 use crate::pods::TongsPod;
 use crate::problems::{Problems, parse};
 use crate::rbac::{check_access, check_role, check_role_binding};
@@ -35,6 +38,8 @@ pub(crate) struct Objects {
     pub(crate) disruption_budgets: BTreeMap<String, PodDisruptionBudget>,
     pub(crate) service_monitors: BTreeMap<String, Value>,
     pub(crate) scaled_objects: BTreeMap<String, Value>,
+    pub(crate) prometheus_rules: BTreeMap<String, Value>,
+    pub(crate) network_policies: BTreeMap<String, NetworkPolicy>,
 }
 
 pub(crate) fn name_of(value: &Value) -> String {
@@ -93,6 +98,14 @@ fn collect(source: &str, documents: &[Value], problems: &mut Problems) -> Object
             }
             "ScaledObject" => {
                 objects.scaled_objects.insert(name, value.clone());
+            }
+            "NetworkPolicy" => {
+                if let Some(object) = parse(value, at, problems) {
+                    objects.network_policies.insert(name, object);
+                }
+            }
+            "PrometheusRule" => {
+                objects.prometheus_rules.insert(name, value.clone());
             }
             other => problems.fail(
                 at,
@@ -161,6 +174,12 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
     for (name, scaled) in &objects.scaled_objects {
         check_scaled_object(&at("ScaledObject", name), scaled, objects, problems);
     }
+    for (name, rule) in &objects.prometheus_rules {
+        check_prometheus_rule(&at("PrometheusRule", name), rule, problems);
+    }
+    for (name, policy) in &objects.network_policies {
+        check_network_policy(&at("NetworkPolicy", name), policy, objects, problems);
+    }
     // What tongs.yaml asks of the rest of the rendering.
     if let (Some(tongs), Some(config)) = (&tongs, &config) {
         let at = &format!("{source}: tongs.yaml");
@@ -175,6 +194,7 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
         check_discovered_workloads(&asks, problems);
         check_secret_files(at, tongs, config, &secrets, problems);
         check_tailscale_proxy(at, tongs, config, problems);
+        check_policy_lets_tongs_reach(&asks, problems);
     }
 }
 
