@@ -11,54 +11,13 @@ use std::sync::{Arc, Mutex};
 
 use http::{Request, Response};
 use hyper::body::Incoming;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use tokio::net::TcpListener;
-use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_util::sync::CancellationToken;
 
 use super::{Http, full, serve_connections, serve_http};
 
-/// A CA (its PEM, for `upstream.extra_ca_file`) and one leaf it signed for the given IP addresses.
-pub struct GatewayPki {
-    pub ca_pem: String,
-    leaf: CertificateDer<'static>,
-    leaf_key: PrivatePkcs8KeyDer<'static>,
-}
-
-impl GatewayPki {
-    pub fn new(ips: &[&str]) -> GatewayPki {
-        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
-        ca.distinguished_name
-            .push(DnType::CommonName, "tongs test gateway CA");
-        let ca_key = KeyPair::generate().unwrap();
-        let ca_cert = ca.self_signed(&ca_key).unwrap();
-        let issuer = Issuer::new(ca, ca_key);
-        let names: Vec<String> = ips.iter().map(|ip| (*ip).to_owned()).collect();
-        let mut leaf = CertificateParams::new(names).unwrap();
-        leaf.distinguished_name
-            .push(DnType::CommonName, "gateway.test");
-        leaf.use_authority_key_identifier_extension = true;
-        leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        let leaf_key = KeyPair::generate().unwrap();
-        let leaf_cert = leaf.signed_by(&leaf_key, &issuer).unwrap();
-        GatewayPki {
-            ca_pem: ca_cert.pem(),
-            leaf: leaf_cert.der().clone(),
-            leaf_key: PrivatePkcs8KeyDer::from(leaf_key.serialize_der()),
-        }
-    }
-}
+/// The gateway's CA and certificate, for the IP addresses that stand in for gateway hosts.
+pub type GatewayPki = super::tls::TestPki;
 
 /// One request a gateway answered: its path and the `Salad-Api-Key` it carried.
 #[derive(Clone, Debug)]
@@ -78,18 +37,7 @@ impl FakeGateway {
     /// Starts a gateway on `ip` (an ephemeral port) presenting `pki`'s leaf, speaking HTTP/1.1 or
     /// HTTP/2 as ALPN decides; it answers every request 200 with `name`.
     pub async fn start(pki: &GatewayPki, ip: &str, name: &'static str) -> FakeGateway {
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![pki.leaf.clone()],
-                PrivateKeyDer::Pkcs8(pki.leaf_key.clone_key()),
-            )
-            .unwrap();
-        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-        let acceptor = TlsAcceptor::from(Arc::new(config));
+        let acceptor = pki.acceptor(&[b"h2", b"http/1.1"]);
         let ip: IpAddr = ip.parse().expect("an IP address");
         let listener = TcpListener::bind((ip, 0)).await.expect("gateway binds");
         let addr = listener.local_addr().unwrap();

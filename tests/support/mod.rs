@@ -14,6 +14,7 @@
 pub mod gateway;
 pub mod kube_api;
 pub mod salad_api;
+pub mod tls;
 
 use std::convert::Infallible;
 use std::future::Future;

@@ -12,57 +12,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::tls::TestPki;
 use crate::support::*;
 use http::{Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::rustls;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio_util::sync::CancellationToken;
 
-/// A test CA and one leaf certificate it signed.
-struct Pki {
-    ca_pem: String,
-    leaf: CertificateDer<'static>,
-    leaf_key: PrivatePkcs8KeyDer<'static>,
-}
-
 /// Makes a CA and a leaf certificate for `names`, signed by that CA.
-fn pki(names: &[&str]) -> Pki {
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    ca.distinguished_name
-        .push(DnType::CommonName, "tongs test CA");
-    let ca_key = KeyPair::generate().unwrap();
-    let ca_cert = ca.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca, ca_key);
-
-    let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
-    let mut leaf = CertificateParams::new(names.clone()).unwrap();
-    leaf.distinguished_name
-        .push(DnType::CommonName, names[0].as_str());
-    leaf.use_authority_key_identifier_extension = true;
-    leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf_cert = leaf.signed_by(&leaf_key, &issuer).unwrap();
-
-    Pki {
-        ca_pem: ca_cert.pem(),
-        leaf: leaf_cert.der().clone(),
-        leaf_key: PrivatePkcs8KeyDer::from(leaf_key.serialize_der()),
-    }
+fn pki(names: &[&str]) -> TestPki {
+    TestPki::new(names)
 }
 
 /// A PEM file in the temp directory, removed when dropped.
@@ -133,19 +94,8 @@ impl Drop for TlsBackend {
 /// It listens on 127.0.0.1 and, when it can, on the same port of [::1], so `localhost` reaches it
 /// whichever address the resolver returns first. Each connection is served with the protocol ALPN chose
 /// (HTTP/1.1 when none was).
-async fn tls_backend(pki: &Pki, alpn: &[&[u8]]) -> TlsBackend {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ServerConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![pki.leaf.clone()],
-            PrivateKeyDer::Pkcs8(pki.leaf_key.clone_key()),
-        )
-        .unwrap();
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    let acceptor = TlsAcceptor::from(Arc::new(config));
+async fn tls_backend(pki: &TestPki, alpn: &[&[u8]]) -> TlsBackend {
+    let acceptor = pki.acceptor(alpn);
 
     let v4 = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = v4.local_addr().unwrap().port();
