@@ -343,6 +343,8 @@ impl App {
         let _watch = parts
             .metrics
             .watch_runtime(tokio::runtime::Handle::current());
+        // SIGHUP handled before tongs says it serves (see `reload::hangups`).
+        let hangups = self.config_path.as_ref().and_then(|_| reload::hangups());
         tracing::info!(
             listen = %self.proxy_addr(),
             admin = %self.admin_addr(),
@@ -388,7 +390,13 @@ impl App {
         let reloads = self.config_path.clone().map(|path| {
             let target: Arc<dyn reload::Apply> = Arc::new(parts.clone());
             let current = Mutex::new(self.config.clone());
-            tokio::spawn(reload::watch(path, current, target, reload_stop.clone()))
+            tokio::spawn(reload::watch(
+                path,
+                current,
+                target,
+                hangups,
+                reload_stop.clone(),
+            ))
         });
         let mut workers = Vec::new();
         let count = self.proxy_listeners.len();

@@ -208,11 +208,25 @@ fn report(metrics: &Metrics, outcome: &Reloaded, trigger: &str) {
     }
 }
 
-/// Watches `path`'s directory and SIGHUP, reloading until `stop`.
+/// SIGHUP, listened for from now on. Taken before tongs says it serves: until a handler is installed,
+/// a SIGHUP keeps its default action and ends the process, so an operator's reload sent right after
+/// the start would kill it.
+pub fn hangups() -> Option<tokio::signal::unix::Signal> {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(signal) => Some(signal),
+        Err(err) => {
+            tracing::error!(error = %err, "cannot listen for SIGHUP");
+            None
+        }
+    }
+}
+
+/// Watches `path`'s directory and `hangups` (see [`hangups`]), reloading until `stop`.
 pub async fn watch(
     path: PathBuf,
     current: Mutex<Config>,
     target: Arc<dyn Apply>,
+    mut hangups: Option<tokio::signal::unix::Signal>,
     stop: CancellationToken,
 ) {
     let directory = match path.parent() {
@@ -235,13 +249,6 @@ pub async fn watch(
         },
         Err(err) => {
             tracing::error!(error = %err, "cannot watch files; reload with SIGHUP");
-            None
-        }
-    };
-    let mut hangups = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(signal) => Some(signal),
-        Err(err) => {
-            tracing::error!(error = %err, "cannot listen for SIGHUP");
             None
         }
     };
