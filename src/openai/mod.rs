@@ -8,14 +8,17 @@
 //!   can be continued, read once from the buffered request body;
 //! - [`Splicer`]: what the client has been sent so far, the continuation request, and the rewriting of
 //!   a continuation's chunks into the first piece's stream;
-//! - [`sse`]: the stream cut into whole events.
+//! - [`sse`]: the stream cut into whole events;
+//! - [`model_of`]: the `model` a request body names, and [`with_model`] the body naming another.
 
+mod model;
 pub mod splice;
 pub mod sse;
 
 use bytes::Bytes;
 use serde_json::Value;
 
+pub use model::{ModelField, model_of, with_model};
 pub use splice::{AfterCut, Splicer};
 
 /// Which OpenAI API a request speaks.
