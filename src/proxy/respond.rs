@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::HeaderValue;
+use http::header::{self, HeaderValue};
 use http::{Response, StatusCode};
 use http_body::Frame;
 use hyper::body::Incoming;
@@ -99,6 +99,9 @@ impl Proxy {
     }
 
     /// Answers with the last failure: the endpoint's own response when it gave one, else tongs' error.
+    /// A node's or gateway's 502, 503, 504 or 524 passes on only as JSON: any other body (the
+    /// SaladCloud gateway's is an HTML page) is dropped for tongs' own JSON error with its status, and
+    /// the node's `Retry-After` if it sent one.
     pub(super) fn fail(
         &self,
         settings: &ProxySettings,
@@ -115,6 +118,18 @@ impl Proxy {
             "request failed"
         );
         match failure.response {
+            Some((response, outstanding)) if !passes_on(&response) => {
+                let retry_after = response.headers().get(header::RETRY_AFTER).cloned();
+                // Its connection is closed with the unread body, and its slot freed.
+                drop((response, outstanding));
+                let mut answer = failure.error.into_response(request_id);
+                if let Some(retry_after) = retry_after {
+                    answer
+                        .headers_mut()
+                        .insert(header::RETRY_AFTER, retry_after);
+                }
+                answer
+            }
             Some((response, outstanding)) => {
                 let committed = Committed {
                     response,
@@ -201,4 +216,30 @@ impl Proxy {
             drop(outstanding);
         });
     }
+}
+
+/// Whether a failed attempt's answer reaches the client as the node gave it: any but a 502, 503, 504
+/// or 524, and those when JSON (`application/json`, or any `+json` type such as
+/// `application/problem+json`), which an OpenAI client can read as an error.
+fn passes_on<B>(response: &Response<B>) -> bool {
+    if !matches!(response.status().as_u16(), 502 | 503 | 504 | 524) {
+        return true;
+    }
+    let Some(content_type) = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|value| value.to_str().ok())
+    else {
+        return false;
+    };
+    let essence = content_type
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    essence == "application/json"
+        || essence
+            .split_once('/')
+            .is_some_and(|(_, subtype)| subtype.ends_with("+json"))
 }

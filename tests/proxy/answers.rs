@@ -1,6 +1,7 @@
 //! What tongs answers when it cannot or will not pass an endpoint's response on: a `CONNECT` is refused
 //! with 405 and never forwarded, a node's unsolicited `101` becomes a 502 counted against that node, a
-//! 504 names the time the attempt was given, and no error body tells the client an endpoint's address
+//! 504 names the time the attempt was given, a node's or gateway's error page (HTML) becomes tongs' own
+//! JSON error while a JSON error passes on, and no error body tells the client an endpoint's address
 //! (the logs and `/debug/endpoints` keep it).
 //!
 //! Real sockets on 127.0.0.1; the misbehaving endpoints are raw TCP servers standing in for GPU nodes.
@@ -211,4 +212,87 @@ async fn failure_answers_do_not_name_the_endpoint() {
     assert_no_endpoint("connection closed", closing.addr, &head, &body);
     assert_eq!(closing.hits.load(Ordering::SeqCst), 1);
     proxy.stop().await;
+}
+
+/// A whole HTTP/1.1 response: `status`, then `headers` (each line ending in CRLF), then `body` with its
+/// length.
+fn reply(status: u16, headers: &str, body: &str) -> &'static [u8] {
+    let text = format!(
+        "HTTP/1.1 {status} Failed\r\n{headers}content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    Box::leak(text.into_bytes().into_boxed_slice())
+}
+
+/// The page a gateway answers with when the node behind it is gone.
+const ERROR_PAGE: &str = "<html><head><title>503 Service Temporarily Unavailable</title></head>\
+                          <body><center><h1>503 Service Temporarily Unavailable</h1></center></body></html>";
+
+#[tokio::test]
+async fn a_node_s_error_page_becomes_tongs_json_error() {
+    for (status, headers, retry_after) in [
+        (503, "content-type: text/html\r\n", None),
+        (502, "content-type: text/html; charset=utf-8\r\n", None),
+        (504, "", None),
+        (524, "content-type: text/plain\r\n", None),
+        (
+            503,
+            "content-type: text/html\r\nretry-after: 9\r\n",
+            Some("9"),
+        ),
+        (
+            502,
+            "content-type: text/html\r\nretry-after: 4\r\n",
+            Some("4"),
+        ),
+    ] {
+        let case = format!("{status} {headers:?}");
+        let node = RawEndpoint::start(reply(status, headers, ERROR_PAGE)).await;
+        let proxy = start_proxy(config_with(ONE_ATTEMPT, &[node.url()])).await;
+
+        let (head, body) = get_answer(&proxy, "/v1/models").await;
+        assert_eq!(head.status, status, "{case}: {body}");
+        assert_eq!(head.headers["content-type"], "application/json", "{case}");
+        assert!(!body.contains("html"), "{case}: {body}");
+        let (error, request_id) = proxy_error(&body);
+        assert_eq!(error, format!("the endpoint answered {status}"), "{case}");
+        assert_eq!(head.headers["x-request-id"], request_id.as_str(), "{case}");
+        assert_eq!(
+            head.headers.get("retry-after").map(|v| v.to_str().unwrap()),
+            retry_after,
+            "{case}: the node's Retry-After is kept"
+        );
+        assert_no_endpoint(&case, node.addr, &head, &body);
+        assert_eq!(node.hits.load(Ordering::SeqCst), 1, "{case}");
+        let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
+        assert_eq!(
+            endpoint.outstanding(),
+            0,
+            "{case}: the node's answer is let go"
+        );
+        proxy.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn a_node_s_json_error_passes_on() {
+    let body = r#"{"object":"error","message":"the engine is restarting","code":503}"#;
+    for content_type in [
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/problem+json",
+        "application/vnd.error+json;charset=utf-8",
+    ] {
+        let headers = format!("content-type: {content_type}\r\nx-node: kept\r\n");
+        let node = RawEndpoint::start(reply(503, &headers, body)).await;
+        let proxy = start_proxy(config_with(ONE_ATTEMPT, &[node.url()])).await;
+
+        let (head, answer) = get_answer(&proxy, "/v1/models").await;
+        assert_eq!(head.status, 503, "{content_type}: {answer}");
+        assert_eq!(answer, body, "{content_type}: the node's own body");
+        assert_eq!(head.headers["content-type"], content_type);
+        assert_eq!(head.headers["x-node"], "kept", "{content_type}");
+        proxy.stop().await;
+    }
 }
