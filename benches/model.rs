@@ -1,0 +1,116 @@
+//! Benchmarks reading a request's `model` (`tongs::openai::model_of`), what routing a request to a pool
+//! by its model costs, against routing by path (`str::starts_with` on the path): on an OpenAI chat
+//! body of 4 KiB and of 1 MiB, with `model` as its first key (as clients send it, so reading stops
+//! there) and as its last (the whole body is read). Then counts the heap allocations per read: the
+//! name, and the error serde_json builds for the early stop.
+//!
+//! Run with `cargo bench --bench model`.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use tongs::openai::model_of;
+
+/// dhat's allocator counts every heap allocation while a profiler runs.
+#[global_allocator]
+static GLOBAL: dhat::Alloc = dhat::Alloc;
+
+const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+const PATH: &str = "/v1/chat/completions";
+const SIZES: [(&str, usize); 2] = [("4KiB", 4 << 10), ("1MiB", 1 << 20)];
+const ALLOC_CHECK_READS: u64 = 10_000;
+
+/// A chat request of at least `size` bytes: a system prompt, then user and assistant turns of prose
+/// (with the quotes and newlines a conversation has, escaped), then the sampling settings; `model`
+/// first or last.
+fn chat_body(size: usize, model_first: bool) -> Vec<u8> {
+    let sentences = [
+        "Summarise the report below in three bullet points.\n",
+        "The quarterly figures show a \"modest\" rise in throughput, 4.2 % over the last period. ",
+        "Latency at the 99th percentile fell from 840 ms to 610 ms after the cache was resized. ",
+        "Which of the two regions should take the next batch of nodes, and why?\n",
+    ];
+    let mut messages = vec![serde_json::json!({
+        "role": "system",
+        "content": "You are a careful assistant. Answer briefly and cite the figures you use.",
+    })];
+    let mut length = 0;
+    let mut turn = 0;
+    while length < size {
+        let content: String = (0..8)
+            .map(|i| sentences[(turn + i) % sentences.len()])
+            .collect();
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        let message = serde_json::json!({"role": role, "content": content});
+        length += message.to_string().len() + 1;
+        messages.push(message);
+        turn += 1;
+    }
+    let messages = serde_json::to_string(&messages).unwrap();
+    let model = serde_json::to_string(MODEL).unwrap();
+    let settings = r#""temperature":0.7,"top_p":0.95,"max_tokens":512,"stream":true,"stream_options":{"include_usage":true}"#;
+    let body = if model_first {
+        format!(r#"{{"model":{model},"messages":{messages},{settings}}}"#)
+    } else {
+        format!(r#"{{"messages":{messages},{settings},"model":{model}}}"#)
+    };
+    assert!(body.len() >= size);
+    assert_eq!(model_of(body.as_bytes()).unwrap().name, MODEL);
+    body.into_bytes()
+}
+
+fn bench_model(c: &mut Criterion) {
+    c.bench_function("path_prefix", |b| {
+        b.iter(|| black_box(PATH).starts_with(black_box("/v1/chat/completions")))
+    });
+    // Reading stops at the model: the body's size should not matter.
+    let mut group = c.benchmark_group("model_first");
+    for (name, size) in SIZES {
+        let body = chat_body(size, true);
+        group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
+            b.iter(|| model_of(black_box(body)).map(|found| found.span.start))
+        });
+    }
+    group.finish();
+    // The whole body is read: bytes per second.
+    let mut group = c.benchmark_group("model_last");
+    for (name, size) in SIZES {
+        let body = chat_body(size, false);
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
+            b.iter(|| model_of(black_box(body)).map(|found| found.span.start))
+        });
+    }
+    group.finish();
+}
+
+/// Reads each body `ALLOC_CHECK_READS` times and prints the heap allocations per read.
+fn allocation_check() {
+    let _profiler = dhat::Profiler::builder().testing().build();
+    for (name, size) in SIZES {
+        for (place, first) in [("model first", true), ("model last", false)] {
+            let body = chat_body(size, first);
+            let before = dhat::HeapStats::get().total_blocks;
+            for _ in 0..ALLOC_CHECK_READS {
+                black_box(model_of(black_box(&body)));
+            }
+            let made = dhat::HeapStats::get().total_blocks - before;
+            println!(
+                "{name} ({} bytes), {place}: allocations per read: {} ({made} in {ALLOC_CHECK_READS})",
+                body.len(),
+                made as f64 / ALLOC_CHECK_READS as f64
+            );
+        }
+    }
+}
+
+fn main() {
+    let mut criterion = Criterion::default()
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    bench_model(&mut criterion);
+    criterion.final_summary();
+    allocation_check();
+}
