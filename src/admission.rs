@@ -90,6 +90,8 @@ pub struct QueueSettings {
     pub max_length: usize,
     pub max_wait: Duration,
     pub shed_after: Duration,
+    /// The wait while the pool has no endpoint at all.
+    pub max_wait_no_endpoints: Duration,
 }
 
 impl QueueSettings {
@@ -98,6 +100,9 @@ impl QueueSettings {
             max_length: config.max_length,
             max_wait: config.max_wait.get(),
             shed_after: config.shed_low_priority_after.get(),
+            max_wait_no_endpoints: config
+                .max_wait_no_endpoints
+                .map_or(config.max_wait.get(), |wait| wait.get()),
         }
     }
 }
@@ -540,6 +545,7 @@ mod tests {
             max_length,
             max_wait: Duration::from_secs(10),
             shed_after: Duration::from_secs(1),
+            max_wait_no_endpoints: Duration::from_secs(10),
         })
     }
 

@@ -6,18 +6,17 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use arc_swap::{ArcSwap, ArcSwapOption};
+use arc_swap::ArcSwapOption;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Queue, QueueSettings};
-use crate::config::{Config, HealthConfig, KeyError};
-use crate::endpoint::SlotFreed;
-use crate::limit::LimitSettings;
+use crate::admission::Queue;
+use crate::config::{Config, KeyError};
 use crate::metrics::Metrics;
-use crate::proxy::{Proxy, ProxySettings};
+use crate::proxy::Proxy;
 use crate::readiness::Readiness;
-use crate::registry::{EndpointSpec, Registry};
+use crate::registry::Registry;
+use crate::route::{Pool, PoolError, Router};
 use crate::server::{BindError, ServerSettings};
 use crate::upstream::{GatewayKey, UpstreamError};
 use crate::{admin, discovery, health, reload, server, upstream};
@@ -31,8 +30,8 @@ pub enum AppError {
     Upstream(#[from] UpstreamError),
     #[error(transparent)]
     SaladKey(#[from] KeyError),
-    #[error("cannot read discovery.kubernetes.registration.token_file: {0}")]
-    RegistrationToken(std::io::Error),
+    #[error(transparent)]
+    Pool(#[from] PoolError),
     #[error("cannot read admin.bearer_token_file {path}: {source}")]
     Token {
         path: PathBuf,
@@ -44,15 +43,11 @@ pub enum AppError {
 /// discovery and reloads. Each of those is handed the parts it needs, and nothing else.
 #[derive(Clone)]
 pub struct Parts {
-    pub proxy: Arc<Proxy>,
-    pub registry: Arc<Registry>,
-    /// Where requests wait for a slot; the registry's endpoints wake it when one comes free.
-    pub queue: Arc<Queue>,
-    pub discovery: Arc<discovery::Status>,
+    /// The pools (each its fleet, queue and request path) and the way to them.
+    pub router: Arc<Router>,
     pub readiness: Arc<Readiness>,
+    /// What is recorded outside any pool (reloads, runtimes, requests no pool took).
     pub metrics: Arc<Metrics>,
-    /// Heartbeat settings, replaced by a reload.
-    pub health: Arc<ArcSwap<HealthConfig>>,
     /// `Salad-Api-Key` for gateways, shared by every client and replaced by reloads.
     pub gateway_key: Arc<GatewayKey>,
     /// The bearer token the admin port requires (none: open), read again by every reload so a rotated
@@ -63,52 +58,56 @@ pub struct Parts {
 impl Parts {
     /// Parts with nothing configured yet; [`Parts::apply`] gives them a configuration.
     fn new() -> Parts {
-        let queue = Arc::new(Queue::default());
-        let woken = Arc::clone(&queue);
-        let registry = Arc::new(Registry::new(SlotFreed::new(move || woken.wake_one())));
         let metrics = Arc::new(Metrics::new());
-        let proxy = Arc::new(Proxy::new(
-            Arc::clone(&registry),
-            Arc::clone(&queue),
-            Arc::clone(&metrics),
-            ProxySettings::from_config(&Config::default()),
-        ));
         Parts {
-            proxy,
-            registry,
-            queue,
-            discovery: Arc::default(),
+            router: Arc::new(Router::new(Arc::clone(&metrics))),
             readiness: Arc::default(),
             metrics,
-            health: Arc::new(ArcSwap::from_pointee(HealthConfig::default())),
             gateway_key: Arc::default(),
             admin_token: Arc::default(),
         }
     }
 
-    /// Applies `config` to every part that can change while serving: request-path settings, limits,
-    /// the queue, heartbeats, the gateway key, static endpoints and discovery. Requests under way finish
-    /// with what they started with; endpoints that stay keep their state.
+    /// The pool requests go to when nothing else says: `default`, or the first listed.
+    pub fn main_pool(&self) -> Arc<Pool> {
+        let pools = self.router.pools();
+        pools
+            .iter()
+            .find(|p| &**p.name() == crate::config::DEFAULT_POOL)
+            .or(pools.first())
+            .cloned()
+            .unwrap_or_else(|| Pool::new(crate::config::DEFAULT_POOL, self.router.intake()))
+    }
+
+    /// The main pool's request path (tests, the demo and benchmarks read it).
+    pub fn proxy(&self) -> Arc<Proxy> {
+        Arc::clone(self.main_pool().proxy())
+    }
+
+    /// The main pool's endpoints.
+    pub fn registry(&self) -> Arc<Registry> {
+        Arc::clone(self.main_pool().registry())
+    }
+
+    /// The main pool's queue.
+    pub fn queue(&self) -> Arc<Queue> {
+        Arc::clone(self.main_pool().queue())
+    }
+
+    /// Applies `config` to every part that can change while serving: request-path settings, the pools
+    /// (limits, queues, heartbeats, static endpoints, discovery), the gateway key. Requests under way
+    /// finish with what they started with; endpoints that stay keep their state.
     ///
     /// The secrets read from files are the only part that can fail: each one that cannot be read keeps
     /// the value in force, and is returned so the caller decides (fatal at start, logged on reload).
     pub fn apply(&self, config: &Config) -> Vec<AppError> {
         let mut errors = Vec::new();
-        self.proxy.apply(ProxySettings::from_config(config));
-        self.registry
-            .set_limits(LimitSettings::from_config(&config.concurrency));
-        self.queue
-            .set_settings(QueueSettings::from_config(&config.queue));
-        self.health.store(Arc::new(config.health.clone()));
         // The key file is read again, so a rotated Secret takes effect with the next reload.
         match config.salad.api_key() {
             Ok(key) => self.gateway_key.set(config, key.as_deref()),
             Err(err) => errors.push(AppError::SaladKey(err)),
         }
-        self.registry.replace(EndpointSpec::from_config(config));
-        if let Err(err) = self.discovery.configure(&config.discovery.kubernetes) {
-            errors.push(AppError::RegistrationToken(err));
-        }
+        errors.extend(self.router.apply(config).into_iter().map(AppError::Pool));
         match &config.admin.bearer_token_file {
             None => self.admin_token.store(None),
             Some(path) => match read_token(path) {
@@ -126,10 +125,7 @@ impl Parts {
     fn admin(&self) -> admin::State {
         admin::State {
             readiness: Arc::clone(&self.readiness),
-            proxy: Arc::clone(&self.proxy),
-            registry: Arc::clone(&self.registry),
-            queue: Arc::clone(&self.queue),
-            discovery: Arc::clone(&self.discovery),
+            router: Arc::clone(&self.router),
             metrics: Arc::clone(&self.metrics),
         }
     }
@@ -175,7 +171,7 @@ fn worker_count(config: &Config) -> usize {
 /// task costs no cross-thread wake-up. Endpoint state is shared (atomics in the registry's endpoints).
 struct Worker {
     listener: std::net::TcpListener,
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     metrics: Arc<Metrics>,
     settings: ServerSettings,
     readiness: Arc<Readiness>,
@@ -215,10 +211,10 @@ impl Worker {
                     return;
                 }
             };
-            let worker = self.proxy.worker_path(upstream, self.workers);
+            let worker = self.router.worker_path(upstream, self.workers);
             server::serve(
                 listener,
-                self.proxy,
+                self.router,
                 worker,
                 self.settings,
                 self.readiness,
@@ -304,14 +300,14 @@ impl App {
         &self.parts
     }
 
-    /// The endpoint registry (tests and discovery write to it).
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.parts.registry
+    /// The main pool's endpoint registry (tests and discovery write to it).
+    pub fn registry(&self) -> Arc<Registry> {
+        self.parts.registry()
     }
 
-    /// The queue of requests waiting for an endpoint.
-    pub fn queue(&self) -> &Arc<Queue> {
-        &self.parts.queue
+    /// The main pool's queue of requests waiting for an endpoint.
+    pub fn queue(&self) -> Arc<Queue> {
+        self.parts.queue()
     }
 
     /// The SaladCloud API client for gateway lookups, when `salad.api` and a key are configured.
@@ -348,7 +344,7 @@ impl App {
         tracing::info!(
             listen = %self.proxy_addr(),
             admin = %self.admin_addr(),
-            endpoints = parts.registry.snapshot().len(),
+            pools = parts.router.pools().len(),
             "tongs serving"
         );
         let salad = self.salad_api();
@@ -360,32 +356,38 @@ impl App {
             admin::Limits::from_config(&self.config),
             admin_stop.clone(),
         ));
-        // Heartbeats run on this runtime with their own client, until the workers have drained.
-        let heartbeats_stop = CancellationToken::new();
-        let heartbeats = match upstream::build_client(&self.config, Arc::clone(&parts.gateway_key))
-        {
-            Ok(client) => Some(tokio::spawn(health::run(
-                Arc::clone(&parts.registry),
-                Arc::clone(&parts.health),
-                client,
-                heartbeats_stop.clone(),
-            ))),
+        // Each pool's heartbeats and pod watch run on this runtime (heartbeats with their own client),
+        // until the workers have drained; pools a reload adds get theirs then.
+        match upstream::build_client(&self.config, Arc::clone(&parts.gateway_key)) {
+            Ok(client) => {
+                let (readiness, gateway_key) =
+                    (Arc::clone(&parts.readiness), Arc::clone(&parts.gateway_key));
+                parts.router.start_pools(Box::new(move |pool: &Arc<Pool>| {
+                    let stop = CancellationToken::new();
+                    tokio::spawn(health::run(
+                        Arc::clone(pool.registry()),
+                        Arc::clone(pool.health()),
+                        client.clone(),
+                        stop.clone(),
+                    ));
+                    tokio::spawn(
+                        discovery::kube::Discovery {
+                            pool: Arc::clone(pool.name()),
+                            registry: Arc::clone(pool.registry()),
+                            status: Arc::clone(pool.discovery()),
+                            readiness: Arc::clone(&readiness),
+                            salad: salad.clone(),
+                            gateway_key: Arc::clone(&gateway_key),
+                        }
+                        .run(stop.clone()),
+                    );
+                    pool.set_tasks(stop);
+                }));
+            }
             Err(err) => {
-                tracing::error!(error = %err, "cannot build the heartbeat client; heartbeats are off");
-                None
+                tracing::error!(error = %err, "cannot build the heartbeat client; heartbeats and discovery are off");
             }
-        };
-        let discovery_stop = CancellationToken::new();
-        let discovery = tokio::spawn(
-            discovery::kube::Discovery {
-                registry: Arc::clone(&parts.registry),
-                status: Arc::clone(&parts.discovery),
-                readiness: Arc::clone(&parts.readiness),
-                salad,
-                gateway_key: Arc::clone(&parts.gateway_key),
-            }
-            .run(discovery_stop.clone()),
-        );
+        }
         let reload_stop = CancellationToken::new();
         let reloads = self.config_path.clone().map(|path| {
             let target: Arc<dyn reload::Apply> = Arc::new(parts.clone());
@@ -404,7 +406,7 @@ impl App {
             let (done, finished) = tokio::sync::oneshot::channel::<()>();
             let worker = Worker {
                 listener,
-                proxy: Arc::clone(&parts.proxy),
+                router: Arc::clone(&parts.router),
                 metrics: Arc::clone(&parts.metrics),
                 settings: self.server_settings.clone(),
                 readiness: Arc::clone(&parts.readiness),
@@ -431,12 +433,7 @@ impl App {
         if let Some(reloads) = reloads {
             let _ = reloads.await;
         }
-        heartbeats_stop.cancel();
-        if let Some(heartbeats) = heartbeats {
-            let _ = heartbeats.await;
-        }
-        discovery_stop.cancel();
-        let _ = discovery.await;
+        parts.router.stop_pools();
         admin_stop.cancel();
         let _ = admin.await;
         tracing::info!("tongs stopped");

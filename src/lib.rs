@@ -25,6 +25,7 @@ pub mod readiness;
 pub mod registry;
 pub mod reload;
 pub mod retry;
+pub mod route;
 pub mod server;
 pub mod sim;
 pub mod upstream;

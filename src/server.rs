@@ -23,9 +23,9 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::proxy::Proxy;
 use crate::proxy::WorkerPath;
 use crate::readiness::Readiness;
+use crate::route::Router;
 
 /// A listener that could not be opened.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +75,7 @@ fn builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
 /// Serves client connections until `shutdown` is cancelled, then drains within the grace period.
 pub async fn serve(
     listener: TcpListener,
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     worker: WorkerPath,
     settings: ServerSettings,
     readiness: Arc<Readiness>,
@@ -101,12 +101,12 @@ pub async fn serve(
         if let Err(err) = stream.set_nodelay(true) {
             tracing::debug!(error = %err, "set_nodelay failed");
         }
-        let proxy = Arc::clone(&proxy);
+        let router = Arc::clone(&router);
         let worker = Arc::clone(&worker);
         let service = service_fn(move |request: hyper::Request<Incoming>| {
-            let proxy = Arc::clone(&proxy);
+            let router = Arc::clone(&router);
             let worker = Arc::clone(&worker);
-            async move { Ok::<_, Infallible>(proxy.handle(&worker, request, client).await) }
+            async move { Ok::<_, Infallible>(router.handle(&worker, request, client).await) }
         });
         let builder = builder.clone();
         let watcher = graceful.watcher();
@@ -128,7 +128,7 @@ pub async fn serve(
     // Unready first, so the Service stops sending new clients while the drain runs.
     readiness.set_draining();
     drop(listener);
-    drain(graceful, &proxy, settings.grace).await;
+    drain(graceful, &router, settings.grace).await;
 }
 
 /// The HTTP/2 connection preface; anything else is taken for HTTP/1.
@@ -235,8 +235,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Prefixed<I> {
     }
 }
 
-async fn drain(graceful: GracefulShutdown, proxy: &Proxy, grace: Duration) {
-    let upgrades = proxy.upgrades();
+async fn drain(graceful: GracefulShutdown, router: &Router, grace: Duration) {
+    let upgrades = router.upgrades();
     upgrades.close();
     tracing::info!(
         grace = %humantime::format_duration(grace),

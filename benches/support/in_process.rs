@@ -39,8 +39,8 @@ impl InProcessTongs {
             .map_err(|err| anyhow!("the bench's tongs configuration is invalid: {err}\n{text}"))?;
         let app = App::bind(&config).await.context("starting tongs")?;
         let url = format!("http://{}", app.proxy_addr());
-        let registry = Arc::clone(app.registry());
-        let queue = Arc::clone(app.queue());
+        let registry = app.registry();
+        let queue = app.queue();
         let shutdown = CancellationToken::new();
         let task = tokio::spawn(app.run(shutdown.clone()));
         Ok(InProcessTongs {

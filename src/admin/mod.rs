@@ -30,15 +30,13 @@ use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::admission::{Queue, Refusal};
+use crate::admission::Refusal;
 use crate::config::Config;
-use crate::discovery;
 use crate::endpoint::EndpointView;
 use crate::http::ProxyBody;
-use crate::metrics::{Metrics, Scrape};
-use crate::proxy::Proxy;
+use crate::metrics::{Front, Metrics, Scrape};
 use crate::readiness::Readiness;
-use crate::registry::Registry;
+use crate::route::{Pool, Router};
 use crate::server;
 
 pub use register::REGISTER_PATH;
@@ -47,43 +45,66 @@ pub use register::REGISTER_PATH;
 #[derive(Clone)]
 pub struct State {
     pub readiness: Arc<Readiness>,
-    /// The request path's settings, counters and fleet latency.
-    pub proxy: Arc<Proxy>,
-    pub registry: Arc<Registry>,
-    pub queue: Arc<Queue>,
-    pub discovery: Arc<discovery::Status>,
+    /// The pools: each one's request path, endpoints, queue and discovery.
+    pub router: Arc<Router>,
     pub metrics: Arc<Metrics>,
 }
 
 impl State {
-    /// Every endpoint as operators see it now.
-    pub(super) fn views(&self) -> Vec<EndpointView> {
+    /// Every endpoint of `pool` as operators see it now.
+    pub(super) fn views(pool: &Pool) -> Vec<EndpointView> {
         let now = tokio::time::Instant::now();
-        let slow_start = self.proxy.settings().slow_start;
-        self.registry
+        let slow_start = pool.proxy().settings().slow_start;
+        pool.registry()
             .snapshot()
             .iter()
             .map(|endpoint| endpoint.view(now, slow_start))
             .collect()
     }
 
+    /// Ready: not draining, and every pool that watches pods has its first list in.
+    pub(super) fn ready(&self) -> bool {
+        self.readiness.is_ready()
+            && self
+                .router
+                .pools()
+                .iter()
+                .all(|pool| !pool.discovery().wants_sync() || pool.discovery().synced())
+    }
+
     /// The `/metrics` page: recorded figures plus the state of things now.
     pub(super) fn metrics_page(&self) -> String {
-        let endpoints = self.views();
-        let demand = self.registry.demand(self.queue.len());
-        let stats = self.queue.stats();
-        self.metrics.render(&Scrape {
-            queued: demand.queued,
-            demand: demand.demand,
-            capacity: demand.capacity,
-            rejections: Refusal::ALL
-                .into_iter()
-                .map(|reason| (reason.as_str(), stats.rejected(reason)))
-                .collect(),
-            stats: self.proxy.stats(),
-            endpoints: &endpoints,
-            discovery: self.discovery.figures(),
-        })
+        let pools = self.router.pools();
+        let views: Vec<Vec<EndpointView>> = pools.iter().map(|p| State::views(p)).collect();
+        let scrapes: Vec<Scrape> = pools
+            .iter()
+            .zip(&views)
+            .map(|(pool, endpoints)| {
+                let queue = pool.queue();
+                let demand = pool.registry().demand(queue.len());
+                let stats = queue.stats();
+                Scrape {
+                    pool: pool.name(),
+                    recorded: pool.metrics(),
+                    queued: demand.queued,
+                    demand: demand.demand,
+                    capacity: demand.capacity,
+                    rejections: Refusal::ALL
+                        .into_iter()
+                        .map(|reason| (reason.as_str(), stats.rejected(reason)))
+                        .collect(),
+                    stats: pool.proxy().stats(),
+                    endpoints,
+                    discovery: pool.discovery().figures(),
+                }
+            })
+            .collect();
+        let fallbacks = self.router.fallbacks();
+        let front = Front {
+            stats: self.router.intake().stats(),
+            fallbacks: &fallbacks,
+        };
+        self.metrics.render(&front, &scrapes)
     }
 }
 
@@ -182,7 +203,7 @@ pub async fn serve(
             async move {
                 let response = if request.uri().path() == REGISTER_PATH {
                     // Nodes present their own token, not the admin one.
-                    register::register(request, &state.discovery).await
+                    register::register(request, &state.router).await
                 } else {
                     // The token in force now: a reload may have rotated it.
                     match &*token.load() {

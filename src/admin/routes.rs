@@ -15,29 +15,55 @@ fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
 }
 
 pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<ProxyBody> {
-    let (registry, proxy, queue) = (&state.registry, &state.proxy, &state.queue);
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
+    let pools = state.router.pools();
     let response = match request.uri().path() {
         "/" => typed(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
         "/healthz" => answer(StatusCode::OK, "ok\n"),
-        "/readyz" if state.readiness.is_ready() => answer(StatusCode::OK, "ready\n"),
+        "/readyz" if state.ready() => answer(StatusCode::OK, "ready\n"),
         "/readyz" => answer(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-        "/demand" => json(&registry.demand(queue.len())),
+        "/demand" => json(&demand(&pools)),
         "/debug/endpoints" => {
-            let endpoints = state.views();
+            let mut endpoints = Vec::new();
+            let mut by_pool = Vec::new();
+            for pool in pools.iter() {
+                let views = State::views(pool);
+                let queue = pool.queue();
+                let proxy = pool.proxy();
+                for view in &views {
+                    let mut value = serde_json::to_value(view).unwrap_or_default();
+                    value["pool"] = (**pool.name()).into();
+                    endpoints.push(value);
+                }
+                by_pool.push(serde_json::json!({
+                    "name": &**pool.name(),
+                    "endpoints": views.len(),
+                    "demand": pool.registry().demand(queue.len()),
+                    "queue": {
+                        "waiting": queue.len(),
+                        "retry_after_seconds": queue.retry_after(),
+                    },
+                    "balancer": {
+                        "policy": proxy.settings().policy,
+                        "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
+                    },
+                }));
+            }
+            // The top level keeps the shape it had before pools: the main pool's figures.
+            let main = by_pool
+                .iter()
+                .find(|p| p["name"] == crate::config::DEFAULT_POOL)
+                .or(by_pool.first())
+                .cloned()
+                .unwrap_or_default();
             json(&serde_json::json!({
                 "endpoints": endpoints,
-                "demand": registry.demand(queue.len()),
-                "queue": {
-                    "waiting": queue.len(),
-                    "retry_after_seconds": queue.retry_after(),
-                },
-                "balancer": {
-                    "policy": proxy.settings().policy,
-                    "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
-                },
+                "demand": demand(&pools),
+                "queue": main["queue"],
+                "balancer": main["balancer"],
+                "pools": by_pool,
             }))
         }
         "/metrics" => typed(
@@ -51,4 +77,31 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
         ),
     };
     no_store(response)
+}
+
+/// Demand over every pool, and each pool's (what KEDA scales on, per pool or in total).
+fn demand(pools: &[std::sync::Arc<crate::route::Pool>]) -> serde_json::Value {
+    let mut total =
+        serde_json::json!({"queued": 0u64, "outstanding": 0u64, "demand": 0u64, "endpoints": 0u64});
+    let mut capacity = Some(0u64);
+    let mut by_pool = serde_json::Map::new();
+    for pool in pools {
+        let demand = pool.registry().demand(pool.queue().len());
+        for (key, value) in [
+            ("queued", demand.queued),
+            ("outstanding", demand.outstanding),
+            ("demand", demand.demand),
+            ("endpoints", demand.endpoints),
+        ] {
+            total[key] = (total[key].as_u64().unwrap_or(0) + value).into();
+        }
+        capacity = capacity.zip(demand.capacity).map(|(a, b)| a + b);
+        by_pool.insert(
+            pool.name().to_string(),
+            serde_json::to_value(&demand).unwrap_or_default(),
+        );
+    }
+    total["capacity"] = capacity.into();
+    total["pools"] = by_pool.into();
+    total
 }

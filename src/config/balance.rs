@@ -95,6 +95,12 @@ pub struct QueueConfig {
     /// Congestion: while the oldest waiter has waited longer than this, low-priority arrivals are refused
     /// at once (`shed-low-priority`).
     pub shed_low_priority_after: HumanDuration,
+    /// Longest wait while the pool has no endpoint at all (none discovered yet: a fleet scaling from
+    /// zero, whose first node takes minutes), after which the request goes to a fallback pool or is
+    /// refused; 0s falls back or refuses at once; unset, `max_wait`. Queued requests count in
+    /// `tongs_demand`, which is what lets an autoscaler see them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_wait_no_endpoints: Option<HumanDuration>,
 }
 
 impl Default for QueueConfig {
@@ -105,6 +111,7 @@ impl Default for QueueConfig {
             priority_header: Header::from_static("x-priority"),
             deadline_header: Header::from_static("x-tongs-timeout-ms"),
             shed_low_priority_after: HumanDuration::from_secs(5),
+            max_wait_no_endpoints: None,
         }
     }
 }

@@ -11,6 +11,7 @@ mod endpoints;
 mod header;
 mod hedge;
 mod kubernetes;
+mod pools;
 mod resilience;
 mod salad;
 mod server;
@@ -32,6 +33,7 @@ pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,
 };
+pub use pools::{DEFAULT_POOL, PoolConfig, PoolDiscovery, PoolMatch, PoolSpec, model_matches};
 pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
@@ -69,6 +71,8 @@ pub struct Config {
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
     pub shutdown: ShutdownConfig,
+    /// Several fleets behind one tongs, chosen per request (see [`PoolConfig`]).
+    pub pools: Vec<PoolConfig>,
 }
 
 impl Default for Config {
@@ -92,6 +96,7 @@ impl Default for Config {
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
             shutdown: ShutdownConfig::default(),
+            pools: Vec::new(),
         }
     }
 }
@@ -214,6 +219,11 @@ impl Config {
             ),
             ("queue.max_wait", self.queue.max_wait, false),
             (
+                "queue.max_wait_no_endpoints",
+                self.queue.max_wait_no_endpoints.unwrap_or_default(),
+                true,
+            ),
+            (
                 "queue.shed_low_priority_after",
                 self.queue.shed_low_priority_after,
                 false,
@@ -256,6 +266,7 @@ impl Config {
         self.admin.validate(&mut problems);
         self.upstream.validate(&mut problems);
         self.salad.validate(&mut problems);
+        self.validate_pools(&mut problems);
         problems
     }
 

@@ -52,7 +52,7 @@ pub fn snapshot(
     generator: &LoadGenerator,
     elapsed: Duration,
 ) -> View {
-    let endpoints = parts.registry.snapshot();
+    let endpoints = parts.registry().snapshot();
     let nodes = fleet
         .nodes()
         .iter()
@@ -104,13 +104,13 @@ pub fn snapshot(
         succeeded,
         failed,
         rejected,
-        retried: parts.proxy.stats().retries.total(),
+        retried: parts.proxy().stats().retries.total(),
         continued: parts
-            .proxy
+            .proxy()
             .stats()
             .continuations
             .get(Continuation::Continued),
-        queued: parts.queue.len(),
+        queued: parts.queue().len(),
         interruptions: fleet.interruptions_injected(),
         p50_ms,
         p99_ms,
@@ -266,14 +266,15 @@ impl Summary {
             requests: r.sent(),
             succeeded: r.count(ClientOutcome::Succeeded),
             failed: r.failures(),
-            retried: parts.proxy.stats().retries.total(),
+            retried: parts.proxy().stats().retries.total(),
             continued: parts
-                .proxy
+                .proxy()
                 .stats()
                 .continuations
                 .get(Continuation::Continued),
             attempts_per_request: {
-                let stats = parts.proxy.stats();
+                let proxy = parts.proxy();
+                let stats = proxy.stats();
                 let requests = stats.requests.load(Ordering::Relaxed).max(1);
                 let per = stats.attempts.load(Ordering::Relaxed) as f64 / requests as f64;
                 (per * 1000.0).round() / 1000.0

@@ -311,6 +311,8 @@ impl Tracker {
 
 /// Runs pod discovery: follows `config` (restarting the watch when it changes), until `stop`.
 pub struct Discovery {
+    /// The pool this discovery finds endpoints for.
+    pub pool: Arc<str>,
     pub registry: Arc<Registry>,
     pub status: Arc<super::Status>,
     pub readiness: Arc<Readiness>,
@@ -329,7 +331,7 @@ impl Discovery {
             if !current.enabled {
                 status.set_watched(None);
                 self.registry.set_source(SOURCE, Vec::new());
-                self.gateway_key.confirm(HashSet::new());
+                self.gateway_key.confirm(&self.pool, HashSet::new());
                 self.readiness.set_synced();
             }
             tokio::select! {
@@ -433,7 +435,7 @@ impl Discovery {
 
     fn publish(&self, tracker: &mut Tracker, status: &Status) {
         if let Some(hosts) = tracker.take_gateway_hosts() {
-            self.gateway_key.confirm(hosts);
+            self.gateway_key.confirm(&self.pool, hosts);
         }
         status.set_pods(tracker.counts());
         let changes = tracker.take_changes();

@@ -102,6 +102,11 @@ impl Status {
         self.config.subscribe()
     }
 
+    /// Whether the configuration in force watches pods (so readiness waits for the first list).
+    pub fn wants_sync(&self) -> bool {
+        self.config.borrow().enabled
+    }
+
     pub fn registration_token(&self) -> Option<Arc<String>> {
         self.registration_token.load_full()
     }

@@ -112,6 +112,11 @@ pub const STREAMS_CUT: Spec = spec(
     "counter",
     "Committed streams tongs cut because they stalled or their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
 );
+pub const POOL_FALLBACKS: Spec = spec(
+    "tongs_pool_fallbacks_total",
+    "counter",
+    "Requests a pool could serve nobody for (no endpoint up, or its queue refused) and handed to its fallback pool, by from and to pool.",
+);
 pub const CONTINUATIONS: Spec = spec(
     "tongs_continuations_total",
     "counter",
@@ -210,7 +215,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 40] = [
+pub const CATALOG: [&Spec; 41] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -226,6 +231,7 @@ pub const CATALOG: [&Spec; 40] = [
     &HEDGES_WON,
     &STREAMS_CUT,
     &CONTINUATIONS,
+    &POOL_FALLBACKS,
     &REPLAY_BYTES,
     &REPLAY_OVER_BUDGET,
     &ENDPOINTS,

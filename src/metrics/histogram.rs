@@ -40,23 +40,24 @@ impl Buckets {
         );
     }
 
-    /// Appends the `_bucket`, `_sum` and `_count` samples, with `label` first when it has a name.
-    pub(super) fn render(&self, out: &mut String, name: &str, label: (&str, &str)) {
+    /// Appends the `_bucket`, `_sum` and `_count` samples, with `labels` (those with a name) first.
+    pub(super) fn render(&self, out: &mut String, name: &str, labels: &[(&str, &str)]) {
         let bucket = format!("{name}_bucket");
+        let labels: Vec<(&str, &str)> = labels
+            .iter()
+            .copied()
+            .filter(|(k, v)| !k.is_empty() && !v.is_empty())
+            .collect();
         let mut cumulative = 0;
         for (i, count) in self.counts.iter().enumerate() {
             cumulative += count.load(Ordering::Relaxed);
             let le = BUCKETS
                 .get(i)
                 .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
-            let labels: Vec<(&str, &str)> = [label, ("le", le.as_str())]
-                .into_iter()
-                .filter(|(k, _)| !k.is_empty())
-                .collect();
-            sample(out, &bucket, &labels, cumulative as f64);
+            let mut with_le = labels.clone();
+            with_le.push(("le", le.as_str()));
+            sample(out, &bucket, &with_le, cumulative as f64);
         }
-        let labels: Vec<(&str, &str)> =
-            [label].into_iter().filter(|(k, _)| !k.is_empty()).collect();
         let sum = self.sum_ns.load(Ordering::Relaxed) as f64 / 1e9;
         sample(out, &format!("{name}_sum"), &labels, sum);
         sample(out, &format!("{name}_count"), &labels, cumulative as f64);

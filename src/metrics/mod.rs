@@ -31,7 +31,7 @@ use tokio::time::Instant;
 pub use catalog::*;
 pub use histogram::BUCKETS;
 use histogram::Buckets;
-pub use render::{DiscoveryFigures, Scrape};
+pub use render::{DiscoveryFigures, Front, Scrape};
 pub use stats::{Continuation, ContinuationStats, ProxyStats, RetryStats};
 
 /// The tokio runtimes this proxy runs on, for [`RUNTIME_TASKS`]: the one `App::run` is called on and
@@ -231,29 +231,45 @@ mod tests {
 
     #[test]
     fn recorded_requests_render() {
-        let metrics = Metrics::new();
-        metrics.request_done(Outcome::Proxied, 200, Duration::from_millis(30));
-        metrics.request_done(Outcome::Refused, 503, Duration::from_millis(2));
+        let front = Metrics::new();
+        front.request_done(Outcome::Invalid, 404, Duration::from_millis(1));
+        let pool = Metrics::new();
+        pool.request_done(Outcome::Proxied, 200, Duration::from_millis(30));
+        pool.request_done(Outcome::Refused, 503, Duration::from_millis(2));
         let stats = ProxyStats::default();
-        let text = metrics.render(&Scrape {
+        let scrape = |name| Scrape {
+            pool: name,
+            recorded: &pool,
             queued: 0,
-            demand: 0,
+            demand: 3,
             capacity: None,
             rejections: Vec::new(),
             stats: &stats,
             endpoints: &[],
             discovery: DiscoveryFigures::default(),
-        });
-        assert!(
-            text.contains(r#"tongs_requests_total{outcome="proxied",code="2xx"} 1"#),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                r#"tongs_request_duration_seconds_bucket{outcome="proxied",le="0.05"} 1"#
-            ),
-            "{text}"
-        );
-        assert!(text.contains("tongs_build_info{version="), "{text}");
+        };
+        let fallbacks = [(Arc::from("a"), Arc::from("b"), 2)];
+        let front_figures = render::Front {
+            stats: &stats,
+            fallbacks: &fallbacks,
+        };
+        let text = front.render(&front_figures, &[scrape("a"), scrape("b")]);
+        for want in [
+            r#"tongs_requests_total{outcome="invalid",code="4xx"} 1"#,
+            r#"tongs_requests_total{pool="a",outcome="proxied",code="2xx"} 1"#,
+            r#"tongs_requests_total{pool="b",outcome="refused",code="5xx"} 1"#,
+            r#"tongs_request_duration_seconds_bucket{pool="a",outcome="proxied",le="0.05"} 1"#,
+            r#"tongs_demand{pool="b"} 3"#,
+            r#"tongs_pool_fallbacks_total{from="a",to="b"} 2"#,
+            "tongs_build_info{version=",
+        ] {
+            assert!(text.contains(want), "{want} missing from\n{text}");
+        }
+        // Each family is written once, its samples together.
+        let helps = text
+            .lines()
+            .filter(|l| l.starts_with("# HELP tongs_demand "))
+            .count();
+        assert_eq!(helps, 1, "{text}");
     }
 }

@@ -9,14 +9,19 @@ use super::{
     DISCOVERY_WATCH_ERRORS, ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES,
     ENDPOINT_HEARTBEAT, ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT,
     ENDPOINT_OUTSTANDING, ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
-    FIRST_BYTE, HEDGES, HEDGES_WON, Metrics, Outcome, ProxyStats, QUEUE_DEPTH, QUEUE_WAIT,
-    REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REQUEST_DURATION, REQUESTS,
-    RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS, STREAMS_CUT, Spec, UPTIME,
+    FIRST_BYTE, HEDGES, HEDGES_WON, Metrics, Outcome, POOL_FALLBACKS, ProxyStats, QUEUE_DEPTH,
+    QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REQUEST_DURATION,
+    REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS, STREAMS_CUT, Spec,
+    UPTIME,
 };
 use crate::endpoint::{EndpointState, EndpointView};
 
 /// The state of things at scrape time, read by whoever owns them (the admin port) as plain figures.
 pub struct Scrape<'a> {
+    /// The pool's name, the `pool` label of its series.
+    pub pool: &'a str,
+    /// What the pool's requests were recorded into.
+    pub recorded: &'a Metrics,
     /// Requests waiting in the queue.
     pub queued: u64,
     /// Queued plus outstanding requests.
@@ -47,15 +52,35 @@ pub struct DiscoveryFigures {
     pub registrations: Vec<(&'static str, u64)>,
 }
 
+/// What is counted outside any pool.
+pub struct Front<'a> {
+    /// Replay memory and requests refused before a pool was chosen.
+    pub stats: &'a ProxyStats,
+    /// Requests a pool handed on, by (from, to) pool.
+    pub fallbacks: &'a [(std::sync::Arc<str>, std::sync::Arc<str>, u64)],
+}
+
 impl Metrics {
-    /// The whole `/metrics` page.
-    pub fn render(&self, scrape: &Scrape) -> String {
-        let mut out = String::with_capacity(4096);
+    /// The whole `/metrics` page: this process's figures (and the requests that reached no pool, with
+    /// no `pool` label), then each pool's, every series of a pool labelled with its name. Each family
+    /// is written once, its samples together, as the exposition format requires.
+    pub fn render(&self, front: &Front, pools: &[Scrape]) -> String {
+        let mut out = String::with_capacity(4096 + 2048 * pools.len());
+        // The requests no pool took first (no label), then each pool's.
+        let recorded: Vec<(&str, &Metrics)> = std::iter::once(("", self))
+            .chain(pools.iter().map(|p| (p.pool, p.recorded)))
+            .collect();
         header(&mut out, &REQUESTS);
-        for outcome in Outcome::ALL {
-            for (class, count) in CLASSES.iter().zip(&self.requests[outcome as usize]) {
-                let labels = [("outcome", outcome.as_str()), ("code", *class)];
-                sample(&mut out, REQUESTS.name, &labels, load(count));
+        for (pool, metrics) in &recorded {
+            for &outcome in outcomes(pool) {
+                for (class, count) in CLASSES.iter().zip(&metrics.requests[outcome as usize]) {
+                    let labels = [
+                        ("pool", *pool),
+                        ("outcome", outcome.as_str()),
+                        ("code", *class),
+                    ];
+                    sample(&mut out, REQUESTS.name, &labels, load(count));
+                }
             }
         }
         header(&mut out, &CONFIG_RELOADS);
@@ -71,21 +96,51 @@ impl Metrics {
         let version = [("version", env!("CARGO_PKG_VERSION"))];
         sample(&mut out, BUILD_INFO.name, &version, 1.0);
         header(&mut out, &REQUEST_DURATION);
-        for outcome in Outcome::ALL {
-            self.durations[outcome as usize].render(
-                &mut out,
-                REQUEST_DURATION.name,
-                ("outcome", outcome.as_str()),
-            );
+        for (pool, metrics) in &recorded {
+            for &outcome in outcomes(pool) {
+                metrics.durations[outcome as usize].render(
+                    &mut out,
+                    REQUEST_DURATION.name,
+                    &[("pool", pool), ("outcome", outcome.as_str())],
+                );
+            }
         }
         header(&mut out, &FIRST_BYTE);
-        self.first_byte.render(&mut out, FIRST_BYTE.name, ("", ""));
+        for scrape in pools {
+            let labels = [("pool", scrape.pool)];
+            scrape
+                .recorded
+                .first_byte
+                .render(&mut out, FIRST_BYTE.name, &labels);
+        }
         header(&mut out, &QUEUE_WAIT);
-        self.queue_wait.render(&mut out, QUEUE_WAIT.name, ("", ""));
+        for scrape in pools {
+            let labels = [("pool", scrape.pool)];
+            scrape
+                .recorded
+                .queue_wait
+                .render(&mut out, QUEUE_WAIT.name, &labels);
+        }
         header(&mut out, &UPTIME);
         let uptime = self.started.elapsed().as_secs_f64();
         sample(&mut out, UPTIME.name, &[], uptime);
-        render_state(&mut out, scrape);
+        for (spec, counter) in [
+            (&REPLAY_BYTES, &front.stats.replay_bytes),
+            (&REPLAY_OVER_BUDGET, &front.stats.replay_over_budget),
+        ] {
+            header(&mut out, spec);
+            sample(&mut out, spec.name, &[], load(counter));
+        }
+        header(&mut out, &POOL_FALLBACKS);
+        for (from, to, count) in front.fallbacks {
+            sample(
+                &mut out,
+                POOL_FALLBACKS.name,
+                &[("from", from), ("to", to)],
+                *count as f64,
+            );
+        }
+        render_state(&mut out, pools);
         header(&mut out, &RUNTIME_TASKS);
         let tasks = self.runtime_tasks() as f64;
         sample(&mut out, RUNTIME_TASKS.name, &[], tasks);
@@ -93,121 +148,176 @@ impl Metrics {
     }
 }
 
+/// The outcomes a pool's requests have; one that reached no pool was invalid (unreadable, or for a
+/// model no pool serves).
+fn outcomes(pool: &str) -> &'static [Outcome] {
+    if pool.is_empty() {
+        &[Outcome::Invalid]
+    } else {
+        &Outcome::ALL
+    }
+}
+
 fn load(counter: &std::sync::atomic::AtomicU64) -> f64 {
     counter.load(Ordering::Relaxed) as f64
 }
 
-/// Appends discovery's state.
-fn render_discovery(out: &mut String, figures: &DiscoveryFigures) {
+/// Appends discovery's state, pool by pool.
+fn render_discovery(out: &mut String, pools: &[Scrape]) {
     header(out, &DISCOVERY_SYNCED);
-    let synced = f64::from(u8::from(figures.synced));
-    sample(out, DISCOVERY_SYNCED.name, &[], synced);
-    for (spec, label, counts) in [
-        (&DISCOVERY_PODS, "state", &figures.pods),
-        (&DISCOVERY_REJECTIONS, "reason", &figures.rejections),
-    ] {
-        header(out, spec);
-        for (value, count) in counts {
-            sample(out, spec.name, &[(label, value)], *count as f64);
+    for p in pools {
+        let synced = f64::from(u8::from(p.discovery.synced));
+        sample(out, DISCOVERY_SYNCED.name, &[("pool", p.pool)], synced);
+    }
+    header(out, &DISCOVERY_PODS);
+    for p in pools {
+        for (value, count) in &p.discovery.pods {
+            let labels = [("pool", p.pool), ("state", *value)];
+            sample(out, DISCOVERY_PODS.name, &labels, *count as f64);
+        }
+    }
+    header(out, &DISCOVERY_REJECTIONS);
+    for p in pools {
+        for (value, count) in &p.discovery.rejections {
+            let labels = [("pool", p.pool), ("reason", *value)];
+            sample(out, DISCOVERY_REJECTIONS.name, &labels, *count as f64);
         }
     }
     header(out, &DISCOVERY_WATCH_ERRORS);
-    let errors = figures.watch_errors as f64;
-    sample(out, DISCOVERY_WATCH_ERRORS.name, &[], errors);
+    for p in pools {
+        let errors = p.discovery.watch_errors as f64;
+        sample(
+            out,
+            DISCOVERY_WATCH_ERRORS.name,
+            &[("pool", p.pool)],
+            errors,
+        );
+    }
     header(out, &DISCOVERY_LISTS);
-    sample(out, DISCOVERY_LISTS.name, &[], figures.lists as f64);
-    for (spec, counts) in [
-        (&SALAD_LOOKUPS, &figures.lookups),
-        (&REGISTRATIONS, &figures.registrations),
-    ] {
-        header(out, spec);
-        for (result, count) in counts {
-            sample(out, spec.name, &[("result", result)], *count as f64);
+    for p in pools {
+        let lists = p.discovery.lists as f64;
+        sample(out, DISCOVERY_LISTS.name, &[("pool", p.pool)], lists);
+    }
+    header(out, &SALAD_LOOKUPS);
+    for p in pools {
+        for (result, count) in &p.discovery.lookups {
+            let labels = [("pool", p.pool), ("result", *result)];
+            sample(out, SALAD_LOOKUPS.name, &labels, *count as f64);
+        }
+    }
+    header(out, &REGISTRATIONS);
+    for p in pools {
+        for (result, count) in &p.discovery.registrations {
+            let labels = [("pool", p.pool), ("result", *result)];
+            sample(out, REGISTRATIONS.name, &labels, *count as f64);
         }
     }
 }
 
-/// Appends what is read at scrape time.
-fn render_state(out: &mut String, scrape: &Scrape) {
+/// Appends what is read at scrape time, pool by pool within each family.
+fn render_state(out: &mut String, pools: &[Scrape]) {
     header(out, &QUEUE_DEPTH);
-    sample(out, QUEUE_DEPTH.name, &[], scrape.queued as f64);
+    for p in pools {
+        sample(out, QUEUE_DEPTH.name, &[("pool", p.pool)], p.queued as f64);
+    }
     header(out, &DEMAND);
-    sample(out, DEMAND.name, &[], scrape.demand as f64);
-    if let Some(capacity) = scrape.capacity {
+    for p in pools {
+        sample(out, DEMAND.name, &[("pool", p.pool)], p.demand as f64);
+    }
+    let capacities: Vec<_> = pools
+        .iter()
+        .filter_map(|p| p.capacity.map(|c| (p.pool, c)))
+        .collect();
+    if !capacities.is_empty() {
         header(out, &CAPACITY);
-        sample(out, CAPACITY.name, &[], capacity as f64);
-    }
-
-    header(out, &REJECTIONS);
-    for (reason, count) in &scrape.rejections {
-        sample(out, REJECTIONS.name, &[("reason", reason)], *count as f64);
-    }
-    let stats = scrape.stats;
-    header(out, &RETRIES);
-    for (reason, count) in stats.retries.by_reason() {
-        sample(out, RETRIES.name, &[("reason", reason)], count as f64);
-    }
-    header(out, &RETRY_BUDGET_EXHAUSTED);
-    let exhausted = load(&stats.retries.budget_exhausted);
-    sample(out, RETRY_BUDGET_EXHAUSTED.name, &[], exhausted);
-    header(out, &ATTEMPTS);
-    sample(out, ATTEMPTS.name, &[], load(&stats.attempts));
-    for (spec, counter) in [
-        (&HEDGES, &stats.hedges),
-        (&HEDGES_WON, &stats.hedges_won),
-        (&STREAMS_CUT, &stats.streams_cut),
-        (&REPLAY_BYTES, &stats.replay_bytes),
-        (&REPLAY_OVER_BUDGET, &stats.replay_over_budget),
-    ] {
-        header(out, spec);
-        sample(out, spec.name, &[], load(counter));
-    }
-
-    header(out, &CONTINUATIONS);
-    for outcome in Continuation::ALL {
-        let count = stats.continuations.get(outcome);
-        sample(
-            out,
-            CONTINUATIONS.name,
-            &[("outcome", outcome.as_str())],
-            count as f64,
-        );
-    }
-
-    render_discovery(out, &scrape.discovery);
-
-    let views = scrape.endpoints;
-    header(out, &ENDPOINTS);
-    let mut sources: Vec<&str> = views.iter().map(|v| v.source).collect();
-    sources.sort_unstable();
-    sources.dedup();
-    for source in sources {
-        for state in EndpointState::ALL {
-            let count = views
-                .iter()
-                .filter(|v| v.source == source && v.state == state)
-                .count();
-            sample(
-                out,
-                ENDPOINTS.name,
-                &[("source", source), ("state", state.as_str())],
-                count as f64,
-            );
+        for (pool, capacity) in capacities {
+            sample(out, CAPACITY.name, &[("pool", pool)], capacity as f64);
         }
     }
-    if views.is_empty() {
+    header(out, &REJECTIONS);
+    for p in pools {
+        for (reason, count) in &p.rejections {
+            let labels = [("pool", p.pool), ("reason", *reason)];
+            sample(out, REJECTIONS.name, &labels, *count as f64);
+        }
+    }
+    header(out, &RETRIES);
+    for p in pools {
+        for (reason, count) in p.stats.retries.by_reason() {
+            let labels = [("pool", p.pool), ("reason", reason)];
+            sample(out, RETRIES.name, &labels, count as f64);
+        }
+    }
+    header(out, &RETRY_BUDGET_EXHAUSTED);
+    for p in pools {
+        let exhausted = load(&p.stats.retries.budget_exhausted);
+        sample(
+            out,
+            RETRY_BUDGET_EXHAUSTED.name,
+            &[("pool", p.pool)],
+            exhausted,
+        );
+    }
+    type Counter = fn(&ProxyStats) -> &std::sync::atomic::AtomicU64;
+    let counters: [(&Spec, Counter); 4] = [
+        (&ATTEMPTS, |s| &s.attempts),
+        (&HEDGES, |s| &s.hedges),
+        (&HEDGES_WON, |s| &s.hedges_won),
+        (&STREAMS_CUT, |s| &s.streams_cut),
+    ];
+    for (spec, counter) in counters {
+        header(out, spec);
+        for p in pools {
+            sample(out, spec.name, &[("pool", p.pool)], load(counter(p.stats)));
+        }
+    }
+    header(out, &CONTINUATIONS);
+    for p in pools {
+        for outcome in Continuation::ALL {
+            let count = p.stats.continuations.get(outcome);
+            let labels = [("pool", p.pool), ("outcome", outcome.as_str())];
+            sample(out, CONTINUATIONS.name, &labels, count as f64);
+        }
+    }
+
+    render_discovery(out, pools);
+
+    header(out, &ENDPOINTS);
+    for p in pools {
+        let views = p.endpoints;
+        let mut sources: Vec<&str> = views.iter().map(|v| v.source).collect();
+        sources.sort_unstable();
+        sources.dedup();
+        for source in sources {
+            for state in EndpointState::ALL {
+                let count = views
+                    .iter()
+                    .filter(|v| v.source == source && v.state == state)
+                    .count();
+                let labels = [
+                    ("pool", p.pool),
+                    ("source", source),
+                    ("state", state.as_str()),
+                ];
+                sample(out, ENDPOINTS.name, &labels, count as f64);
+            }
+        }
+    }
+    if pools.iter().all(|p| p.endpoints.is_empty()) {
         return;
     }
     header(out, &ENDPOINT_STATE);
-    for view in views {
-        for state in EndpointState::ALL {
-            let value = f64::from(u8::from(view.state == state));
-            sample(
-                out,
-                ENDPOINT_STATE.name,
-                &[("endpoint", &view.url), ("state", state.as_str())],
-                value,
-            );
+    for p in pools {
+        for view in p.endpoints {
+            for state in EndpointState::ALL {
+                let value = f64::from(u8::from(view.state == state));
+                let labels = [
+                    ("pool", p.pool),
+                    ("endpoint", view.url.as_str()),
+                    ("state", state.as_str()),
+                ];
+                sample(out, ENDPOINT_STATE.name, &labels, value);
+            }
         }
     }
     let per_endpoint: [(&Spec, ReadView); 10] = [
@@ -227,16 +337,18 @@ fn render_state(out: &mut String, scrape: &Scrape) {
         }),
     ];
     for (spec, read) in per_endpoint {
-        let values: Vec<_> = views
+        let values: Vec<_> = pools
             .iter()
-            .filter_map(|view| read(view).map(|value| (view, value)))
+            .flat_map(|p| p.endpoints.iter().map(move |view| (p.pool, view)))
+            .filter_map(|(pool, view)| read(view).map(|value| (pool, view, value)))
             .collect();
         if values.is_empty() {
             continue;
         }
         header(out, spec);
-        for (view, value) in values {
-            sample(out, spec.name, &[("endpoint", &view.url)], value);
+        for (pool, view, value) in values {
+            let labels = [("pool", pool), ("endpoint", view.url.as_str())];
+            sample(out, spec.name, &labels, value);
         }
     }
 }
@@ -249,14 +361,17 @@ fn header(out: &mut String, spec: &Spec) {
     let _ = writeln!(out, "# TYPE {} {}", spec.name, spec.kind);
 }
 
+/// One sample; a label with an empty value is left out (as Prometheus reads it anyway).
 pub(super) fn sample(out: &mut String, name: &str, labels: &[(&str, &str)], value: f64) {
     out.push_str(name);
-    if !labels.is_empty() {
+    if labels.iter().any(|(_, v)| !v.is_empty()) {
         out.push('{');
-        for (i, (key, value)) in labels.iter().enumerate() {
-            if i > 0 {
+        let mut first = true;
+        for (key, value) in labels.iter().filter(|(_, v)| !v.is_empty()) {
+            if !first {
                 out.push(',');
             }
+            first = false;
             out.push_str(key);
             out.push_str("=\"");
             escape_label(out, value);

@@ -18,7 +18,7 @@ pub mod sse;
 use bytes::Bytes;
 use serde_json::Value;
 
-pub use model::{ModelField, model_of, with_model};
+pub use model::{DuplicateModel, ModelField, model_of, read_model, with_model};
 pub use splice::{AfterCut, Splicer};
 
 /// Which OpenAI API a request speaks.

@@ -142,7 +142,17 @@ impl Proxy {
         }
         // A request the queue will not reach in time is told so now, not when its wait runs out.
         let joined = Instant::now();
-        let allowed = queue.settings().max_wait.saturating_sub(*queued);
+        // A pool with no endpoint at all (scaling from zero) holds requests for its own wait.
+        let queue_settings = queue.settings();
+        let max_wait = if self.registry.snapshot().is_empty() {
+            queue_settings.max_wait_no_endpoints
+        } else {
+            queue_settings.max_wait
+        };
+        if max_wait.is_zero() {
+            return Err(Stop::Refused(Refusal::NoEndpoints));
+        }
+        let allowed = max_wait.saturating_sub(*queued);
         let until = deadline.min(joined + allowed);
         if let Some(wait) = queue.expected_wait(priority)
             && Instant::now() + wait > until

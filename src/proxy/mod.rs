@@ -21,18 +21,17 @@ mod acquire;
 mod attempt;
 mod continuation;
 mod hedge;
+mod receive;
 mod request;
 mod respond;
 mod stream;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use http::{Request, Response};
-use hyper::body::Incoming;
+use http::Response;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
@@ -40,17 +39,16 @@ use self::acquire::{Stop, Tried};
 use self::attempt::{Attempt, Failure, Sending};
 use self::continuation::Committing;
 use self::hedge::{HedgeBudget, Race};
+pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
 use crate::admission::{Queue, Refusal};
 use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
-use crate::http::{ProxyBody, ProxyError, describe};
+use crate::http::ProxyBody;
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::openai::Continuable;
 use crate::registry::Registry;
-use crate::retry::{
-    BodyError, BodyRules, FailureKind, ReplayBody, ReplayBudget, RetryBudget, RetryPolicy,
-};
+use crate::retry::{FailureKind, ReplayBudget, RetryBudget, RetryPolicy};
 use crate::upstream::UpstreamClient;
 
 /// Everything the request path reads from the configuration, replaced whole by a reload.
@@ -142,7 +140,7 @@ pub struct Proxy {
     /// When any endpoint last answered (ms on the endpoints' clock): the fleet is making progress.
     last_answer: AtomicU64,
     stats: Arc<ProxyStats>,
-    /// The memory request bodies kept for replay share.
+    /// The memory request bodies kept for replay share (every pool's, one budget).
     replay_budget: Arc<ReplayBudget>,
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
@@ -174,22 +172,23 @@ impl Drop for Finish {
 }
 
 impl Proxy {
+    /// One pool's request path, sharing `intake`'s replay budget and upgrade tracker.
     pub fn new(
         registry: Arc<Registry>,
         queue: Arc<Queue>,
         metrics: Arc<Metrics>,
         settings: ProxySettings,
+        intake: &Intake,
     ) -> Self {
-        let stats = Arc::<ProxyStats>::default();
         Proxy {
             registry,
             queue,
             fleet_latency: AtomicU64::new(0),
             last_answer: AtomicU64::new(0),
-            replay_budget: ReplayBudget::new(settings.replay_budget_bytes, Arc::clone(&stats)),
+            replay_budget: Arc::clone(&intake.replay_budget),
             settings: ArcSwap::from_pointee(settings),
-            stats,
-            upgrades: TaskTracker::new(),
+            stats: Arc::default(),
+            upgrades: intake.upgrades.clone(),
             metrics,
         }
     }
@@ -202,25 +201,24 @@ impl Proxy {
     /// Applies reloaded settings: requests from now on use them; requests under way keep what they
     /// read.
     pub fn apply(&self, settings: ProxySettings) {
-        self.replay_budget.set_max(settings.replay_budget_bytes);
         self.settings.store(Arc::new(settings));
+    }
+
+    /// What this pool records requests into.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    pub fn queue(&self) -> &Arc<Queue> {
+        &self.queue
     }
 
     pub fn stats(&self) -> &ProxyStats {
         &self.stats
-    }
-
-    pub fn upgrades(&self) -> &TaskTracker {
-        &self.upgrades
-    }
-
-    /// The request path of one of `workers` worker threads, sending through `upstream`.
-    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
-        WorkerPath {
-            upstream,
-            budget: self.settings().retry.budget(workers),
-            hedges: HedgeBudget::default(),
-        }
     }
 
     /// The fleet's latency estimate in microseconds (1 ms before anything was observed).
@@ -233,46 +231,40 @@ impl Proxy {
         }
     }
 
-    /// Handles one client request; always produces a response.
-    pub async fn handle(
+    /// Sends `received` to this pool's endpoints. With `handing_on`, a request this pool can serve
+    /// nobody for (no endpoint, or its queue refused it before any attempt) is handed back untouched,
+    /// for a fallback pool; otherwise every outcome is an answer.
+    pub async fn forward(
         self: &Arc<Self>,
         worker: &Arc<WorkerPath>,
-        request: Request<Incoming>,
-        client: SocketAddr,
-    ) -> Response<ProxyBody> {
-        let started = Instant::now();
+        received: Received,
+        handing_on: bool,
+    ) -> Result<Response<ProxyBody>, Received> {
         let settings = self.settings();
-        let (mut response, outcome) = self
-            .answer(&settings, worker, request, client, started)
-            .await;
-        let status = response.status().as_u16();
-        // A streamed answer is counted when it ends; anything else now.
-        if let Err(finish) = response.body_mut().on_end(Box::new(Finish {
-            metrics: Arc::clone(&self.metrics),
-            outcome,
-            status,
-            started,
-        })) {
-            drop(finish);
+        let started = received.started;
+        match self.answer(&settings, worker, received, handing_on).await {
+            Ok((response, outcome)) => {
+                Ok(receive::finish(response, &self.metrics, outcome, started))
+            }
+            Err(received) => Err(received),
         }
-        response
     }
 
     async fn answer(
         self: &Arc<Self>,
         settings: &Arc<ProxySettings>,
         worker: &Arc<WorkerPath>,
-        request: Request<Incoming>,
-        client: SocketAddr,
-        started: Instant,
-    ) -> (Response<ProxyBody>, Outcome) {
-        self.stats.requests.fetch_add(1, Ordering::Relaxed);
-        worker.budget.deposit();
-        worker.hedges.deposit(settings.hedge_max_extra_percent);
-        let (request, body) = match ClientRequest::read(settings, request, client, started) {
-            Ok(read) => read,
-            Err((error, request_id)) => return (self.reject(error, &request_id), Outcome::Invalid),
-        };
+        received: Received,
+        handing_on: bool,
+    ) -> Result<(Response<ProxyBody>, Outcome), Received> {
+        if handing_on && !self.may_serve() {
+            return Err(received);
+        }
+        let Received {
+            request,
+            body,
+            started,
+        } = received;
         let ClientRequest {
             request_id,
             deadline,
@@ -281,37 +273,9 @@ impl Proxy {
             upgrade,
             template,
         } = request;
-
-        let replay_limit = if retries_wanted {
-            settings.retry.replay_limit()
-        } else {
-            0
-        };
-        let rules = BodyRules {
-            replay_limit,
-            max_body: settings.max_body_bytes,
-            budget: &self.replay_budget,
-            idle: settings.body_read_timeout,
-        };
-        let prepared = tokio::time::timeout_at(deadline, ReplayBody::prepare(body, &rules)).await;
-        let body = match prepared {
-            Ok(Ok(body)) => body,
-            Ok(Err(BodyError::TooLarge)) => {
-                let limit = settings.max_body_bytes.unwrap_or_default();
-                let error = ProxyError::BodyTooLarge { limit };
-                return (self.reject(error, &request_id), Outcome::Invalid);
-            }
-            Ok(Err(BodyError::Broken(err))) => {
-                let error = ProxyError::ClientBody {
-                    detail: describe(err.as_ref()),
-                };
-                return (self.reject(error, &request_id), Outcome::Invalid);
-            }
-            Ok(Err(BodyError::Idle)) | Err(_) => {
-                let error = ProxyError::ClientTooSlow;
-                return (self.reject(error, &request_id), Outcome::Invalid);
-            }
-        };
+        let client_allows_retries = retries_wanted;
+        let retries_wanted = retries_wanted && settings.retry.enabled();
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
 
         // A streamed OpenAI completion that can be continued elsewhere if its node breaks mid-stream.
         let continuable = match (template.openai_api(), body.bytes()) {
@@ -348,14 +312,32 @@ impl Proxy {
                 .await
             {
                 Ok(slot) => slot,
+                Err(Stop::Nowhere | Stop::Refused(_))
+                    if handing_on && tried.len() == 0 && last_failure.is_none() =>
+                {
+                    // Nothing was sent: the next pool gets the request as it came.
+                    let request = ClientRequest {
+                        request_id,
+                        deadline,
+                        priority,
+                        retries_wanted: client_allows_retries,
+                        upgrade,
+                        template,
+                    };
+                    return Err(Received {
+                        request,
+                        body: sending.body,
+                        started,
+                    });
+                }
                 Err(Stop::Nowhere) => break,
                 Err(Stop::Refused(reason)) => match last_failure {
                     // A retry that found no room: the endpoint's failure is the better answer.
                     Some(failure) => {
                         let response = self.fail(settings, failure, &request_id, deadline);
-                        return (response, Outcome::Failed);
+                        return Ok((response, Outcome::Failed));
                     }
-                    None => return (self.refuse(reason, &request_id), Outcome::Refused),
+                    None => return Ok((self.refuse(reason, &request_id), Outcome::Refused)),
                 },
             };
             let Some(attempt_body) = body.for_attempt() else {
@@ -379,7 +361,7 @@ impl Proxy {
                     let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
                     let response = self.commit(settings, committed, upgrade, &request_id, deadline);
                     let Some(continuable) = continuable else {
-                        return (response, Outcome::Proxied);
+                        return Ok((response, Outcome::Proxied));
                     };
                     let at = Committing {
                         worker,
@@ -392,7 +374,7 @@ impl Proxy {
                         body,
                     };
                     let response = self.relay(response, continuable, &streaming, at);
-                    return (response, Outcome::Proxied);
+                    return Ok((response, Outcome::Proxied));
                 }
                 Attempt::Failed(failure) => failure,
             };
@@ -450,7 +432,7 @@ impl Proxy {
                 tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
             }
         }
-        match last_failure {
+        Ok(match last_failure {
             Some(failure) => (
                 self.fail(settings, failure, &request_id, deadline),
                 Outcome::Failed,
@@ -459,7 +441,18 @@ impl Proxy {
                 self.refuse(Refusal::NoEndpoints, &request_id),
                 Outcome::Refused,
             ),
+        })
+    }
+
+    /// Whether this pool may serve a request now, or should hand it to a fallback: it has an endpoint
+    /// up (healthy, not ejected) and a queue with room; or none discovered yet and a wait for the
+    /// first (`queue.max_wait_no_endpoints`).
+    pub fn may_serve(&self) -> bool {
+        let queue = self.queue.settings();
+        if self.registry.snapshot().is_empty() {
+            return !queue.max_wait_no_endpoints.is_zero();
         }
+        self.registry.counts().up() > 0 && self.queue.len() < queue.max_length.max(1)
     }
 }
 

@@ -24,7 +24,7 @@ pub(super) struct ClientRequest {
     /// The request's overall deadline: `timeouts.total`, or the client's own if sooner.
     pub deadline: Instant,
     pub priority: Priority,
-    /// Retries are on and the client did not opt out.
+    /// The client did not opt out of retries (whether they are on is the pool's setting).
     pub retries_wanted: bool,
     /// The client's half of a protocol upgrade, claimed before the request was taken apart.
     pub upgrade: Option<hyper::upgrade::OnUpgrade>,
@@ -63,7 +63,7 @@ impl ClientRequest {
         let upgrade =
             request.version() == Version::HTTP_11 && headers::is_upgrade_request(request.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut request));
-        let retries_wanted = settings.retry.enabled() && !opted_out(request.headers());
+        let retries_wanted = !opted_out(request.headers());
 
         let (parts, body) = request.into_parts();
         let original_host = parts.headers.get(header::HOST).cloned().or_else(|| {
@@ -107,6 +107,22 @@ pub(super) struct Template {
 }
 
 impl Template {
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+
+    pub fn path(&self) -> &str {
+        self.path_and_query.path()
+    }
+
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    pub fn headers_mut(&mut self) -> &mut HeaderMap {
+        &mut self.headers
+    }
+
     /// The OpenAI API whose stream this request may be, if it is one tongs can continue.
     pub fn openai_api(&self) -> Option<Api> {
         if self.method != Method::POST {

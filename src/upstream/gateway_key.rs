@@ -18,8 +18,8 @@
 //!
 //! The value is marked sensitive, so hyper's HTTP/2 encoder never indexes it and `Debug` prints no key.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 use http::{HeaderMap, HeaderName, HeaderValue, Uri};
@@ -55,7 +55,10 @@ struct Key {
 #[derive(Default)]
 pub struct GatewayKey {
     current: ArcSwapOption<Key>,
+    /// Every pool's confirmed hosts together (what [`GatewayKey::apply`] reads).
     confirmed: ArcSwap<HashSet<String>>,
+    /// The confirmed hosts by pool: each pool's discovery replaces its own.
+    by_pool: Mutex<HashMap<String, HashSet<String>>>,
 }
 
 impl std::fmt::Debug for GatewayKey {
@@ -78,10 +81,17 @@ impl GatewayKey {
                 Arc::new(Key {
                     value,
                     gateways: config.salad.gateway_rules(),
+                    // Every pool's static endpoints: the operator named each.
                     statics: config
                         .discovery
                         .static_endpoints
                         .iter()
+                        .chain(
+                            config
+                                .pools
+                                .iter()
+                                .flat_map(|pool| &pool.discovery.static_endpoints),
+                        )
                         .filter_map(|endpoint| EndpointUrl::parse(&endpoint.url).ok())
                         .map(|url| place(url.scheme.as_str(), &url.authority))
                         .collect(),
@@ -90,12 +100,16 @@ impl GatewayKey {
         self.current.store(key);
     }
 
-    /// Replaces the gateway hosts the SaladCloud API returned for this organisation and project
-    /// (lowercase host names, as `networking.dns` gives them).
-    pub fn confirm(&self, hosts: HashSet<String>) {
-        if **self.confirmed.load() != hosts {
-            self.confirmed.store(Arc::new(hosts));
+    /// Replaces the gateway hosts the SaladCloud API returned for this organisation and project, for
+    /// the pods of `pool` (lowercase host names, as `networking.dns` gives them).
+    pub fn confirm(&self, pool: &str, hosts: HashSet<String>) {
+        let mut by_pool = self.by_pool.lock().unwrap_or_else(|p| p.into_inner());
+        if by_pool.get(pool) == Some(&hosts) {
+            return;
         }
+        by_pool.insert(pool.to_owned(), hosts);
+        let all: HashSet<String> = by_pool.values().flatten().cloned().collect();
+        self.confirmed.store(Arc::new(all));
     }
 
     /// Whether `host` is a gateway the SaladCloud API confirmed.
@@ -191,7 +205,10 @@ mod tests {
             None
         );
         // ... until the SaladCloud API confirms it as one of this project's gateways.
-        key.confirm(HashSet::from(["attacker-owned.salad.cloud".to_owned()]));
+        key.confirm(
+            "default",
+            HashSet::from(["attacker-owned.salad.cloud".to_owned()]),
+        );
         assert!(key.confirmed("Attacker-Owned.salad.cloud"));
         assert_eq!(
             applied(&key, "https://attacker-owned.salad.cloud/", None).as_deref(),
@@ -202,7 +219,7 @@ mod tests {
             applied(&key, "http://attacker-owned.salad.cloud/", None),
             None
         );
-        key.confirm(HashSet::from(["gpu.example".to_owned()]));
+        key.confirm("default", HashSet::from(["gpu.example".to_owned()]));
         assert_eq!(applied(&key, "https://gpu.example/", None), None);
         assert_eq!(
             applied(&key, "https://attacker-owned.salad.cloud/", None),
@@ -217,7 +234,7 @@ mod tests {
             None
         );
         let none = GatewayKey::default();
-        none.confirm(HashSet::from(["a.salad.cloud".to_owned()]));
+        none.confirm("default", HashSet::from(["a.salad.cloud".to_owned()]));
         assert_eq!(
             applied(&none, "https://a.salad.cloud/", Some("sk-client")),
             None
@@ -228,7 +245,7 @@ mod tests {
     fn a_reload_keeps_the_confirmed_hosts_and_renames_the_static_ones() {
         let key = GatewayKey::default();
         key.set(&config(&["https://a.salad.cloud"]), Some("sk-1"));
-        key.confirm(HashSet::from(["c.salad.cloud".to_owned()]));
+        key.confirm("default", HashSet::from(["c.salad.cloud".to_owned()]));
         key.set(&config(&["https://b.salad.cloud"]), Some("sk-2"));
         assert_eq!(applied(&key, "https://a.salad.cloud/", None), None);
         assert_eq!(

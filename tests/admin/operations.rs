@@ -64,7 +64,7 @@ async fn metrics_count_requests_by_outcome_and_show_each_endpoint() {
     let endpoint = ok.url();
     for (series, expected) in [
         (
-            r#"tongs_requests_total{outcome="proxied",code="2xx"}"#.to_owned(),
+            r#"tongs_requests_total{pool="default",outcome="proxied",code="2xx"}"#.to_owned(),
             3.0,
         ),
         (
@@ -72,41 +72,51 @@ async fn metrics_count_requests_by_outcome_and_show_each_endpoint() {
             1.0,
         ),
         (
-            r#"tongs_request_duration_seconds_count{outcome="proxied"}"#.to_owned(),
-            3.0,
-        ),
-        ("tongs_time_to_first_byte_seconds_count".to_owned(), 3.0),
-        (
-            format!(r#"tongs_endpoint_requests_total{{endpoint="{endpoint}"}}"#),
+            r#"tongs_request_duration_seconds_count{pool="default",outcome="proxied"}"#.to_owned(),
             3.0,
         ),
         (
-            format!(r#"tongs_endpoint_limit{{endpoint="{endpoint}"}}"#),
+            r#"tongs_time_to_first_byte_seconds_count{pool="default"}"#.to_owned(),
             3.0,
         ),
         (
-            format!(r#"tongs_endpoint_state{{endpoint="{endpoint}",state="healthy"}}"#),
+            format!(r#"tongs_endpoint_requests_total{{pool="default",endpoint="{endpoint}"}}"#),
+            3.0,
+        ),
+        (
+            format!(r#"tongs_endpoint_limit{{pool="default",endpoint="{endpoint}"}}"#),
+            3.0,
+        ),
+        (
+            format!(
+                r#"tongs_endpoint_state{{pool="default",endpoint="{endpoint}",state="healthy"}}"#
+            ),
             1.0,
         ),
         (
-            format!(r#"tongs_endpoint_state{{endpoint="{endpoint}",state="ejected"}}"#),
+            format!(
+                r#"tongs_endpoint_state{{pool="default",endpoint="{endpoint}",state="ejected"}}"#
+            ),
             0.0,
         ),
         (
-            format!(r#"tongs_endpoint_heartbeat_ok{{endpoint="{endpoint}"}}"#),
+            format!(r#"tongs_endpoint_heartbeat_ok{{pool="default",endpoint="{endpoint}"}}"#),
             1.0,
         ),
         (
-            r#"tongs_endpoints{source="static",state="healthy"}"#.to_owned(),
+            r#"tongs_endpoints{pool="default",source="static",state="healthy"}"#.to_owned(),
             1.0,
         ),
-        ("tongs_demand".to_owned(), 0.0),
-        ("tongs_capacity".to_owned(), 3.0),
+        (r#"tongs_demand{pool="default"}"#.to_owned(), 0.0),
+        (r#"tongs_capacity{pool="default"}"#.to_owned(), 3.0),
         (
-            r#"tongs_rejections_total{reason="queue-full"}"#.to_owned(),
+            r#"tongs_rejections_total{pool="default",reason="queue-full"}"#.to_owned(),
             0.0,
         ),
-        (r#"tongs_retries_total{reason="reset"}"#.to_owned(), 0.0),
+        (
+            r#"tongs_retries_total{pool="default",reason="reset"}"#.to_owned(),
+            0.0,
+        ),
     ] {
         assert_eq!(value(&text, &series), Some(expected), "{series}\n{text}");
     }

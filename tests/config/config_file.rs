@@ -34,7 +34,15 @@ fn key_paths(value: &serde_json::Value, prefix: &str, out: &mut BTreeSet<String>
 /// Every key of the effective configuration, with a static endpoint so list keys appear too.
 fn all_keys() -> BTreeSet<String> {
     let config = Config::parse(
-        "discovery:\n  static:\n    - url: http://10.0.0.7:8000\n",
+        "discovery:\n  static:\n    - url: http://10.0.0.7:8000\n\
+         queue: { max_wait_no_endpoints: 1m }\n\
+         pools:\n\
+         - name: a\n\
+         \x20 match: { models: [m], path_prefixes: [/v1/] }\n\
+         \x20 fallback: [default]\n\
+         \x20 rewrite_model: b\n\
+         \x20 api_key_file: /k\n\
+         \x20 discovery: { static: [{ url: \"http://10.0.0.8:8000\" }] }\n",
         "test",
     )
     .unwrap();

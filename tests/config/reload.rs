@@ -69,12 +69,12 @@ async fn start(path: &Path) -> (TestProxy, Arc<tongs::proxy::Proxy>) {
         .await
         .unwrap()
         .watch_config(path.to_owned());
-    let proxy = Arc::clone(&app.parts().proxy);
+    let proxy = app.parts().proxy();
     let test = TestProxy {
         addr: app.proxy_addr(),
         admin: app.admin_addr(),
-        app_registry: Arc::clone(app.registry()),
-        app_queue: Arc::clone(app.queue()),
+        app_registry: app.registry(),
+        app_queue: app.queue(),
         shutdown: CancellationToken::new(),
         task: tokio::spawn(async {}),
     };
@@ -88,7 +88,7 @@ const TEN_SECONDS: Duration = Duration::from_secs(10);
 /// The value of one sample on the /metrics page.
 async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
     let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
-    text.lines().find_map(|line| {
+    crate::support::one_pool(&text).lines().find_map(|line| {
         let (name, value) = line.rsplit_once(' ')?;
         (name == series).then(|| value.parse().ok()).flatten()
     })

@@ -311,7 +311,7 @@ pub async fn until_urls(proxy: &TestProxy, expected: &[&str]) {
 pub async fn metric(proxy: &TestProxy, series: &str) -> Option<f64> {
     let (status, body) = admin_get(proxy, "/metrics").await;
     assert_eq!(status, 200);
-    body.lines().find_map(|line| {
+    crate::support::one_pool(&body).lines().find_map(|line| {
         let value = line.strip_prefix(series)?.strip_prefix(' ')?;
         value.trim().parse().ok()
     })

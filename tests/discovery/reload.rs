@@ -4,8 +4,6 @@
 //! The Kubernetes API server is the fake of `tests/support/kube_api/` (kube-rs's real client talks to it
 //! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
-use std::sync::Arc;
-
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 use tongs::config::Config;
@@ -48,8 +46,8 @@ async fn a_reloaded_selector_restarts_the_watch() {
     let proxy = TestProxy {
         addr: app.proxy_addr(),
         admin: app.admin_addr(),
-        app_registry: Arc::clone(app.registry()),
-        app_queue: Arc::clone(app.queue()),
+        app_registry: app.registry(),
+        app_queue: app.queue(),
         shutdown: shutdown.clone(),
         task: tokio::spawn(app.run(shutdown)),
     };

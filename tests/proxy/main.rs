@@ -20,5 +20,6 @@ mod forwarding;
 mod gray;
 mod latency;
 mod limits;
+mod pools;
 mod resilience;
 mod streaming;

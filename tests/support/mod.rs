@@ -85,8 +85,8 @@ pub async fn start_proxy(config: Config) -> TestProxy {
     let app = App::bind(&config).await.expect("proxy binds");
     let addr = app.proxy_addr();
     let admin = app.admin_addr();
-    let app_registry = Arc::clone(app.registry());
-    let app_queue = Arc::clone(app.queue());
+    let app_registry = app.registry();
+    let app_queue = app.queue();
     let shutdown = CancellationToken::new();
     let task = tokio::spawn(app.run(shutdown.clone()));
     TestProxy {
@@ -449,11 +449,20 @@ impl Drop for TempDir {
     }
 }
 
-/// The value of one unlabelled sample on the proxy's admin /metrics page; panics when the series is
-/// absent (a default of 0 would hide a metric that is not exported).
+/// A `/metrics` page of a tongs with one pool, `default`, without that pool's label: the series as
+/// tests of one fleet name them.
+pub fn one_pool(text: &str) -> String {
+    text.replace("{pool=\"default\",", "{")
+        .replace("{pool=\"default\"}", "")
+}
+
+/// The value of one sample on the proxy's admin /metrics page (of its one pool, `default`: see
+/// [`one_pool`]); panics when the series is absent (a default of 0 would hide a metric that is not
+/// exported).
 pub async fn sample(proxy: &TestProxy, series: &str) -> f64 {
     let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
-    text.lines()
+    one_pool(&text)
+        .lines()
         .find_map(|line| {
             let (name, value) = line.rsplit_once(' ')?;
             (name == series).then(|| value.parse().ok()).flatten()

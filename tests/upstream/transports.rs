@@ -333,7 +333,7 @@ async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
     let (_, metrics) = get(&format!("http://{}/metrics", proxy.admin)).await;
     let connect_retries: f64 = metrics
         .lines()
-        .find(|l| l.starts_with("tongs_retries_total{reason=\"connect-failure\"}"))
+        .find(|l| l.starts_with("tongs_retries_total{pool=\"default\",reason=\"connect-failure\"}"))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0);

@@ -1,0 +1,374 @@
+//! Which pool serves a request, and where it goes when that pool can serve nobody.
+//!
+//! Every request is taken in once ([`Intake`]): read, its body kept for replay when small enough.
+//! When any pool matches on models, the body's OpenAI `model` is read from the kept bytes (the body
+//! still reaches the node byte for byte, unless the pool rewrites the model). The first pool whose
+//! every condition holds serves it; with none, the `default` pool (the top-level discovery), or a
+//! 404 when there is none. A pool with no endpoint up, or whose queue refuses, hands the request on,
+//! untouched, to its fallbacks in order; the last one tried answers whatever happens.
+//!
+//! Under `/v1/` tongs speaks OpenAI: its own errors take OpenAI's shape, and `GET /v1/models` lists
+//! the models the pools name.
+
+mod pool;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use tokio_util::task::TaskTracker;
+
+pub use self::pool::{Pool, PoolError, PoolRules};
+use crate::config::Config;
+use crate::http::{ProxyBody, ProxyError, openai_shape};
+use crate::metrics::{Metrics, Outcome};
+use crate::openai::{ModelField, read_model, with_model};
+use crate::proxy::{Intake, ProxySettings, Received, WorkerPath};
+use crate::upstream::UpstreamClient;
+
+/// A hand-over from one pool to another: (from, to).
+type Hop = (Arc<str>, Arc<str>);
+
+/// Starts a pool's background tasks (heartbeats, pod watch); the app installs it once it runs.
+pub type Starter = Box<dyn Fn(&Arc<Pool>) + Send + Sync>;
+
+/// The pools and the way to them.
+pub struct Router {
+    intake: Intake,
+    /// Listed pools in order, then `default`.
+    pools: ArcSwap<Vec<Arc<Pool>>>,
+    /// Some pool matches on models: bodies are kept and read.
+    reads_models: std::sync::atomic::AtomicBool,
+    /// Requests a pool handed on, by (from, to).
+    fallbacks: Mutex<BTreeMap<Hop, u64>>,
+    starter: Mutex<Option<Starter>>,
+}
+
+impl Router {
+    /// A router with no pool yet; [`Router::apply`] gives it its configuration.
+    pub fn new(metrics: Arc<Metrics>) -> Router {
+        Router {
+            intake: Intake::new(ProxySettings::from_config(&Config::default()), metrics),
+            pools: ArcSwap::default(),
+            reads_models: Default::default(),
+            fallbacks: Mutex::default(),
+            starter: Mutex::new(None),
+        }
+    }
+
+    /// Applies `config`: top-level settings, then each pool (created, updated or removed by name; a
+    /// pool that stays keeps its endpoints' state). Secrets that cannot be read keep the value in
+    /// force and are returned.
+    pub fn apply(&self, config: &Config) -> Vec<PoolError> {
+        self.intake.apply(ProxySettings::from_config(config));
+        let before = self.pools.load_full();
+        let mut errors = Vec::new();
+        let mut pools = Vec::new();
+        for spec in config.pool_specs() {
+            let pool = before
+                .iter()
+                .find(|p| **p.name() == *spec.name)
+                .cloned()
+                .unwrap_or_else(|| Pool::new(&spec.name, &self.intake));
+            errors.extend(pool.apply(&spec));
+            pools.push(pool);
+        }
+        let reads_models = pools
+            .iter()
+            .any(|pool| !pool.rules().matches.models.is_empty());
+        self.reads_models
+            .store(reads_models, std::sync::atomic::Ordering::Relaxed);
+        self.pools.store(Arc::new(pools.clone()));
+        for gone in before
+            .iter()
+            .filter(|old| !pools.iter().any(|p| Arc::ptr_eq(p, old)))
+        {
+            tracing::info!(pool = %gone.name(), "pool removed");
+            gone.stop();
+        }
+        if let Some(start) = &*self.starter.lock().unwrap_or_else(|p| p.into_inner()) {
+            for pool in pools.iter().filter(|p| !p.has_tasks()) {
+                start(pool);
+            }
+        }
+        errors
+    }
+
+    /// Starts every pool's background tasks now, and those of pools added later by `start`.
+    pub fn start_pools(&self, start: Starter) {
+        for pool in self.pools.load().iter() {
+            start(pool);
+        }
+        *self.starter.lock().unwrap_or_else(|p| p.into_inner()) = Some(start);
+    }
+
+    /// Stops every pool's background tasks.
+    pub fn stop_pools(&self) {
+        self.starter
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        for pool in self.pools.load().iter() {
+            pool.stop();
+        }
+    }
+
+    /// The pools now, listed ones first, `default` last.
+    pub fn pools(&self) -> Arc<Vec<Arc<Pool>>> {
+        self.pools.load_full()
+    }
+
+    /// The pool named `name`.
+    pub fn pool(&self, name: &str) -> Option<Arc<Pool>> {
+        self.pools
+            .load()
+            .iter()
+            .find(|p| &**p.name() == name)
+            .cloned()
+    }
+
+    pub fn intake(&self) -> &Intake {
+        &self.intake
+    }
+
+    pub fn upgrades(&self) -> &TaskTracker {
+        self.intake.upgrades()
+    }
+
+    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
+        self.intake.worker_path(upstream, workers)
+    }
+
+    /// Requests handed on, by (from, to) pool: every fallback configured now (0 until used), and any
+    /// used before.
+    pub fn fallbacks(&self) -> Vec<(Arc<str>, Arc<str>, u64)> {
+        let mut counts = self
+            .fallbacks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for pool in self.pools.load().iter() {
+            for to in &pool.rules().fallback {
+                counts
+                    .entry((Arc::clone(pool.name()), Arc::from(to.as_str())))
+                    .or_default();
+            }
+        }
+        counts
+            .into_iter()
+            .map(|((from, to), n)| (from, to, n))
+            .collect()
+    }
+
+    /// Handles one client request; always produces a response.
+    pub async fn handle(
+        self: &Arc<Self>,
+        worker: &Arc<WorkerPath>,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let openai = request.uri().path().starts_with("/v1/");
+        let response = self.route(worker, request, client).await;
+        if openai {
+            openai_shape(response)
+        } else {
+            response
+        }
+    }
+
+    async fn route(
+        self: &Arc<Self>,
+        worker: &Arc<WorkerPath>,
+        request: Request<Incoming>,
+        client: SocketAddr,
+    ) -> Response<ProxyBody> {
+        let pools = self.pools.load_full();
+        if request.method() == Method::GET
+            && request.uri().path() == "/v1/models"
+            && let Some(list) = models_list(&pools)
+        {
+            return list;
+        }
+        let reads_models = self.reads_models.load(std::sync::atomic::Ordering::Relaxed);
+        let mut received = match self
+            .intake
+            .receive(worker, request, client, reads_models)
+            .await
+        {
+            Ok(received) => received,
+            Err(response) => return response,
+        };
+        let field = match received
+            .body()
+            .filter(|_| reads_models)
+            .map(|b| read_model(b))
+        {
+            None | Some(Ok(None)) => None,
+            Some(Ok(Some(field))) => Some(field),
+            // Parsers disagree on which of two counts: routed on one, a node could read the other.
+            Some(Err(duplicate)) => {
+                let error = ProxyError::ClientBody {
+                    detail: duplicate.to_string(),
+                };
+                return self
+                    .intake
+                    .answer_unrouted(&received, error, Outcome::Invalid);
+            }
+        };
+        let model = field.as_ref().map(|f| f.name.as_str());
+        let Some(first) = pools
+            .iter()
+            .position(|p| p.matches(received.path(), received.headers(), model))
+        else {
+            let error = match model {
+                Some(model) => ProxyError::ModelNotFound {
+                    model: model.to_owned(),
+                },
+                None => ProxyError::NoRoute,
+            };
+            return self
+                .intake
+                .answer_unrouted(&received, error, Outcome::Invalid);
+        };
+        let chain = chain(&pools, first);
+        let original = Original {
+            body: received.body().cloned(),
+            authorization: received.headers().get(header::AUTHORIZATION).cloned(),
+        };
+        let mut changed = false;
+        for (i, pool) in chain.iter().enumerate() {
+            if changed {
+                original.restore(&mut received, &self.intake);
+            }
+            changed = self.prepare(&mut received, pool, field.as_ref(), &original);
+            let last = i + 1 == chain.len();
+            match pool.proxy().forward(worker, received, !last).await {
+                Ok(response) => return response,
+                Err(back) => {
+                    received = back;
+                    if let Some(next) = chain.get(i + 1) {
+                        self.count_fallback(pool.name(), next.name());
+                        tracing::info!(
+                            request_id = received.request_id().to_str().unwrap_or_default(),
+                            from = %pool.name(),
+                            to = %next.name(),
+                            "pool can serve nobody; falling back"
+                        );
+                    }
+                }
+            }
+        }
+        // Unreachable in practice: the last pool always answers. Say so rather than panic.
+        self.intake
+            .answer_unrouted(&received, ProxyError::NoRoute, Outcome::Invalid)
+    }
+
+    /// Gives `received` what `pool` sends its endpoints: its model name and its own key. Returns
+    /// whether anything changed.
+    fn prepare(
+        &self,
+        received: &mut Received,
+        pool: &Pool,
+        field: Option<&ModelField>,
+        original: &Original,
+    ) -> bool {
+        let rules = pool.rules();
+        let mut changed = false;
+        if let (Some(model), Some(field), Some(body)) =
+            (&rules.rewrite_model, field, original.body.as_ref())
+            && *model != field.name
+        {
+            changed |= received.replace_body(with_model(body, field, model), &self.intake);
+        }
+        if let Some(authorization) = &rules.authorization {
+            received.set_header(header::AUTHORIZATION, authorization.clone());
+            changed = true;
+        }
+        changed
+    }
+
+    fn count_fallback(&self, from: &Arc<str>, to: &Arc<str>) {
+        *self
+            .fallbacks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((Arc::clone(from), Arc::clone(to)))
+            .or_default() += 1;
+    }
+}
+
+/// What a pool may change of a request, as the client sent it, for the next pool.
+struct Original {
+    body: Option<Bytes>,
+    authorization: Option<http::HeaderValue>,
+}
+
+impl Original {
+    fn restore(&self, received: &mut Received, intake: &Intake) {
+        if let Some(body) = &self.body
+            && received.body() != Some(body)
+        {
+            received.replace_body(body.clone(), intake);
+        }
+        match &self.authorization {
+            Some(value) => received.set_header(header::AUTHORIZATION, value.clone()),
+            None => received.remove_header(&header::AUTHORIZATION),
+        }
+    }
+}
+
+/// `pools[first]`, then its fallbacks in order, each followed by its own (depth first, each pool
+/// once).
+fn chain(pools: &[Arc<Pool>], first: usize) -> Vec<Arc<Pool>> {
+    let mut chain: Vec<Arc<Pool>> = Vec::new();
+    let mut stack = vec![Arc::clone(&pools[first])];
+    while let Some(pool) = stack.pop() {
+        if chain.iter().any(|p| Arc::ptr_eq(p, &pool)) {
+            continue;
+        }
+        let rules = pool.rules();
+        for name in rules.fallback.iter().rev() {
+            if let Some(next) = pools.iter().find(|p| **p.name() == **name) {
+                stack.push(Arc::clone(next));
+            }
+        }
+        chain.push(pool);
+    }
+    chain
+}
+
+/// `GET /v1/models` in OpenAI's list shape, from the exact model names the pools match; none when
+/// no pool names a model (the request then goes to an endpoint, which knows its own).
+fn models_list(pools: &[Arc<Pool>]) -> Option<Response<ProxyBody>> {
+    let mut data = Vec::new();
+    for pool in pools {
+        let rules = pool.rules();
+        for model in rules.matches.models.iter().filter(|m| !m.ends_with('*')) {
+            if data.iter().any(|(id, _)| id == model) {
+                continue;
+            }
+            data.push((model.clone(), Arc::clone(pool.name())));
+        }
+    }
+    if data.is_empty() {
+        return None;
+    }
+    let data: Vec<_> = data
+        .into_iter()
+        .map(|(id, pool)| {
+            serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": &*pool})
+        })
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data}).to_string();
+    let mut response = Response::new(ProxyBody::full(body));
+    *response.status_mut() = StatusCode::OK;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    Some(response)
+}
