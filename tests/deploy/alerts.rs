@@ -1,7 +1,7 @@
 //! The alert rules of deploy/components/alerts: the rendered PrometheusRule's groups pass `promtool
 //! check rules`, the unit tests of tongs-alerts.test.yaml pass `promtool test rules`, every alert is
-//! seen firing there, and every selector of the rules and every series of the tests uses a metric,
-//! labels and label values that a real tongs /metrics page has.
+//! seen firing there, and every selector of the rules, of the tests' series and of the Grafana
+//! dashboard's queries uses a metric, labels and label values that a real tongs /metrics page has.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -545,6 +545,62 @@ async fn alerts_and_their_tests_use_the_series_tongs_exports() {
                     problems.extend(exported.check(&at, &selector, &BTreeSet::new()));
                 }
                 Err(message) => problems.push(message),
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{} problem(s):\n  - {}",
+        problems.len(),
+        problems.join("\n  - ")
+    );
+}
+
+/// The Grafana dashboard's queries filter and group by labels tongs exports (a `pool` filter on a
+/// metric without that label would empty the panel whenever a pool is picked), with label values it
+/// exports.
+#[tokio::test]
+async fn dashboard_queries_use_the_series_tongs_exports() {
+    let exported = pooled_metrics_page().await;
+    let file = "deploy/grafana/tongs-dashboard.json";
+    let dashboard: Value = serde_json::from_str(&read(file)).expect("the dashboard is JSON");
+    let mut problems = Vec::new();
+    let panels = dashboard["panels"].as_array().into_iter().flatten();
+    for panel in panels {
+        let at = format!("{file} ({})", panel["title"].as_str().unwrap_or("?"));
+        let targets = panel["targets"].as_array().into_iter().flatten();
+        for expr in targets.filter_map(|target| target["expr"].as_str()) {
+            check_expr(&exported, &at, expr, &BTreeSet::new(), &mut problems);
+        }
+    }
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten();
+    for variable in variables {
+        let at = format!(
+            "{file} (variable {})",
+            variable["name"].as_str().unwrap_or("?")
+        );
+        let Some(query) = variable["definition"].as_str() else {
+            continue;
+        };
+        check_expr(&exported, &at, query, &BTreeSet::new(), &mut problems);
+        // label_values(SERIES, LABEL): the values of a label the series has.
+        let inside = query
+            .strip_prefix("label_values(")
+            .and_then(|rest| rest.strip_suffix(')'));
+        if let Some((series, label)) = inside.and_then(|inside| inside.rsplit_once(',')) {
+            let label = label.trim();
+            let metric = selectors(series)
+                .ok()
+                .and_then(|found| found.into_iter().next());
+            let has = TARGET_LABELS.contains(&label)
+                || metric
+                    .and_then(|metric| exported.0.get(&metric.name))
+                    .is_some_and(|labels| labels.contains_key(label));
+            if !has {
+                problems.push(format!("{at}: {series} has no label {label}"));
             }
         }
     }
