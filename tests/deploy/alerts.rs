@@ -1,7 +1,7 @@
 //! The alert rules of deploy/components/alerts: the rendered PrometheusRule's groups pass `promtool
 //! check rules`, the unit tests of tongs-alerts.test.yaml pass `promtool test rules`, every alert is
-//! seen firing there, and every selector of the rules and every series of the tests uses a metric,
-//! labels and label values that a real tongs /metrics page has.
+//! seen firing there, and every selector of the rules, of the tests' series and of the Grafana
+//! dashboard's queries uses a metric, labels and label values that a real tongs /metrics page has.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -19,8 +19,9 @@ pub(crate) const ALERT_TESTS: &str = "deploy/components/alerts/tongs-alerts.test
 /// Labels the scrape adds to every series (Prometheus Operator's ServiceMonitor), which the rules may
 /// group and match by.
 const TARGET_LABELS: [&str; 2] = ["namespace", "pod"];
-/// Labels whose values depend on the fleet rather than on tongs' code: not checked against the page.
-const FLEET_VALUES: [&str; 2] = ["endpoint", "source"];
+/// Labels whose values depend on the fleet or the configuration (pool names) rather than on tongs'
+/// code: not checked against the page.
+const FLEET_VALUES: [&str; 5] = ["endpoint", "source", "pool", "from", "to"];
 /// An alert's `severity` label, as Alertmanager routes are usually written.
 const SEVERITIES: [&str; 2] = ["critical", "warning"];
 
@@ -427,21 +428,80 @@ fn every_alert_is_seen_firing_in_the_unit_tests() {
     }
 }
 
-/// The rules select only what tongs exports (names, labels, label values: a misspelt state or outcome
-/// would select nothing, and the alert would never fire), and the unit tests feed the rules series
-/// shaped as the real ones, with the labels the scrape adds. The page comes from a running proxy with
-/// one endpoint and a static limit, so every series is on it.
-#[tokio::test]
-async fn alerts_and_their_tests_use_the_series_tongs_exports() {
-    let config = crate::support::config_with(
-        "concurrency: { limit: static, max_outstanding_per_endpoint: 4 }\n",
-        &[crate::support::closed_url()],
-    );
+/// A real /metrics page, from a running proxy with pools (one falling back to another) beside the
+/// pool `default`, one endpoint each and a static limit, so every series is on it with the labels
+/// pools give it.
+async fn pooled_metrics_page() -> Exported {
+    let pools = r#"
+concurrency: { limit: static, max_outstanding_per_endpoint: 4 }
+pools:
+  - name: llm
+    match: { models: [llm] }
+    fallback: [llm-in-cluster]
+    discovery: { static: [{ url: "LLM_URL" }] }
+  - name: llm-in-cluster
+    match: { models: [llm-in-cluster] }
+    discovery: { static: [{ url: "IN_CLUSTER_URL" }] }
+"#
+    .replace("LLM_URL", &crate::support::closed_url())
+    .replace("IN_CLUSTER_URL", &crate::support::closed_url());
+    let config = crate::support::config_with(&pools, &[crate::support::closed_url()]);
     let proxy = crate::support::start_proxy(config).await;
     let (status, text) = crate::support::get(&format!("http://{}/metrics", proxy.admin)).await;
     proxy.stop().await;
     assert_eq!(status, 200, "{text}");
-    let exported = Exported::of(&text);
+    Exported::of(&text)
+}
+
+/// Per-endpoint gauges a fresh proxy has no sample of yet (no request answered, heartbeats off), and
+/// the per-endpoint series they share their labels with (src/metrics/render.rs writes them in one
+/// loop), whose labels they are checked against instead.
+const NOT_YET_ON_THE_PAGE: [&str; 2] = [
+    "tongs_endpoint_latency_seconds",
+    "tongs_endpoint_heartbeat_seconds",
+];
+const SAME_LABELS_AS: &str = "tongs_endpoint_outstanding";
+
+/// Problems of the selectors and groupings of one PromQL expression against the page.
+fn check_expr(
+    exported: &Exported,
+    at: &str,
+    expr: &str,
+    recorded: &BTreeSet<String>,
+    problems: &mut Vec<String>,
+) {
+    match selectors(expr) {
+        Ok(found) => {
+            for mut selector in found {
+                if NOT_YET_ON_THE_PAGE.contains(&selector.name.as_str())
+                    && !exported.0.contains_key(&selector.name)
+                {
+                    selector.name = SAME_LABELS_AS.to_owned();
+                }
+                problems.extend(exported.check(at, &selector, recorded));
+            }
+        }
+        Err(message) => problems.push(format!("{at}: {message}")),
+    }
+    let label_names: BTreeSet<&str> = exported
+        .0
+        .values()
+        .flat_map(|labels| labels.keys().map(String::as_str))
+        .chain(TARGET_LABELS)
+        .collect();
+    for label in grouping_labels(expr) {
+        if !label_names.contains(label.as_str()) {
+            problems.push(format!("{at}: groups by {label}, which no series has"));
+        }
+    }
+}
+
+/// The rules select only what tongs exports (names, labels, label values: a misspelt state or outcome
+/// would select nothing, and the alert would never fire), and the unit tests feed the rules series
+/// shaped as the real ones, with the labels the scrape adds.
+#[tokio::test]
+async fn alerts_and_their_tests_use_the_series_tongs_exports() {
+    let exported = pooled_metrics_page().await;
     let mut problems = Vec::new();
 
     for (source, groups) in rendered_rule_groups() {
@@ -455,29 +515,11 @@ async fn alerts_and_their_tests_use_the_series_tongs_exports() {
             .iter()
             .filter_map(|rule| rule["record"].as_str().map(str::to_owned))
             .collect();
-        let label_names: BTreeSet<&str> = exported
-            .0
-            .values()
-            .flat_map(|labels| labels.keys().map(String::as_str))
-            .chain(TARGET_LABELS)
-            .collect();
         for rule in rules {
             let name = rule["alert"].as_str().or(rule["record"].as_str());
             let at = format!("{source} ({})", name.unwrap_or("?"));
             let expr = rule["expr"].as_str().unwrap_or("");
-            match selectors(expr) {
-                Ok(found) => {
-                    for selector in &found {
-                        problems.extend(exported.check(&at, selector, &recorded));
-                    }
-                }
-                Err(message) => problems.push(format!("{at}: {message}")),
-            }
-            for label in grouping_labels(expr) {
-                if !label_names.contains(label.as_str()) {
-                    problems.push(format!("{at}: groups by {label}, which no series has"));
-                }
-            }
+            check_expr(&exported, &at, expr, &recorded, &mut problems);
         }
     }
 
@@ -503,6 +545,62 @@ async fn alerts_and_their_tests_use_the_series_tongs_exports() {
                     problems.extend(exported.check(&at, &selector, &BTreeSet::new()));
                 }
                 Err(message) => problems.push(message),
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{} problem(s):\n  - {}",
+        problems.len(),
+        problems.join("\n  - ")
+    );
+}
+
+/// The Grafana dashboard's queries filter and group by labels tongs exports (a `pool` filter on a
+/// metric without that label would empty the panel whenever a pool is picked), with label values it
+/// exports.
+#[tokio::test]
+async fn dashboard_queries_use_the_series_tongs_exports() {
+    let exported = pooled_metrics_page().await;
+    let file = "deploy/grafana/tongs-dashboard.json";
+    let dashboard: Value = serde_json::from_str(&read(file)).expect("the dashboard is JSON");
+    let mut problems = Vec::new();
+    let panels = dashboard["panels"].as_array().into_iter().flatten();
+    for panel in panels {
+        let at = format!("{file} ({})", panel["title"].as_str().unwrap_or("?"));
+        let targets = panel["targets"].as_array().into_iter().flatten();
+        for expr in targets.filter_map(|target| target["expr"].as_str()) {
+            check_expr(&exported, &at, expr, &BTreeSet::new(), &mut problems);
+        }
+    }
+    let variables = dashboard["templating"]["list"]
+        .as_array()
+        .into_iter()
+        .flatten();
+    for variable in variables {
+        let at = format!(
+            "{file} (variable {})",
+            variable["name"].as_str().unwrap_or("?")
+        );
+        let Some(query) = variable["definition"].as_str() else {
+            continue;
+        };
+        check_expr(&exported, &at, query, &BTreeSet::new(), &mut problems);
+        // label_values(SERIES, LABEL): the values of a label the series has.
+        let inside = query
+            .strip_prefix("label_values(")
+            .and_then(|rest| rest.strip_suffix(')'));
+        if let Some((series, label)) = inside.and_then(|inside| inside.rsplit_once(',')) {
+            let label = label.trim();
+            let metric = selectors(series)
+                .ok()
+                .and_then(|found| found.into_iter().next());
+            let has = TARGET_LABELS.contains(&label)
+                || metric
+                    .and_then(|metric| exported.0.get(&metric.name))
+                    .is_some_and(|labels| labels.contains_key(label));
+            if !has {
+                problems.push(format!("{at}: {series} has no label {label}"));
             }
         }
     }
@@ -598,6 +696,6 @@ fn broken_alert_rules_are_reported() {
     let problems = edit(|groups| groups[0]["rules"] = json!([{ "record": "x", "expr": "1" }]));
     reported(
         &problems,
-        "namespace:tongs_request_errors:ratio_rate1h is neither",
+        "namespace_pool:tongs_request_errors:ratio_rate1h is neither",
     );
 }

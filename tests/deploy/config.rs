@@ -9,11 +9,13 @@ use serde_json::Value;
 use tongs::config::{Config, parse_yaml};
 
 use crate::objects::Objects;
+use crate::pools::Discovery;
 use crate::problems::Problems;
 use crate::secrets::{SecretMount, secret_file};
 use crate::{CONFIG_DIR, read};
 
-/// The configuration the Deployment mounts at /etc/tongs, parsed and validated by tongs itself.
+/// The configuration the Deployment mounts at /etc/tongs, parsed and validated by tongs itself, and its
+/// text.
 pub(crate) fn mounted_config(
     at: &str,
     spec: &PodSpec,
@@ -21,7 +23,7 @@ pub(crate) fn mounted_config(
     objects: &Objects,
     secrets: &[SecretMount],
     problems: &mut Problems,
-) -> Option<Config> {
+) -> Option<(Config, String)> {
     let Some(mount) = container
         .volume_mounts
         .iter()
@@ -65,7 +67,8 @@ pub(crate) fn mounted_config(
         );
         return None;
     };
-    parse_config(at, text, secrets, problems)
+    let config = parse_config(at, text, secrets, problems)?;
+    Some((config, text.clone()))
 }
 
 /// Parses and validates tongs.yaml as `Config::parse` does (`parse_yaml`, then `validate`), as it
@@ -150,21 +153,49 @@ fn leaf_pointers(value: &Value, pointer: String, out: &mut Vec<String>) {
 
 /// An overlay's tongs.yaml replaces the base's whole (kustomize cannot merge inside a file), so every
 /// setting of the base must reappear in it unchanged: a change to the base that the copies miss fails
-/// here instead of drifting apart.
-pub(crate) fn check_keeps_base_keys(at: &str, config: &Config, problems: &mut Problems) {
+/// here instead of drifting apart. With pools, each pool finds its own GPU nodes: the base's
+/// `discovery` settings must then hold in every pool's discovery instead, all but the label selector,
+/// which picks that pool's pods.
+pub(crate) fn check_keeps_base_keys(
+    at: &str,
+    config: &Config,
+    discoveries: &[Discovery],
+    problems: &mut Problems,
+) {
     let (pointers, base) = base_settings();
     let effective = serde_json::to_value(config).unwrap_or(Value::Null);
+    let pools: Vec<(&Discovery, Value)> = discoveries
+        .iter()
+        .filter(|discovery| discovery.is_listed_pool())
+        .map(|discovery| {
+            let value = serde_json::to_value(&discovery.config).unwrap_or(Value::Null);
+            (discovery, value)
+        })
+        .collect();
     for pointer in pointers {
-        let (wanted, found) = (base.pointer(pointer), effective.pointer(pointer));
+        let wanted = base.pointer(pointer);
         let key = pointer.trim_start_matches('/').replace('/', ".");
-        ensure!(
-            problems,
-            at,
-            wanted == found,
-            "{key} is {}, deploy/base/tongs.yaml has {}: keep every overlay's copy of tongs.yaml in step \
-             with the base",
-            found.map_or("unset".to_owned(), Value::to_string),
-            wanted.map_or("unset".to_owned(), Value::to_string)
-        );
+        let compared: Vec<(String, Option<&Value>)> =
+            if pools.is_empty() || !pointer.starts_with("/discovery/") {
+                vec![(key, effective.pointer(pointer))]
+            } else if pointer == "/discovery/kubernetes/label_selector" {
+                Vec::new()
+            } else {
+                pools
+                    .iter()
+                    .map(|(pool, value)| (pool.field(&key), value.pointer(pointer)))
+                    .collect()
+            };
+        for (key, found) in compared {
+            ensure!(
+                problems,
+                at,
+                wanted == found,
+                "{key} is {}, deploy/base/tongs.yaml has {}: keep every overlay's copy of tongs.yaml in \
+                 step with the base",
+                found.map_or("unset".to_owned(), Value::to_string),
+                wanted.map_or("unset".to_owned(), Value::to_string)
+            );
+        }
     }
 }

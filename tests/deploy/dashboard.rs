@@ -85,6 +85,7 @@ pub(crate) fn check_dashboard(at: &str, text: &str, problems: &mut Problems) {
         "tongs_queue_depth",
         "tongs_queue_wait_seconds_bucket",
         "tongs_demand",
+        "tongs_pool_fallbacks_total",
     ] {
         ensure!(
             problems,

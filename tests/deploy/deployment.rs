@@ -13,14 +13,15 @@ use crate::problems::Problems;
 use crate::secrets::SecretMount;
 use crate::{ARGS, TONGS};
 
-/// Checks tongs' Deployment, and returns the configuration it mounts (when that parses at all).
+/// Checks tongs' Deployment, and returns the configuration it mounts (when that parses at all) and its
+/// text.
 pub(crate) fn check_tongs(
     at: &str,
     deployment: &Deployment,
     objects: &Objects,
     secrets: &[SecretMount],
     problems: &mut Problems,
-) -> Option<Config> {
+) -> Option<(Config, String)> {
     let (Some(deployment_spec), Some(spec)) = (deployment.spec.as_ref(), pod_spec(deployment))
     else {
         problems.fail(at, "has no pod spec");
@@ -130,7 +131,7 @@ pub(crate) fn check_tongs(
         "the tongs container needs cpu and memory requests and a memory limit"
     );
 
-    let config = mounted_config(at, spec, container, objects, secrets, problems)?;
+    let (config, text) = mounted_config(at, spec, container, objects, secrets, problems)?;
     // Ports and probes agree with the configuration the pod runs.
     let (listen, admin) = (config.listen.port(), config.admin.listen.port());
     let http_port = named_port(container, "http");
@@ -182,7 +183,7 @@ pub(crate) fn check_tongs(
         termination > 25 && termination > pause + grace,
         "terminationGracePeriodSeconds {termination} must exceed the preStop sleep ({pause} s) plus shutdown.grace ({grace} s)"
     );
-    Some(config)
+    Some((config, text))
 }
 
 /// Hardening every container of tongs' pod needs, sidecars included.

@@ -5,11 +5,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::apps::v1::Deployment;
-use tongs::config::{Config, Rule};
+use tongs::config::Rule;
 use tongs::discovery::pods::{SALAD_PORT_ANNOTATION, SALAD_PROVIDER, SALAD_TAINT_KEY};
 
 use crate::objects::Asks;
 use crate::pods::{named_port, pod_labels, pod_meta, pod_spec};
+use crate::pools::Discovery;
 use crate::problems::Problems;
 use crate::{FLEET_LABEL, TONGS, selectors};
 
@@ -176,66 +177,132 @@ pub(crate) fn is_salad(deployment: &Deployment) -> bool {
 const GATEWAY_HOST: &str = "tamarind-navybean-2kln8fkx9xruvxa2.salad.cloud";
 
 /// Every GPU workload of the rendering (each Deployment but tongs) is one that pod discovery finds:
-/// the label selector picks its pods and not tongs' own, in the watched namespace, and a rule can give
-/// each pod an address tongs can reach.
+/// one label selector picks its pods (one pool's, where tongs.yaml has pools: two would send one
+/// model's requests to the other's nodes) and none picks tongs' own, in the watched namespace, and a
+/// rule can give each pod an address tongs can reach. Each pool's selector picks some workload.
 pub(crate) fn check_discovered_workloads(asks: &Asks, problems: &mut Problems) {
-    let (at, tongs, config, objects) = asks.parts();
-    let kubernetes = &config.discovery.kubernetes;
-    if !kubernetes.enabled {
+    let (at, tongs, _config, objects) = asks.parts();
+    let mut watching = Vec::new();
+    for discovery in asks.discoveries {
+        let kubernetes = &discovery.config.discovery.kubernetes;
+        if !kubernetes.enabled {
+            continue;
+        }
+        let field = discovery.field("discovery.kubernetes.label_selector");
+        let text = &kubernetes.label_selector;
+        match parse_label_selector(text) {
+            Ok(selector) => {
+                ensure!(
+                    problems,
+                    at,
+                    !label_selector_selects(&selector, &pod_labels(tongs.deployment)),
+                    "{field} {text:?} selects tongs' own pods: tongs would send requests to itself"
+                );
+                watching.push((discovery, field, selector));
+            }
+            Err(message) => problems.fail(at, format!("{field}: {message}")),
+        }
+    }
+    if watching.is_empty() {
         return;
     }
-    let text = &kubernetes.label_selector;
-    let selector = match parse_label_selector(text) {
-        Ok(selector) => selector,
-        Err(message) => {
-            return problems.fail(
-                at,
-                format!("discovery.kubernetes.label_selector: {message}"),
-            );
-        }
-    };
-    let selects =
-        |deployment: &Deployment| label_selector_selects(&selector, &pod_labels(deployment));
-    ensure!(
-        problems,
-        at,
-        !selects(tongs.deployment),
-        "discovery.kubernetes.label_selector {text:?} selects tongs' own pods: tongs would send \
-         requests to itself"
-    );
-    let watched = tongs.watched_namespace(config);
-    let shown = match watched {
-        Ok(namespace) => namespace.unwrap_or("(tongs' own)").to_owned(),
-        Err(()) => "every namespace".to_owned(),
-    };
-    let workloads = objects
+    let workloads: Vec<(&String, &Deployment)> = objects
         .deployments
         .iter()
-        .filter(|(name, _)| *name != TONGS);
-    for (name, deployment) in workloads {
+        .filter(|(name, _)| *name != TONGS)
+        .collect();
+    for (name, deployment) in &workloads {
         let at = &format!("{at} (Deployment/{name})");
+        let labels = pod_labels(deployment);
+        let by: Vec<_> = watching
+            .iter()
+            .filter(|(_, _, selector)| label_selector_selects(selector, &labels))
+            .collect();
+        match (&watching[..], &by[..]) {
+            ([(_, field, _)], []) => problems.fail(
+                at,
+                format!(
+                    "{field} {:?} does not select this GPU workload's pods (labels {labels:?})",
+                    watching[0].0.config.discovery.kubernetes.label_selector
+                ),
+            ),
+            (_, []) => problems.fail(
+                at,
+                format!(
+                    "no pool's label selector selects this GPU workload's pods (labels {labels:?})"
+                ),
+            ),
+            (_, [_]) => {}
+            (_, several) => {
+                let pools: Vec<&str> = several
+                    .iter()
+                    .map(|(discovery, _, _)| discovery.pool.as_deref().unwrap_or("?"))
+                    .collect();
+                problems.fail(
+                    at,
+                    format!(
+                        "pools {pools:?} all select this GPU workload's pods: a request for one \
+                         pool's model would reach a node running another; give each pool's pods a \
+                         label only its selector picks"
+                    ),
+                );
+            }
+        }
+        for (discovery, _, _) in by {
+            let at = &format!("{at}{}", discovery.shown());
+            let watched = tongs.watched_namespace(&discovery.config);
+            let shown = match watched {
+                Ok(namespace) => namespace.unwrap_or("(tongs' own)").to_owned(),
+                Err(()) => "every namespace".to_owned(),
+            };
+            let namespace = deployment.metadata.namespace.as_deref();
+            ensure!(
+                problems,
+                at,
+                watched.is_err() || watched == Ok(namespace),
+                "runs in namespace {namespace:?}, but {} watches {shown}",
+                discovery.field("discovery.kubernetes")
+            );
+            check_address_rule(at, deployment, discovery, problems);
+        }
+    }
+    // A listed pool whose selector picks no workload of a rendering that has some: its requests
+    // would find no endpoint (a rendering without GPU workloads, like deploy/base, leaves them to
+    // the user).
+    if workloads.is_empty() {
+        return;
+    }
+    for (discovery, field, selector) in &watching {
+        let Some(pool) = discovery
+            .pool
+            .as_deref()
+            .filter(|_| discovery.is_listed_pool())
+        else {
+            continue;
+        };
+        let picks = workloads
+            .iter()
+            .any(|(_, deployment)| label_selector_selects(selector, &pod_labels(deployment)));
         ensure!(
             problems,
             at,
-            selects(deployment),
-            "discovery.kubernetes.label_selector {text:?} does not select this GPU workload's pods \
-             (labels {:?})",
-            pod_labels(deployment)
+            picks,
+            "pool {pool}'s label selector selects no GPU workload of the rendering ({field} {:?}): \
+             its requests would find no endpoint",
+            discovery.config.discovery.kubernetes.label_selector
         );
-        let namespace = deployment.metadata.namespace.as_deref();
-        ensure!(
-            problems,
-            at,
-            watched.is_err() || watched == Ok(namespace),
-            "runs in namespace {namespace:?}, but discovery.kubernetes watches {shown}"
-        );
-        check_address_rule(at, deployment, config, problems);
     }
 }
 
 /// Some rule of `discovery.kubernetes.rules` gives the workload's pods an address tongs can reach, and
 /// none gives a SaladCloud pod one it cannot; and a gateway that requires the SaladCloud key gets it.
-fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, problems: &mut Problems) {
+fn check_address_rule(
+    at: &str,
+    deployment: &Deployment,
+    discovery: &Discovery,
+    problems: &mut Problems,
+) {
+    let config = &discovery.config;
     let kubernetes = &config.discovery.kubernetes;
     let salad = is_salad(deployment);
     let containers = pod_spec(deployment).map_or(&[][..], |spec| &spec.containers);
@@ -260,9 +327,10 @@ fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, proble
         problems,
         at,
         reachable,
-        "no rule of discovery.kubernetes.rules {rules:?} gives these pods an address tongs reaches: \
-         a SaladCloud pod needs salad-api with salad.api set, or tailscale with registration and \
-         upstream.tailscale.proxy; another pod pod-ip and a containerPort named {:?}",
+        "no rule of {} {rules:?} gives these pods an address tongs reaches: a SaladCloud pod needs \
+         salad-api with salad.api set, or tailscale with registration and upstream.tailscale.proxy; \
+         another pod pod-ip and a containerPort named {:?}",
+        discovery.field("discovery.kubernetes.rules"),
         kubernetes.port_name
     );
     if !salad {
@@ -273,7 +341,8 @@ fn check_address_rule(at: &str, deployment: &Deployment, config: &Config, proble
         at,
         !kubernetes.rules.contains(&Rule::PodIp),
         "a SaladCloud pod has no cluster networking: the pod-ip rule would serve it at a podIP tongs \
-         cannot reach whenever no other rule has an address for it; leave pod-ip out of rules"
+         cannot reach whenever no other rule has an address for it; leave pod-ip out of {}",
+        discovery.field("discovery.kubernetes.rules")
     );
     let salad_config = &config.salad;
     // The key reaches a discovered gateway only within salad.gateways and once the SaladCloud API has

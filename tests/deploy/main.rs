@@ -2,9 +2,10 @@
 //! rendered object parses as its Kubernetes type (and loses no field doing so, which catches misspelt
 //! keys), and the properties tongs relies on hold — in the base and in every overlay, so a component's
 //! patch cannot quietly undo them. The tongs.yaml each rendering mounts is validated by tongs itself,
-//! and what it asks of the rest is checked across objects: the RBAC its discovery, registration and
-//! write-back need (and no more), that its label selector picks the example GPU workloads and a rule
-//! can address them, that the files it reads secrets from are mounted Secret files, and that its
+//! and what it asks of the rest is checked across objects, for each of its pools: the RBAC its
+//! discovery, registration and write-back need (and no more), that one label selector picks each GPU
+//! workload (one pool's) and a rule can address it, that each pool's KEDA ScaledObject scales on that
+//! pool's demand, that the files it reads secrets from are mounted Secret files, and that its
 //! Tailscale proxy is the sidecar's. The Grafana dashboard and the Dockerfile are checked against the
 //! code they describe, the alert rules with promtool and against a real /metrics page, and the READMEs
 //! against what deploy/ asks of a user.
@@ -90,6 +91,7 @@ mod fleet;
 mod network_policy;
 mod objects;
 mod pods;
+mod pools;
 mod problems;
 mod rbac;
 mod render;

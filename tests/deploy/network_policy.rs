@@ -8,7 +8,7 @@ use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, Network
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use tongs::config::Rule;
 
-use crate::fleet::is_salad;
+use crate::fleet::{is_salad, label_selector_selects, parse_label_selector};
 use crate::objects::{Asks, Objects};
 use crate::pods::{TongsPod, named_port, pod_spec, resolve_port, selector_selects};
 use crate::problems::Problems;
@@ -205,49 +205,57 @@ fn egress_ports(policy: &NetworkPolicy) -> BTreeSet<(String, i32)> {
 /// With a NetworkPolicy in the rendering, every address tongs.yaml makes tongs dial is on a port the
 /// policy lets out: static endpoints, and GPU pods reached at podIP:containerPort.
 pub(crate) fn check_policy_lets_tongs_reach(asks: &Asks, problems: &mut Problems) {
-    let (at, _tongs, config, objects) = asks.parts();
+    let (at, _tongs, _config, objects) = asks.parts();
     for (name, policy) in &objects.network_policies {
         let allowed = egress_ports(policy);
         let lets_out = |port: i32| allowed.contains(&("TCP".to_owned(), port));
-        for endpoint in &config.discovery.static_endpoints {
-            let port = endpoint.url.parse::<http::Uri>().ok().and_then(|uri| {
-                uri.port_u16().map(i32::from).or(match uri.scheme_str() {
-                    Some("https") => Some(443),
-                    Some("http") => Some(80),
-                    _ => None,
-                })
+        for discovery in asks.discoveries {
+            let at = &format!("{at}{}", discovery.shown());
+            let config = &discovery.config;
+            for endpoint in &config.discovery.static_endpoints {
+                let port = endpoint.url.parse::<http::Uri>().ok().and_then(|uri| {
+                    uri.port_u16().map(i32::from).or(match uri.scheme_str() {
+                        Some("https") => Some(443),
+                        Some("http") => Some(80),
+                        _ => None,
+                    })
+                });
+                ensure!(
+                    problems,
+                    at,
+                    port.is_some_and(lets_out),
+                    "discovery.static endpoint {} is on a port NetworkPolicy/{name} does not let out",
+                    endpoint.url
+                );
+            }
+            let kubernetes = &config.discovery.kubernetes;
+            if !kubernetes.enabled || !kubernetes.rules.contains(&Rule::PodIp) {
+                continue;
+            }
+            let Ok(selector) = parse_label_selector(&kubernetes.label_selector) else {
+                continue;
+            };
+            let workloads = objects.deployments.iter().filter(|(workload, deployment)| {
+                *workload != TONGS
+                    && !is_salad(deployment)
+                    && label_selector_selects(&selector, &pod_labels(deployment))
             });
-            ensure!(
-                problems,
-                at,
-                port.is_some_and(lets_out),
-                "discovery.static endpoint {} is on a port NetworkPolicy/{name} does not let out",
-                endpoint.url
-            );
-        }
-        let kubernetes = &config.discovery.kubernetes;
-        if !kubernetes.enabled || !kubernetes.rules.contains(&Rule::PodIp) {
-            continue;
-        }
-        let workloads = objects
-            .deployments
-            .iter()
-            .filter(|(workload, deployment)| *workload != TONGS && !is_salad(deployment));
-        for (workload, deployment) in workloads {
-            let containers = pod_spec(deployment).map_or(&[][..], |spec| &spec.containers);
-            let port = containers.iter().find_map(|container| {
-                resolve_port(
-                    container,
-                    &IntOrString::String(kubernetes.port_name.clone()),
-                )
-            });
-            ensure!(
-                problems,
-                at,
-                port.is_none_or(lets_out),
-                "tongs reaches Deployment/{workload}'s pods at podIP:{port:?}, which \
-                 NetworkPolicy/{name} does not let out"
-            );
+            for (workload, deployment) in workloads {
+                let containers = pod_spec(deployment).map_or(&[][..], |spec| &spec.containers);
+                let port = containers.iter().find_map(|container| {
+                    resolve_port(
+                        container,
+                        &IntOrString::String(kubernetes.port_name.clone()),
+                    )
+                });
+                ensure!(
+                    problems,
+                    at,
+                    port.is_none_or(lets_out),
+                    "tongs reaches Deployment/{workload}'s pods at podIP:{port:?}, which \
+                     NetworkPolicy/{name} does not let out"
+                );
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use serde_json::Value;
 use tongs::config::Config;
 
+use crate::TONGS;
 use crate::alerts::check_prometheus_rule;
 use crate::config::check_keeps_base_keys;
 use crate::custom_resources::{check_scaled_object, check_service_monitor};
@@ -18,13 +19,13 @@ use crate::deployment::check_tongs;
 use crate::fleet::{check_discovered_workloads, check_inference};
 use crate::network_policy::{check_network_policy, check_policy_lets_tongs_reach};
 use crate::pods::TongsPod;
+use crate::pools::{Discovery, check_pool_scaling, discoveries};
 use crate::problems::{Problems, parse};
 use crate::rbac::{check_access, check_role, check_role_binding};
 use crate::render::rendered;
 use crate::secrets::check_secret_files;
 use crate::services::{check_config_map, check_disruption_budget, check_service};
 use crate::tailscale::check_tailscale_proxy;
-use crate::{INFERENCE, TONGS};
 
 /// The objects of one rendering, by name, for the checks that span objects.
 #[derive(Default)]
@@ -118,12 +119,13 @@ fn collect(source: &str, documents: &[Value], problems: &mut Problems) -> Object
 
 /// Checks one rendering: each object on its own, then the references between them.
 /// What tongs.yaml asks of the rest of one rendering: where to report, tongs' pod, its configuration,
-/// and the rendering's objects.
+/// where each of its pools finds endpoints, and the rendering's objects.
 #[derive(Clone, Copy)]
 pub(crate) struct Asks<'a> {
     pub(crate) at: &'a str,
     pub(crate) tongs: &'a TongsPod<'a>,
     pub(crate) config: &'a Config,
+    pub(crate) discoveries: &'a [Discovery],
     pub(crate) objects: &'a Objects,
 }
 
@@ -149,8 +151,8 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
                 let at = at("Deployment", name);
                 config = check_tongs(&at, deployment, objects, &secrets, problems);
             }
-            INFERENCE => check_inference(&at("Deployment", name), deployment, problems),
-            _ => {}
+            // Every other Deployment is a GPU workload (`inference`, or a pool's).
+            _ => check_inference(&at("Deployment", name), deployment, problems),
         }
     }
     for (name, service) in &objects.services {
@@ -181,18 +183,24 @@ pub(crate) fn check_rendering(source: &str, documents: &[Value], problems: &mut 
         check_network_policy(&at("NetworkPolicy", name), policy, objects, problems);
     }
     // What tongs.yaml asks of the rest of the rendering.
-    if let (Some(tongs), Some(config)) = (&tongs, &config) {
+    if let (Some(tongs), Some((config, text))) = (&tongs, &config) {
         let at = &format!("{source}: tongs.yaml");
-        check_keeps_base_keys(at, config, problems);
+        let discoveries = discoveries(config, text).unwrap_or_else(|message| {
+            problems.fail(at, message);
+            Vec::new()
+        });
+        check_keeps_base_keys(at, config, &discoveries, problems);
         let asks = Asks {
             at,
             tongs,
             config,
+            discoveries: &discoveries,
             objects,
         };
         check_access(&asks, problems);
         check_discovered_workloads(&asks, problems);
-        check_secret_files(at, tongs, config, &secrets, problems);
+        check_pool_scaling(&asks, problems);
+        check_secret_files(&asks, &secrets, problems);
         check_tailscale_proxy(at, tongs, config, problems);
         check_policy_lets_tongs_reach(&asks, problems);
     }

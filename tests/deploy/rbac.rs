@@ -143,37 +143,50 @@ fn grants_on_pods(role: &Role, verb: &str) -> bool {
     })
 }
 
-/// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where
-/// discovery watches, and `patch` there only when node registration or write-back writes annotations.
+/// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where each
+/// pool's discovery watches, and `patch` there only when node registration or write-back writes
+/// annotations.
 pub(crate) fn check_access(asks: &Asks, problems: &mut Problems) {
-    let (at, tongs, config, objects) = asks.parts();
-    let kubernetes = &config.discovery.kubernetes;
+    let (at, tongs, _config, objects) = asks.parts();
     let account = tongs.service_account();
-    let Ok(watched) = tongs.watched_namespace(config) else {
-        return problems.fail(
-            at,
-            "discovery.kubernetes.namespace \"*\" needs a ClusterRole; deploy/ grants Roles only",
-        );
-    };
-    let shown = watched.unwrap_or("(the one applied to)");
-    if kubernetes.enabled {
-        for verb in ["get", "list", "watch"] {
-            let roles = granted(objects, tongs, watched, verb);
-            ensure!(
-                problems,
-                at,
-                !roles.is_empty(),
-                "discovery.kubernetes is enabled, but no Role bound to ServiceAccount {account} \
-                 grants {verb} on pods in namespace {shown}"
-            );
-        }
-    }
     let mut writers = Vec::new();
-    if kubernetes.registration.token_file.is_some() {
-        writers.push("discovery.kubernetes.registration.token_file");
-    }
-    if kubernetes.write_back {
-        writers.push("discovery.kubernetes.write_back");
+    for discovery in asks.discoveries {
+        let kubernetes = &discovery.config.discovery.kubernetes;
+        let Ok(watched) = tongs.watched_namespace(&discovery.config) else {
+            problems.fail(
+                at,
+                format!(
+                    "{} \"*\" needs a ClusterRole; deploy/ grants Roles only",
+                    discovery.field("discovery.kubernetes.namespace")
+                ),
+            );
+            continue;
+        };
+        let shown = watched.unwrap_or("(the one applied to)");
+        if kubernetes.enabled {
+            for verb in ["get", "list", "watch"] {
+                let roles = granted(objects, tongs, watched, verb);
+                ensure!(
+                    problems,
+                    at,
+                    !roles.is_empty(),
+                    "{} is enabled, but no Role bound to ServiceAccount {account} grants {verb} on \
+                     pods in namespace {shown}",
+                    discovery.field("discovery.kubernetes")
+                );
+            }
+        }
+        if kubernetes.registration.token_file.is_some() {
+            let field = discovery.field("discovery.kubernetes.registration.token_file");
+            writers.push((field, watched, shown));
+        }
+        if kubernetes.write_back {
+            writers.push((
+                discovery.field("discovery.kubernetes.write_back"),
+                watched,
+                shown,
+            ));
+        }
     }
     if writers.is_empty() {
         let patchers: Vec<&String> = objects
@@ -190,13 +203,14 @@ pub(crate) fn check_access(asks: &Asks, problems: &mut Problems) {
              discovery.kubernetes.registration.token_file nor write_back: leave out \
              components/pod-annotator"
         );
-    } else {
+    }
+    for (writer, watched, shown) in writers {
         let patchers = granted(objects, tongs, watched, "patch");
         ensure!(
             problems,
             at,
             !patchers.is_empty(),
-            "{writers:?} write pod annotations, but no Role bound to ServiceAccount {account} grants \
+            "[{writer:?}] write pod annotations, but no Role bound to ServiceAccount {account} grants \
              patch on pods in namespace {shown}: add components/pod-annotator"
         );
     }

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use k8s_openapi::api::core::v1::{PodSpec, SecretVolumeSource, VolumeMount};
-use tongs::config::Config;
 
+use crate::objects::Asks;
 use crate::pods::TongsPod;
 use crate::problems::Problems;
 
@@ -88,23 +88,29 @@ pub(crate) fn secret_file<'a>(mounts: &[SecretMount<'a>], path: &Path) -> Option
     })
 }
 
-/// Every file tongs.yaml reads a secret from is a file of a Secret volume, mounted readOnly where it
-/// says, and readable by tongs; a key from the environment comes from a Secret too.
-pub(crate) fn check_secret_files(
-    at: &str,
-    tongs: &TongsPod,
-    config: &Config,
-    secrets: &[SecretMount],
-    problems: &mut Problems,
-) {
-    let files = [
-        ("salad.api_key_file", &config.salad.api_key_file),
+/// Every file tongs.yaml reads a secret from (each pool's too) is a file of a Secret volume, mounted
+/// readOnly where it says, and readable by tongs; a key from the environment comes from a Secret too.
+pub(crate) fn check_secret_files(asks: &Asks, secrets: &[SecretMount], problems: &mut Problems) {
+    let (at, tongs, config, _objects) = asks.parts();
+    let mut files = vec![
+        ("salad.api_key_file".to_owned(), &config.salad.api_key_file),
         (
-            "discovery.kubernetes.registration.token_file",
-            &config.discovery.kubernetes.registration.token_file,
+            "admin.bearer_token_file".to_owned(),
+            &config.admin.bearer_token_file,
         ),
-        ("admin.bearer_token_file", &config.admin.bearer_token_file),
     ];
+    for discovery in asks.discoveries {
+        files.push((
+            discovery.field("discovery.kubernetes.registration.token_file"),
+            &discovery
+                .config
+                .discovery
+                .kubernetes
+                .registration
+                .token_file,
+        ));
+        files.push((discovery.field("api_key_file"), &discovery.api_key_file));
+    }
     for (field, path) in files {
         let Some(path) = path else {
             continue;
