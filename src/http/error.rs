@@ -223,7 +223,7 @@ pub fn openai_shape(response: Response<ProxyBody>) -> Response<ProxyBody> {
     let Some(own) = response.extensions().get::<OwnError>() else {
         return response;
     };
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "error": {
             "message": own.message,
             "type": own.error_type,
@@ -231,8 +231,15 @@ pub fn openai_shape(response: Response<ProxyBody>) -> Response<ProxyBody> {
             "code": own.code,
         },
         "request_id": own.request_id,
-    })
-    .to_string();
+    });
+    // tongs' own fields beside OpenAI's: a client that knows them keeps them, others ignore them.
+    if let Some(reason) = own.reason {
+        body["reason"] = reason.as_str().into();
+    }
+    if let Some(retry_after) = own.retry_after {
+        body["retry_after_seconds"] = retry_after.into();
+    }
+    let body = body.to_string();
     let (mut parts, _) = response.into_parts();
     parts.headers.insert(
         header::CONTENT_TYPE,

@@ -374,11 +374,18 @@ pub async fn send(request: Request<TestBody>) -> (u16, String) {
     (head.status.as_u16(), body)
 }
 
-/// The proxy's own JSON error in `body`: its `error` text and `request_id`, both present and not empty.
+/// The proxy's own JSON error in `body`: its `error` text (`error.message` in OpenAI's shape, which
+/// paths under `/v1/` get) and `request_id`, both present and not empty.
 pub fn proxy_error(body: &str) -> (String, String) {
     let json: serde_json::Value =
         serde_json::from_str(body).unwrap_or_else(|err| panic!("not JSON ({err}): {body}"));
-    let error = json["error"].as_str().unwrap_or_default();
+    let error = match &json["error"] {
+        serde_json::Value::Object(openai) => {
+            assert!(openai["type"].is_string(), "no error type in {body}");
+            openai["message"].as_str().unwrap_or_default()
+        }
+        text => text.as_str().unwrap_or_default(),
+    };
     assert!(!error.is_empty(), "no error text in {body}");
     let request_id = json["request_id"].as_str().unwrap_or_default();
     assert!(!request_id.is_empty(), "no request_id in {body}");
