@@ -311,3 +311,44 @@ async fn chromium_shows_the_error_banner_while_polls_fail_and_clears_it() {
     assert_eq!(rows(&dom), expected, "the last rows stay:\n{dom}");
     proxy.stop().await;
 }
+
+/// With several pools, each row names its endpoint's pool and each pool gets a line of its own figures.
+#[tokio::test]
+async fn chromium_groups_the_endpoints_by_pool() {
+    let binary = require("chromium");
+    let (llm, image) = (text_backend("llm").await, text_backend("image").await);
+    let pools = format!(
+        "pools:\n\
+         - name: image\n\
+         \x20 match: {{ path_prefixes: [\"/v1/images/\"] }}\n\
+         \x20 discovery: {{ static: [{{ url: \"{}\" }}] }}\n",
+        image.url()
+    );
+    let proxy = start_proxy(config_with(&pools, &[llm.url()])).await;
+    let dir = TempDir::new("tongs-status-pools");
+    let page_url = format!("http://{}/", proxy.admin);
+    let dom = chromium(&binary, &dir.0.join("profile"), &page_url, &["--dump-dom"]).await;
+    let by_pool: HashMap<String, String> = start_tags(&dom, "tr")
+        .into_iter()
+        .filter_map(|tr| {
+            Some((
+                tr.get("data-endpoint")?.clone(),
+                tr.get("data-pool")?.clone(),
+            ))
+        })
+        .collect();
+    assert_eq!(
+        by_pool,
+        HashMap::from([
+            (llm.url(), "default".to_owned()),
+            (image.url(), "image".to_owned()),
+        ]),
+        "{dom}"
+    );
+    let lines: Vec<String> = start_tags(&dom, "div")
+        .into_iter()
+        .filter_map(|div| div.get("data-pool").cloned())
+        .collect();
+    assert_eq!(lines, ["image", "default"], "one line per pool:\n{dom}");
+    proxy.stop().await;
+}
