@@ -261,6 +261,15 @@ impl Config {
                     "must be a model name of 1 to 256 characters".into(),
                 );
             }
+            // The key goes where the configuration says, never where a pod's annotation points.
+            if pool.api_key_file.is_some() && pool.discovery.kubernetes.is_some() {
+                problem(
+                    format!("{at}.api_key_file"),
+                    "a pool with its own key takes its endpoints from discovery.static only: \
+                     whoever can label or annotate a pod could otherwise receive the key"
+                        .into(),
+                );
+            }
             match self.pool_config(pool) {
                 Err(merge_problems) => problems_at(&mut problem, &at, merge_problems),
                 Ok(config) => {
@@ -540,6 +549,9 @@ pools:
     fallback: [c]
   - name: c
     fallback: [b]
+  - name: keyed
+    api_key_file: /k
+    discovery: { kubernetes: { label_selector: "a=b" } }
 "#;
         let got = fields(text);
         for want in [
@@ -553,6 +565,7 @@ pools:
             "pools[2].name",
             "pools[3].name",
             "pools[4].retry.max_attempts",
+            "pools[6].api_key_file",
             "pools",
         ] {
             assert!(got.iter().any(|f| f == want), "{want} missing from {got:?}");
