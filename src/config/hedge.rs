@@ -92,6 +92,10 @@ pub struct ContinuationConfig {
     pub enabled: bool,
     /// Continuations one request may take (0 ..= 10); each also draws on the retry budget.
     pub max_continuations: u32,
+    /// The floor of the idle limit of a stream that can be continued, in place of `stream.idle_min`:
+    /// lower, since cutting such a stream costs the client a short pause (and a node a new prefill),
+    /// not its answer.
+    pub idle_min: HumanDuration,
 }
 
 impl Default for ContinuationConfig {
@@ -99,6 +103,7 @@ impl Default for ContinuationConfig {
         Self {
             enabled: true,
             max_continuations: 2,
+            idle_min: HumanDuration::from_millis(500),
         }
     }
 }

@@ -210,6 +210,7 @@ impl Config {
             ("retry.backoff_max", self.retry.backoff_max, true),
             ("hedge.min_delay", self.hedge.min_delay, true),
             ("stream.idle_min", self.stream.idle_min, false),
+            ("continuation.idle_min", self.continuation.idle_min, false),
             ("balancer.slow_start", self.balancer.slow_start, true),
             ("balancer.latency_decay", self.balancer.latency_decay, false),
             (

@@ -581,6 +581,8 @@ mod tests {
                     "code": "server_is_overloaded",
                 },
                 "request_id": "rid-6",
+                "reason": "queue-full",
+                "retry_after_seconds": 7,
             })
         );
 

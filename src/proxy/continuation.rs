@@ -285,6 +285,8 @@ impl Continuer {
                         body: committed.response.into_body(),
                         outstanding: committed.outstanding,
                         first_byte: committed.first_byte,
+                        // Continued again if it breaks, unless this was the last continuation allowed.
+                        continuable: self.taken < self.settings.max_continuations,
                     };
                     let piece =
                         self.proxy

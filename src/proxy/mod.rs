@@ -83,6 +83,8 @@ pub struct ProxySettings {
     pub continuation_enabled: bool,
     /// ... at most this many times per request.
     pub max_continuations: u32,
+    /// The idle floor of a stream that can be continued (`continuation.idle_min`).
+    pub continuation_idle_min: Duration,
     /// Header carrying a request's priority.
     pub priority_header: http::HeaderName,
     /// Header carrying a client's own deadline in milliseconds.
@@ -118,6 +120,7 @@ impl ProxySettings {
             stream_idle_min: config.stream.idle_min.get(),
             continuation_enabled: config.continuation.enabled,
             max_continuations: config.continuation.max_continuations,
+            continuation_idle_min: config.continuation.idle_min.get(),
             priority_header: config.queue.priority_header.name().clone(),
             deadline_header: config.queue.deadline_header.name().clone(),
         }
@@ -359,7 +362,8 @@ impl Proxy {
                 Attempt::Committed(committed) => {
                     self.metrics.first_byte(started.elapsed());
                     let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
-                    let response = self.commit(settings, committed, upgrade, &request_id, deadline);
+                    let at = (&request_id, deadline, continuable.is_some());
+                    let response = self.commit(settings, committed, upgrade, at);
                     let Some(continuable) = continuable else {
                         return Ok((response, Outcome::Proxied));
                     };

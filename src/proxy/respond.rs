@@ -26,6 +26,8 @@ pub(super) struct Piece {
     pub body: Incoming,
     pub outstanding: Outstanding,
     pub first_byte: Option<Duration>,
+    /// A cut would be continued elsewhere (its idle floor is `continuation.idle_min`).
+    pub continuable: bool,
 }
 
 impl Proxy {
@@ -35,8 +37,7 @@ impl Proxy {
         settings: &ProxySettings,
         committed: Committed,
         client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-        request_id: &HeaderValue,
-        deadline: Instant,
+        (request_id, deadline, continuable): (&HeaderValue, Instant, bool),
     ) -> Response<ProxyBody> {
         let Committed {
             mut response,
@@ -62,6 +63,7 @@ impl Proxy {
             body,
             outstanding,
             first_byte,
+            continuable,
         };
         let body = self.streamed(settings, piece, deadline, request_id);
         Response::from_parts(parts, body)
@@ -81,6 +83,7 @@ impl Proxy {
             body,
             outstanding,
             first_byte,
+            continuable,
         } = piece;
         ProxyBody::upstream(
             first,
@@ -88,7 +91,7 @@ impl Proxy {
             super::stream::watch(
                 settings,
                 outstanding,
-                first_byte,
+                (first_byte, continuable),
                 &self.registry,
                 &self.stats,
                 request_id,
@@ -137,7 +140,7 @@ impl Proxy {
                     outstanding,
                     first_byte: None,
                 };
-                self.commit(settings, committed, None, request_id, deadline)
+                self.commit(settings, committed, None, (request_id, deadline, false))
             }
             None => failure.error.into_response(request_id),
         }

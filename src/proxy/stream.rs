@@ -33,10 +33,15 @@ pub struct IdleSettings {
 }
 
 impl IdleSettings {
-    pub fn from(settings: &ProxySettings) -> IdleSettings {
+    /// A stream's idle settings; one that can be continued elsewhere has the lower floor.
+    pub fn from(settings: &ProxySettings, continuable: bool) -> IdleSettings {
         IdleSettings {
             multiplier: settings.stream_idle_multiplier,
-            min: settings.stream_idle_min,
+            min: if continuable {
+                settings.continuation_idle_min
+            } else {
+                settings.stream_idle_min
+            },
         }
     }
 }
@@ -109,17 +114,18 @@ fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>) -> GoneSignal {
 }
 
 /// How the stream of a committed answer on `outstanding`'s endpoint is watched; `first_byte` is how long
-/// that answer took to start (none for a failure's own answer).
+/// that answer took to start (none for a failure's own answer); `continuable`, whether a cut would be
+/// continued elsewhere.
 pub fn watch(
     settings: &ProxySettings,
     outstanding: Outstanding,
-    first_byte: Option<Duration>,
+    (first_byte, continuable): (Option<Duration>, bool),
     registry: &Arc<Registry>,
     stats: &Arc<ProxyStats>,
     request_id: &HeaderValue,
 ) -> Watch {
     let endpoint = Arc::clone(outstanding.endpoint());
-    let idle = IdleSettings::from(settings);
+    let idle = IdleSettings::from(settings, continuable);
     let limit = idle_limit(&idle, endpoint.chunk_gap().or(first_byte));
     Watch {
         guard: Box::new(Streamed {

@@ -239,7 +239,10 @@ async fn a_stream_cut_twice_is_continued_twice_and_max_continuations_bounds_it()
 #[tokio::test]
 async fn a_stalled_stream_is_continued_elsewhere() {
     let fleet = sim_fleet(3, openai_nodes(3)).await;
-    let config = "stream: { idle_min: 300ms, idle_multiplier: 2 }\n";
+    // A stream that can be continued has continuation.idle_min for its floor, not stream.idle_min
+    // (a minute here: the stall would outlast the test).
+    let config = "stream: { idle_min: 60s, idle_multiplier: 2 }\n\
+                  continuation: { idle_min: 300ms }\n";
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
     let started = std::time::Instant::now();
     let seen = stream(&proxy, true, &body(true, false), "104:stall", &[]).await;
@@ -260,7 +263,8 @@ async fn a_stream_whose_node_heartbeats_declare_gone_is_continued() {
     let fleet = sim_fleet(4, openai_nodes(3)).await;
     // The stall alone would take a minute to notice: only the heartbeats can end it in time.
     let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n\
-                  stream: { idle_min: 60s }\n";
+                  stream: { idle_min: 60s }\n\
+                  continuation: { idle_min: 60s }\n";
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
     eventually("every node healthy", HANG, || {
         proxy.app_registry.counts().healthy() == 3
