@@ -23,6 +23,7 @@ use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
 pub use self::pool::{Pool, PoolError, PoolRules};
+use crate::admission::Refusal;
 use crate::config::Config;
 use crate::http::{ProxyBody, ProxyError, openai_shape};
 use crate::metrics::{Metrics, Outcome};
@@ -244,8 +245,24 @@ impl Router {
             if changed {
                 original.restore(&mut received, &self.intake);
             }
-            changed = self.prepare(&mut received, pool, field.as_ref(), &original);
             let last = i + 1 == chain.len();
+            changed = match self.prepare(&mut received, pool, field.as_ref(), &original) {
+                Ok(changed) => changed,
+                // The rewritten body does not fit in the replay memory now: this pool cannot take it.
+                Err(()) if !last => continue,
+                Err(()) => {
+                    let error = ProxyError::Refused {
+                        reason: Refusal::QueueFull,
+                        detail: "the memory tongs keeps request bodies in is spent \
+                                 (retry.replay_budget_bytes); try again shortly"
+                            .into(),
+                        retry_after: 1,
+                    };
+                    return self
+                        .intake
+                        .answer_unrouted(&received, error, Outcome::Refused);
+                }
+            };
             match pool.proxy().forward(worker, received, !last).await {
                 Ok(response) => return response,
                 Err(back) => {
@@ -268,27 +285,35 @@ impl Router {
     }
 
     /// Gives `received` what `pool` sends its endpoints: its model name and its own key. Returns
-    /// whether anything changed.
+    /// whether anything changed, or an error when the rewritten body cannot be kept.
     fn prepare(
         &self,
         received: &mut Received,
         pool: &Pool,
         field: Option<&ModelField>,
         original: &Original,
-    ) -> bool {
+    ) -> Result<bool, ()> {
         let rules = pool.rules();
         let mut changed = false;
         if let (Some(model), Some(field), Some(body)) =
             (&rules.rewrite_model, field, original.body.as_ref())
             && *model != field.name
         {
-            changed |= received.replace_body(with_model(body, field, model), &self.intake);
+            if !received.replace_body(with_model(body, field, model), &self.intake) {
+                tracing::warn!(
+                    request_id = received.request_id().to_str().unwrap_or_default(),
+                    pool = %pool.name(),
+                    "the replay budget cannot hold the body with the pool's model; skipping the pool"
+                );
+                return Err(());
+            }
+            changed = true;
         }
         if let Some(authorization) = &rules.authorization {
             received.set_header(header::AUTHORIZATION, authorization.clone());
             changed = true;
         }
-        changed
+        Ok(changed)
     }
 
     fn count_fallback(&self, from: &Arc<str>, to: &Arc<str>) {
