@@ -1,10 +1,12 @@
 //! Pools over one namespace share one pod watch: the API server is asked once, for what every pool's
 //! label selector requires, and each pool serves only the pods its own selector picks. A pod relabelled
 //! from one pool's selector to another's moves; a pool a reload adds gets its pods, and one it removes
-//! leaves the watch to the others.
+//! leaves the watch to the others. A node registers through the pool that holds its pod.
 
 use std::collections::BTreeSet;
 
+use http::Request;
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
 
@@ -42,6 +44,8 @@ async fn pools_with_different_selectors_share_one_watch_and_pods_move_between_th
     let one = named("127.0.0.2", "one").await;
     let two = named("127.0.0.3", "two").await;
     let three = named("127.0.0.4", "three").await;
+    let four = named("127.0.0.5", "four").await;
+    let token_file = cluster.file("token", "s3cret-token\n");
     for (name, ip, node, tier) in [
         ("one", "127.0.0.2", &one, "a"),
         ("two", "127.0.0.3", &two, "b"),
@@ -59,12 +63,13 @@ async fn pools_with_different_selectors_share_one_watch_and_pods_move_between_th
     let config = |with_c: bool| {
         let mut yaml = format!(
             "discovery:\n  kubernetes:\n    enabled: false\n    kubeconfig: {}\n    namespace: {NS}\n    \
-             {LOOPBACK_PODS}\npools:\n\
+             {LOOPBACK_PODS}\n    registration: {{ token_file: {} }}\npools:\n\
              - name: a\n  match: {{ models: [a] }}\n  \
              discovery: {{ kubernetes: {{ label_selector: \"app=llm,tier=a\" }} }}\n\
              - name: b\n  match: {{ models: [b] }}\n  \
              discovery: {{ kubernetes: {{ label_selector: \"app == llm, tier in (b)\" }} }}\n",
-            cluster.kubeconfig.display()
+            cluster.kubeconfig.display(),
+            token_file.display()
         );
         if with_c {
             yaml.push_str(
@@ -141,5 +146,26 @@ async fn pools_with_different_selectors_share_one_watch_and_pods_move_between_th
     assert!(pool_urls(&proxy, "c").await.is_empty());
     until("one watch open", || async { api.stats().open_watches == 1 }).await;
     assert_eq!(parts.watches.watches(), 1);
+
+    // A node of pool b registers its address: pool b holds its pod, so pool b takes the registration
+    // and serves the node; pool a never sees it.
+    api.create(PodBuilder::new("four").label("tier", "b").json());
+    let address = format!("127.0.0.5:{}", four.port());
+    let body =
+        json!({"namespace": NS, "pod": "four", "uid": uid_of(api, "four"), "address": address});
+    until("pool b holds pod four", || async {
+        let request = Request::post(format!("http://{}/v1/nodes/register", proxy.admin))
+            .header("authorization", "Bearer s3cret-token")
+            .body(full(body.to_string()))
+            .expect("request");
+        send(request).await.0 == 200
+    })
+    .await;
+    let registered = format!("http://{address}");
+    until_pools(
+        &proxy,
+        &[("a", &[&one.url()]), ("b", &[&two.url(), &registered])],
+    )
+    .await;
     cluster.finish(proxy).await;
 }
