@@ -31,7 +31,8 @@ use kube::runtime::watcher::{self, Event};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::kube::{Outlet, Watched};
+use super::Status;
+use super::kube::{Outlet, Tracker, Watched};
 use super::object::WatchedPod;
 use crate::config::KubernetesConfig;
 
@@ -169,12 +170,6 @@ impl Member {
         self.batch.notified().await;
     }
 
-    fn picks(&self, pod: &WatchedPod) -> bool {
-        static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
-        self.selector
-            .matches(pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS))
-    }
-
     /// Applies the events this member's selector lets through, and publishes what changed.
     fn take(&self, events: &[Event<WatchedPod>]) {
         let mut tracker = self.watched.tracker();
@@ -184,17 +179,7 @@ impl Member {
         // The tracker's log lines name the pool they are about (every pool of the group logs here).
         let _pool = tracing::info_span!("discovery", pool = %self.outlet.pool).entered();
         let status = &self.outlet.status;
-        let (mut changed, mut listed) = (false, false);
-        for event in events {
-            listed |= matches!(event, Event::InitDone);
-            changed |= match event {
-                Event::Apply(pod) if !self.picks(pod) => {
-                    tracker.forget(pod, "pod no longer picked by the pool's label selector")
-                }
-                Event::InitApply(pod) if !self.picks(pod) => false,
-                event => tracker.on_event(event, status),
-            };
-        }
+        let (changed, listed) = take_picked(&mut tracker, &self.selector, events, status);
         if changed {
             self.outlet.publish(&mut tracker);
         }
@@ -210,6 +195,32 @@ impl Member {
         drop(tracker);
         self.batch.notify_one();
     }
+}
+
+/// Applies to `tracker` the events as a pool with `selector` sees them: a pod the selector does not
+/// pick is gone for the pool (an `Apply` of it a `Delete`; an `InitApply` of it skipped, so the list's
+/// `InitDone` drops it). Returns whether the endpoints may have changed, and whether a list ended.
+fn take_picked(
+    tracker: &mut Tracker,
+    selector: &Selector,
+    events: &[Event<WatchedPod>],
+    status: &Status,
+) -> (bool, bool) {
+    static NO_LABELS: BTreeMap<String, String> = BTreeMap::new();
+    let picks =
+        |pod: &WatchedPod| selector.matches(pod.metadata.labels.as_ref().unwrap_or(&NO_LABELS));
+    let (mut changed, mut listed) = (false, false);
+    for event in events {
+        listed |= matches!(event, Event::InitDone);
+        changed |= match event {
+            Event::Apply(pod) if !picks(pod) => {
+                tracker.forget(pod, "pod no longer picked by the pool's label selector")
+            }
+            Event::InitApply(pod) if !picks(pod) => false,
+            event => tracker.on_event(event, status),
+        };
+    }
+    (changed, listed)
 }
 
 /// The label selector the API server is asked for: the members' own when they are all equal, else the
@@ -341,6 +352,67 @@ mod tests {
             .map(|t| parse_label_selector(t).unwrap())
             .collect();
         common(&selectors.iter().collect::<Vec<_>>()).to_string()
+    }
+
+    fn pod(name: &str, tier: &str) -> WatchedPod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "gpu", "name": name, "uid": format!("uid-{name}"),
+                         "labels": {"app": "llm", "tier": tier}},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"phase": "Running", "podIP": format!("10.0.0.{}", name.len()),
+                       "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap()
+    }
+
+    fn urls(tracker: &Tracker) -> Vec<String> {
+        tracker.specs().into_iter().map(|s| s.url).collect()
+    }
+
+    #[test]
+    fn a_pool_sees_only_the_pods_its_selector_picks() {
+        let status = Status::default();
+        let rules = Arc::new(crate::discovery::pods::Rules::new(
+            &KubernetesConfig::default(),
+            false,
+        ));
+        let mut tracker = Tracker::new(rules);
+        let selector = parse_label_selector("app=llm,tier=a").unwrap();
+        let take = |tracker: &mut Tracker, events: Vec<Event<WatchedPod>>| {
+            take_picked(tracker, &selector, &events, &status)
+        };
+        // A list: the pod of the other tier is skipped.
+        let listed = vec![
+            Event::Init,
+            Event::InitApply(pod("a", "a")),
+            Event::InitApply(pod("bb", "b")),
+            Event::InitDone,
+        ];
+        assert_eq!(take(&mut tracker, listed), (true, true));
+        assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
+        // A pod of the other tier changing is nothing to this pool.
+        assert_eq!(
+            take(&mut tracker, vec![Event::Apply(pod("bb", "b"))]),
+            (false, false)
+        );
+        // It is relabelled into the pool: it joins; the first is relabelled out: it leaves.
+        assert_eq!(
+            take(&mut tracker, vec![Event::Apply(pod("bb", "a"))]),
+            (true, false)
+        );
+        assert_eq!(
+            take(&mut tracker, vec![Event::Apply(pod("a", "b"))]),
+            (true, false)
+        );
+        assert_eq!(urls(&tracker), ["http://10.0.0.2:8000"]);
+        // A list in which the pod no longer matches drops it at InitDone.
+        let relisted = vec![
+            Event::Init,
+            Event::InitApply(pod("bb", "c")),
+            Event::InitDone,
+        ];
+        assert_eq!(take(&mut tracker, relisted), (true, true));
+        assert!(urls(&tracker).is_empty());
     }
 
     #[test]
