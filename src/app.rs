@@ -53,6 +53,8 @@ pub struct Parts {
     /// The bearer token the admin port requires (none: open), read again by every reload so a rotated
     /// Secret takes effect without a restart.
     pub admin_token: Arc<ArcSwapOption<String>>,
+    /// The pod watches, one per group of pools that can share it.
+    pub watches: Arc<discovery::hub::Hubs>,
 }
 
 impl Parts {
@@ -65,6 +67,7 @@ impl Parts {
             metrics,
             gateway_key: Arc::default(),
             admin_token: Arc::default(),
+            watches: Arc::default(),
         }
     }
 
@@ -362,6 +365,8 @@ impl App {
             Ok(client) => {
                 let (readiness, gateway_key) =
                     (Arc::clone(&parts.readiness), Arc::clone(&parts.gateway_key));
+                // One pod watch serves every pool that can share it (see `discovery::hub`).
+                let hubs = Arc::clone(&parts.watches);
                 parts.router.start_pools(Box::new(move |pool: &Arc<Pool>| {
                     let stop = CancellationToken::new();
                     tokio::spawn(health::run(
@@ -378,6 +383,7 @@ impl App {
                             readiness: Arc::clone(&readiness),
                             salad: salad.clone(),
                             gateway_key: Arc::clone(&gateway_key),
+                            hubs: Arc::clone(&hubs),
                         }
                         .run(stop.clone()),
                     );

@@ -332,6 +332,8 @@ impl KubernetesConfig {
                  (e.g. app.kubernetes.io/part-of=tongs-fleet)"
                     .into(),
             );
+        } else if let Err(message) = super::parse_label_selector(&self.label_selector) {
+            problem("label_selector", message);
         }
         if self.rules.is_empty() {
             problem(
@@ -559,6 +561,23 @@ mod tests {
         assert!(annotation_key("Tongs.dev/url").is_err());
         assert!(annotation_key("tongs.dev/").is_err());
         assert!(annotation_key("tongs.dev/-x").is_err());
+    }
+
+    #[test]
+    fn a_label_selector_that_does_not_parse_is_named() {
+        let config = KubernetesConfig {
+            enabled: true,
+            label_selector: "app=llm,tier in (a".into(),
+            ..KubernetesConfig::default()
+        };
+        let mut problems = Vec::new();
+        config.validate(&mut problems);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].field, "discovery.kubernetes.label_selector");
+        assert!(
+            problems[0].message.contains("expected ',' or ')'"),
+            "{problems:?}"
+        );
     }
 
     #[test]

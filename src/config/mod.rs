@@ -14,6 +14,7 @@ mod kubernetes;
 mod pools;
 mod resilience;
 mod salad;
+mod selector;
 mod server;
 mod upstream;
 mod yaml;
@@ -36,6 +37,7 @@ pub use kubernetes::{
 pub use pools::{DEFAULT_POOL, PoolConfig, PoolDiscovery, PoolMatch, PoolSpec, model_matches};
 pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
+pub use selector::{is_label_value, parse_label_selector};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
 pub use upstream::{ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
 pub use yaml::{load_validated, parse_validated, parse_yaml};

@@ -552,6 +552,8 @@ pools:
   - name: keyed
     api_key_file: /k
     discovery: { kubernetes: { label_selector: "a=b" } }
+  - name: d
+    discovery: { kubernetes: { label_selector: "tier in (a" } }
 "#;
         let got = fields(text);
         for want in [
@@ -566,6 +568,7 @@ pools:
             "pools[3].name",
             "pools[4].retry.max_attempts",
             "pools[6].api_key_file",
+            "pools[7].discovery.kubernetes.label_selector",
             "pools",
         ] {
             assert!(got.iter().any(|f| f == want), "{want} missing from {got:?}");

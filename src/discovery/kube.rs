@@ -1,48 +1,41 @@
-//! The pod watcher: keeps the registry's `kubernetes` source equal to the pods that qualify.
+//! A pool's pod discovery: keeps the pool's registry `kubernetes` source equal to the pods that
+//! qualify.
 //!
-//! kube-runtime's watcher lists, then watches from the list's resourceVersion; on a dropped connection
-//! it resumes, and on `410 Gone` (or any error) it lists again, with backoff. A list arrives as
-//! `Init`, `InitApply`…, `InitDone` and is applied as one atomic reset at `InitDone`: until then the
-//! endpoints in service stay (stale beats empty — a GPU node that was serving a second ago most likely
-//! still is, and heartbeats catch the ones that are not). Events that arrive together are applied as
-//! one batch and published once.
+//! The pods come from a watch the pool shares with every pool that watches the same namespace through
+//! the same API server and field selector ([`super::hub`]); each pool keeps its own [`Tracker`] (its
+//! rules, counts and registry source) and sees only the pods its own label selector picks. kube-runtime's
+//! watcher lists, then watches from the list's resourceVersion; on a dropped connection it resumes, and
+//! on `410 Gone` (or any error) it lists again, with backoff. A list arrives as `Init`, `InitApply`…,
+//! `InitDone` and is applied as one atomic reset at `InitDone`: until then the endpoints in service stay
+//! (stale beats empty — a GPU node that was serving a second ago most likely still is, and heartbeats
+//! catch the ones that are not). Events that arrive together are applied as one batch and published
+//! once.
 //!
-//! SaladCloud pods need their gateway host from the SaladCloud API: lookups run beside the watch (at
-//! most [`LOOKUP_CONCURRENCY`] at once, retried with backoff while the group has no gateway yet), are
-//! cached by pod UID (and kept across a restart of the watch), and are optionally written back into
-//! the pod's URL annotation. The hosts found are the gateways the SaladCloud key may go to
-//! ([`GatewayKey::confirm`]): a gateway named only by an annotation gets no key.
+//! SaladCloud pods need their gateway host from the SaladCloud API: lookups run in the pool's task
+//! beside the watch ([`super::lookups`]), are cached by pod UID (and kept across a restart of the
+//! watch), and are optionally written back into the pod's URL annotation. The hosts found are the
+//! gateways the SaladCloud key may go to ([`GatewayKey::confirm`]): a gateway named only by an
+//! annotation gets no key.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use futures::StreamExt;
-use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::WatchStreamExt;
-use kube::runtime::watcher::{self, Event};
-use tokio::sync::{Semaphore, mpsc};
-use tokio::task::JoinSet;
+use kube::runtime::watcher::Event;
 use tokio_util::sync::CancellationToken;
 
 use super::Status;
+use super::hub::{Hubs, Member};
+use super::lookups::{Lookups, write_back};
 use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
-use super::salad::{Group, LookupError, SaladApi};
-use crate::config::KubernetesConfig;
+use super::salad::SaladApi;
+use crate::config::{KubernetesConfig, parse_label_selector};
 use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 use crate::upstream::GatewayKey;
 
 /// The registry source this module writes.
 pub const SOURCE: &str = "kubernetes";
-/// SaladCloud API lookups at once.
-pub const LOOKUP_CONCURRENCY: usize = 8;
-/// Retry delays of a lookup that found no gateway yet: doubling from the first to the last.
-const LOOKUP_RETRY_FIRST: Duration = Duration::from_secs(2);
-const LOOKUP_RETRY_MAX: Duration = Duration::from_secs(60);
-/// Events already waiting are applied together, up to this many.
-const BATCH: usize = 1024;
 
 /// The watch in force, shared with registration.
 pub struct Watched {
@@ -135,14 +128,14 @@ impl Tracker {
     }
 
     /// Applies one watcher event; true when the endpoints may have changed.
-    pub fn on_event(&mut self, event: Event<WatchedPod>, status: &Status) -> bool {
+    pub fn on_event(&mut self, event: &Event<WatchedPod>, status: &Status) -> bool {
         match event {
             Event::Init => {
                 self.relist = Some(HashMap::new());
                 false
             }
             Event::InitApply(pod) => {
-                let facts = PodFacts::from_pod(&pod, self.rules.config());
+                let facts = PodFacts::from_pod(pod, self.rules.config());
                 self.relist
                     .get_or_insert_with(HashMap::new)
                     .insert(Arc::clone(&facts.key), facts);
@@ -175,7 +168,7 @@ impl Tracker {
                 true
             }
             Event::Apply(pod) => {
-                let facts = PodFacts::from_pod(&pod, self.rules.config());
+                let facts = PodFacts::from_pod(pod, self.rules.config());
                 let before = self.pods.remove(&facts.key);
                 if before.as_ref().is_some_and(|b| b.facts == facts) {
                     // Nothing tongs reads changed (a status heartbeat, a label tongs ignores).
@@ -190,21 +183,31 @@ impl Tracker {
                 self.track(facts, before.as_ref(), status);
                 true
             }
-            Event::Delete(pod) => {
-                let facts = PodFacts::from_pod(&pod, self.rules.config());
-                match self.pods.remove(&facts.key) {
-                    Some(gone) => {
-                        self.count(gone.derived.state, -1);
-                        self.gateways_changed |= self.gateways.remove(&gone.facts.uid).is_some();
-                        if let Some(spec) = gone.derived.spec {
-                            self.changes.removed.push(spec.url);
-                        }
-                        tracing::info!(pod = %gone.facts.key, "pod deleted");
-                        true
-                    }
-                    None => false,
+            Event::Delete(pod) => self.forget(pod, "pod deleted"),
+        }
+    }
+
+    /// Drops `pod` (deleted, or no longer picked by the pool's label selector, as `why` says); true
+    /// when it was tracked. Only its key is read: most pods a shared watch hands a pool that does not
+    /// pick them were never tracked by it.
+    pub fn forget(&mut self, pod: &WatchedPod, why: &'static str) -> bool {
+        let meta = &pod.metadata;
+        let key = format!(
+            "{}/{}",
+            meta.namespace.as_deref().unwrap_or_default(),
+            meta.name.as_deref().unwrap_or_default()
+        );
+        match self.pods.remove(key.as_str()) {
+            Some(gone) => {
+                self.count(gone.derived.state, -1);
+                self.gateways_changed |= self.gateways.remove(&gone.facts.uid).is_some();
+                if let Some(spec) = gone.derived.spec {
+                    self.changes.removed.push(spec.url);
                 }
+                tracing::info!(pod = %gone.facts.key, "{why}");
+                true
             }
+            None => false,
         }
     }
 
@@ -277,7 +280,7 @@ impl Tracker {
     }
 
     /// Pods whose salad-api rule waits for a gateway host: key, UID and container group.
-    fn wanting_lookup(&self) -> impl Iterator<Item = (Arc<str>, String, String)> + '_ {
+    pub(super) fn wanting_lookup(&self) -> impl Iterator<Item = (Arc<str>, String, String)> + '_ {
         self.pods
             .values()
             .filter(|t| t.derived.wants_lookup)
@@ -292,7 +295,13 @@ impl Tracker {
 
     /// Records a gateway host found for pod `key` (if it is still the same pod); true when it changed
     /// the endpoints.
-    fn found_gateway(&mut self, key: &str, uid: &str, host: String, status: &Status) -> bool {
+    pub(super) fn found_gateway(
+        &mut self,
+        key: &str,
+        uid: &str,
+        host: String,
+        status: &Status,
+    ) -> bool {
         let Some(tracked) = self.pods.remove(key) else {
             return false;
         };
@@ -309,7 +318,35 @@ impl Tracker {
     }
 }
 
-/// Runs pod discovery: follows `config` (restarting the watch when it changes), until `stop`.
+/// Where a pool's tracker publishes: the pool's registry, status, readiness and gateway key.
+#[derive(Clone)]
+pub(super) struct Outlet {
+    pub(super) pool: Arc<str>,
+    pub(super) registry: Arc<Registry>,
+    pub(super) status: Arc<Status>,
+    pub(super) readiness: Arc<Readiness>,
+    pub(super) gateway_key: Arc<GatewayKey>,
+}
+
+impl Outlet {
+    /// Hands what changed in `tracker` to the registry, the status and the gateway key.
+    pub(super) fn publish(&self, tracker: &mut Tracker) {
+        if let Some(hosts) = tracker.take_gateway_hosts() {
+            self.gateway_key.confirm(&self.pool, hosts);
+        }
+        self.status.set_pods(tracker.counts());
+        let changes = tracker.take_changes();
+        if changes.full {
+            self.registry.set_source(SOURCE, tracker.specs());
+        } else if !changes.removed.is_empty() || !changes.added.is_empty() {
+            self.registry
+                .update_source(SOURCE, &changes.removed, changes.added);
+        }
+    }
+}
+
+/// Runs a pool's pod discovery: follows `config` (leaving and joining watch groups when it changes),
+/// until `stop`.
 pub struct Discovery {
     /// The pool this discovery finds endpoints for.
     pub pool: Arc<str>,
@@ -319,6 +356,8 @@ pub struct Discovery {
     pub salad: Option<SaladApi>,
     /// Told which gateway hosts the SaladCloud API confirmed.
     pub gateway_key: Arc<GatewayKey>,
+    /// The pod watches every pool shares.
+    pub hubs: Arc<Hubs>,
 }
 
 impl Discovery {
@@ -340,26 +379,36 @@ impl Discovery {
                     if changed.is_err() {
                         return;
                     }
-                    tracing::info!("discovery.kubernetes changed; restarting the pod watch");
+                    tracing::info!(pool = %self.pool, "discovery.kubernetes changed; rejoining the pod watch");
                 }
                 () = self.watch(&current), if current.enabled => {}
             }
         }
     }
 
-    /// Watches pods with `config` until dropped.
+    fn outlet(&self) -> Outlet {
+        Outlet {
+            pool: Arc::clone(&self.pool),
+            registry: Arc::clone(&self.registry),
+            status: Arc::clone(&self.status),
+            readiness: Arc::clone(&self.readiness),
+            gateway_key: Arc::clone(&self.gateway_key),
+        }
+    }
+
+    /// Takes the pods `config` picks from its watch group, and looks up their gateways, until
+    /// dropped (which leaves the group).
     async fn watch(&self, config: &KubernetesConfig) {
         let status = Arc::clone(&self.status);
-        let client = super::client::connect(config).await;
-        let api: Api<WatchedPod> = match config.namespace.as_str() {
-            "*" => Api::all(client.clone()),
-            "" => Api::default_namespaced(client.clone()),
-            namespace => Api::namespaced(client.clone(), namespace),
+        let selector = match parse_label_selector(&config.label_selector) {
+            Ok(selector) => selector,
+            Err(err) => {
+                // Validation refuses such a configuration; this is never reached from a valid one.
+                tracing::error!(pool = %self.pool, error = %err, "discovery.kubernetes.label_selector does not parse; no pods");
+                return std::future::pending().await;
+            }
         };
-        let mut watch_config = watcher::Config::default().labels(&config.label_selector);
-        if !config.field_selector.is_empty() {
-            watch_config = watch_config.fields(&config.field_selector);
-        }
+        let client = super::client::connect(config).await;
         let rules = Arc::new(Rules::new(config, self.salad.is_some()));
         let known = status
             .watched()
@@ -371,57 +420,18 @@ impl Discovery {
             tracker: Mutex::new(Tracker::with_gateways(rules, known)),
         });
         status.set_watched(Some(Arc::clone(&watched)));
-        tracing::info!(
-            namespace = if config.namespace.is_empty() { "(own)" } else { &config.namespace },
-            label_selector = %config.label_selector,
-            field_selector = %config.field_selector,
-            "watching pods"
-        );
-        let events = watcher::watcher(api, watch_config)
-            .default_backoff()
-            .ready_chunks(BATCH);
-        let mut events = std::pin::pin!(events);
+        let outlet = self.outlet();
+        let member = Member::new(Arc::clone(&watched), selector, outlet.clone());
+        let _membership = self.hubs.join(config, Arc::clone(&member));
         let mut lookups = Lookups::new(self.salad.clone());
         loop {
             tokio::select! {
-                batch = events.next() => {
-                    let Some(batch) = batch else { return };
-                    let mut tracker = watched.tracker();
-                    let mut changed = false;
-                    let mut listed = false;
-                    for item in batch {
-                        match item {
-                            Ok(event) => {
-                                listed |= matches!(event, Event::InitDone);
-                                changed |= tracker.on_event(event, &status);
-                            }
-                            Err(err) => {
-                                status.watch_error();
-                                tracing::warn!(
-                                    error = %err,
-                                    "pod watch failed; retrying with backoff, endpoints stay in service"
-                                );
-                            }
-                        }
-                    }
-                    if changed {
-                        self.publish(&mut tracker, &status);
-                    }
-                    if listed && !status.synced() {
-                        status.set_synced();
-                        self.readiness.set_synced();
-                        tracing::info!(
-                            endpoints = tracker.specs().len(),
-                            "first pod list applied"
-                        );
-                    }
-                    lookups.start(&tracker);
-                }
+                () = member.took_batch() => lookups.start(&watched.tracker()),
                 Some(done) = lookups.finished() => {
                     let mut tracker = watched.tracker();
                     if let Some(host) = lookups.settle(&done, &status) {
                         if tracker.found_gateway(&done.key, &done.uid, host.clone(), &status) {
-                            self.publish(&mut tracker, &status);
+                            outlet.publish(&mut tracker);
                         }
                         if config.write_back {
                             write_back(&client, config, &done, &host);
@@ -429,141 +439,6 @@ impl Discovery {
                     }
                     lookups.start(&tracker);
                 }
-            }
-        }
-    }
-
-    fn publish(&self, tracker: &mut Tracker, status: &Status) {
-        if let Some(hosts) = tracker.take_gateway_hosts() {
-            self.gateway_key.confirm(&self.pool, hosts);
-        }
-        status.set_pods(tracker.counts());
-        let changes = tracker.take_changes();
-        if changes.full {
-            self.registry.set_source(SOURCE, tracker.specs());
-        } else if !changes.removed.is_empty() || !changes.added.is_empty() {
-            self.registry
-                .update_source(SOURCE, &changes.removed, changes.added);
-        }
-    }
-}
-
-/// Writes the gateway URL into the pod's URL annotation (best effort; the next lookup is not needed
-/// either way, the host is cached).
-fn write_back(client: &kube::Client, config: &KubernetesConfig, done: &LookupDone, host: &str) {
-    let Some((namespace, name)) = done.key.split_once('/') else {
-        return;
-    };
-    let api: Api<WatchedPod> = Api::namespaced(client.clone(), namespace);
-    let name = name.to_owned();
-    let patch = serde_json::json!({
-        "metadata": { "annotations": { config.annotations.url.clone(): format!("https://{host}") } }
-    });
-    let key = Arc::clone(&done.key);
-    tokio::spawn(async move {
-        match api
-            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => tracing::info!(pod = %key, "gateway URL written to the pod's annotation"),
-            Err(err) => {
-                tracing::warn!(pod = %key, error = %err, "cannot write the gateway URL back")
-            }
-        }
-    });
-}
-
-/// A finished lookup.
-struct LookupDone {
-    key: Arc<str>,
-    uid: String,
-    group: String,
-    result: Result<Group, LookupError>,
-}
-
-/// SaladCloud API lookups under way, and the delay before each pod's next try.
-struct Lookups {
-    api: Option<SaladApi>,
-    inflight: HashSet<Arc<str>>,
-    retry_after: HashMap<Arc<str>, Duration>,
-    tasks: JoinSet<()>,
-    permits: Arc<Semaphore>,
-    sender: mpsc::UnboundedSender<LookupDone>,
-    receiver: mpsc::UnboundedReceiver<LookupDone>,
-}
-
-impl Lookups {
-    fn new(api: Option<SaladApi>) -> Lookups {
-        let (sender, receiver) = mpsc::unbounded_channel();
-        Lookups {
-            api,
-            inflight: HashSet::new(),
-            retry_after: HashMap::new(),
-            tasks: JoinSet::new(),
-            permits: Arc::new(Semaphore::new(LOOKUP_CONCURRENCY)),
-            sender,
-            receiver,
-        }
-    }
-
-    /// Starts a lookup for every pod that waits for one and has none under way.
-    fn start(&mut self, tracker: &Tracker) {
-        let Some(api) = &self.api else { return };
-        // Finished tasks are reaped here so the set does not grow.
-        while self.tasks.try_join_next().is_some() {}
-        for (key, uid, group) in tracker.wanting_lookup() {
-            if !self.inflight.insert(Arc::clone(&key)) {
-                continue;
-            }
-            let delay = self.retry_after.get(&key).copied().unwrap_or_default();
-            let (api, permits, sender) =
-                (api.clone(), Arc::clone(&self.permits), self.sender.clone());
-            self.tasks.spawn(async move {
-                tokio::time::sleep(delay).await;
-                let Ok(_permit) = permits.acquire().await else {
-                    return;
-                };
-                let result = api.lookup(&group).await;
-                let _ = sender.send(LookupDone {
-                    key,
-                    uid,
-                    group,
-                    result,
-                });
-            });
-        }
-    }
-
-    async fn finished(&mut self) -> Option<LookupDone> {
-        self.receiver.recv().await
-    }
-
-    /// Books a finished lookup: the gateway host if it found one, else the next retry's delay.
-    fn settle(&mut self, done: &LookupDone, status: &Status) -> Option<String> {
-        self.inflight.remove(&done.key);
-        let next = |current: Option<Duration>| {
-            current.map_or(LOOKUP_RETRY_FIRST, |d| (d * 2).min(LOOKUP_RETRY_MAX))
-        };
-        match &done.result {
-            Ok(Group::Gateway(host)) => {
-                status.lookup("found");
-                self.retry_after.remove(&done.key);
-                tracing::info!(pod = %done.key, group = %done.group, gateway = %host, "SaladCloud gateway found");
-                Some(host.clone())
-            }
-            Ok(missing) => {
-                status.lookup("not-yet");
-                let delay = next(self.retry_after.get(&done.key).copied());
-                tracing::debug!(pod = %done.key, group = %done.group, answer = ?missing, retry_in = ?delay, "no SaladCloud gateway yet");
-                self.retry_after.insert(Arc::clone(&done.key), delay);
-                None
-            }
-            Err(err) => {
-                status.lookup("error");
-                let delay = next(self.retry_after.get(&done.key).copied());
-                tracing::warn!(pod = %done.key, error = %err, retry_in = ?delay, "SaladCloud API lookup failed");
-                self.retry_after.insert(Arc::clone(&done.key), delay);
-                None
             }
         }
     }
@@ -594,13 +469,13 @@ mod tests {
     fn a_list_is_applied_whole_at_init_done_and_the_old_set_stays_until_then() {
         let status = Status::default();
         let mut tracker = tracker();
-        assert!(tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
+        assert!(tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
         assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
-        assert!(!tracker.on_event(Event::Init, &status));
-        assert!(!tracker.on_event(Event::InitApply(pod("b", "10.0.0.2", "Running")), &status));
+        assert!(!tracker.on_event(&Event::Init, &status));
+        assert!(!tracker.on_event(&Event::InitApply(pod("b", "10.0.0.2", "Running")), &status));
         // Mid-list: still the old set.
         assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
-        assert!(tracker.on_event(Event::InitDone, &status));
+        assert!(tracker.on_event(&Event::InitDone, &status));
         assert_eq!(urls(&tracker), ["http://10.0.0.2:8000"]);
         assert_eq!(status.lists(), 1);
     }
@@ -609,42 +484,42 @@ mod tests {
     fn lifecycle_events_move_pods_in_and_out() {
         let status = Status::default();
         let mut tracker = tracker();
-        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
         assert!(urls(&tracker).is_empty());
         assert_eq!(tracker.counts(), [0, 1, 0]);
-        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
         assert_eq!(urls(&tracker), ["http://10.0.0.1:8000"]);
         // The same facts again change nothing.
-        assert!(!tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
-        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
+        assert!(!tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status));
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Pending")), &status);
         assert!(urls(&tracker).is_empty());
-        tracker.on_event(Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
-        assert!(tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        assert!(tracker.on_event(&Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
         assert!(urls(&tracker).is_empty());
-        assert!(!tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
+        assert!(!tracker.on_event(&Event::Delete(pod("a", "10.0.0.1", "Running")), &status));
     }
 
     #[test]
     fn events_publish_only_what_they_changed() {
         let status = Status::default();
         let mut tracker = tracker();
-        tracker.on_event(Event::Init, &status);
+        tracker.on_event(&Event::Init, &status);
         for name in ["a", "b", "c"] {
             let ip = format!("10.0.0.{}", name.as_bytes()[0] - b'a' + 1);
-            tracker.on_event(Event::InitApply(pod(name, &ip, "Running")), &status);
+            tracker.on_event(&Event::InitApply(pod(name, &ip, "Running")), &status);
         }
-        tracker.on_event(Event::InitDone, &status);
+        tracker.on_event(&Event::InitDone, &status);
         let listed = tracker.take_changes();
         assert!(listed.full && listed.added.is_empty() && listed.removed.is_empty());
         // b goes Pending: one removal.
-        tracker.on_event(Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
+        tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
         let changes = tracker.take_changes();
         assert!(!changes.full);
         assert_eq!(changes.removed, ["http://10.0.0.2:8000"]);
         assert!(changes.added.is_empty());
         // c moves: its old address leaves, its new one joins; a is deleted.
-        tracker.on_event(Event::Apply(pod("c", "10.0.0.9", "Running")), &status);
-        tracker.on_event(Event::Delete(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.on_event(&Event::Apply(pod("c", "10.0.0.9", "Running")), &status);
+        tracker.on_event(&Event::Delete(pod("a", "10.0.0.1", "Running")), &status);
         let changes = tracker.take_changes();
         assert_eq!(
             changes.removed,
@@ -656,9 +531,9 @@ mod tests {
         // The running counts agree with a count over the pods: c serving, b not.
         assert_eq!(tracker.counts(), recount(&tracker));
         assert_eq!(tracker.counts(), [1, 1, 0]);
-        tracker.on_event(Event::Init, &status);
-        tracker.on_event(Event::InitApply(pod("b", "10.0.0.2", "Running")), &status);
-        tracker.on_event(Event::InitDone, &status);
+        tracker.on_event(&Event::Init, &status);
+        tracker.on_event(&Event::InitApply(pod("b", "10.0.0.2", "Running")), &status);
+        tracker.on_event(&Event::InitDone, &status);
         assert_eq!(tracker.counts(), [1, 0, 0]);
         assert_eq!(tracker.counts(), recount(&tracker));
     }
@@ -687,12 +562,12 @@ mod tests {
             )]
             .into(),
         );
-        tracker.on_event(Event::Apply(bad.clone()), &status);
+        tracker.on_event(&Event::Apply(bad.clone()), &status);
         bad.metadata.labels = Some([("x".to_owned(), "y".to_owned())].into());
-        tracker.on_event(Event::Apply(bad.clone()), &status);
-        tracker.on_event(Event::Init, &status);
-        tracker.on_event(Event::InitApply(bad), &status);
-        tracker.on_event(Event::InitDone, &status);
+        tracker.on_event(&Event::Apply(bad.clone()), &status);
+        tracker.on_event(&Event::Init, &status);
+        tracker.on_event(&Event::InitApply(bad), &status);
+        tracker.on_event(&Event::InitDone, &status);
         let counted: u64 = status.rejections().map(|(_, n)| n).sum();
         assert_eq!(counted, 1);
         // It still serves through its podIP.
@@ -709,18 +584,18 @@ mod tests {
         let rules = Arc::new(Rules::new(&KubernetesConfig::default(), true));
         let mut tracker = Tracker::with_gateways(rules, known);
         // What an earlier watch found is kept until the first list says which pods remain.
-        tracker.on_event(Event::Init, &status);
-        tracker.on_event(Event::InitApply(pod("a", "10.0.0.1", "Running")), &status);
-        tracker.on_event(Event::InitDone, &status);
+        tracker.on_event(&Event::Init, &status);
+        tracker.on_event(&Event::InitApply(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.on_event(&Event::InitDone, &status);
         assert_eq!(tracker.gateway("uid-a"), Some("a.salad.cloud"));
         assert_eq!(
             tracker.take_gateway_hosts(),
             Some(HashSet::from(["a.salad.cloud".to_owned()]))
         );
         assert_eq!(tracker.take_gateway_hosts(), None, "nothing changed since");
-        tracker.on_event(Event::Apply(pod("a", "10.0.0.2", "Running")), &status);
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.2", "Running")), &status);
         assert_eq!(tracker.take_gateway_hosts(), None);
-        tracker.on_event(Event::Delete(pod("a", "10.0.0.2", "Running")), &status);
+        tracker.on_event(&Event::Delete(pod("a", "10.0.0.2", "Running")), &status);
         assert_eq!(tracker.take_gateway_hosts(), Some(HashSet::new()));
     }
 }

@@ -1,8 +1,11 @@
 //! Where endpoints come from besides the static list: the pods a Virtual Kubelet runs remotely.
 //!
 //! - [`pods`]: a pod's facts and the rules that turn it into an endpoint (pure, unit-tested);
-//! - [`kube`]: the pod watcher, which keeps the registry's `kubernetes` source equal to the qualifying
-//!   pods, looks up SaladCloud gateway hosts, and survives a dropped watch without emptying the set;
+//! - [`kube`]: a pool's pod discovery, which keeps its registry's `kubernetes` source equal to the
+//!   qualifying pods, and survives a dropped watch without emptying the set;
+//! - [`hub`]: the pod watches, one per group of pools that can share it, each pool taking the pods its
+//!   own label selector picks;
+//! - [`lookups`]: SaladCloud gateway host lookups for a pool's pods, and their write-back;
 //! - [`salad`]: the SaladCloud API client for those lookups;
 //! - [`register`]: node self-registration (`POST /v1/nodes/register`), which writes a pod annotation
 //!   so every replica learns the address through its own watch; tongs keeps no state of its own.
@@ -14,7 +17,9 @@
 //! touches the request path directly.
 
 mod client;
+pub mod hub;
 pub mod kube;
+mod lookups;
 pub mod object;
 pub mod pods;
 pub mod register;

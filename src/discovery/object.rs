@@ -72,7 +72,8 @@ pub struct Condition {
     pub status: String,
 }
 
-/// The metadata fields tongs and kube-rs read; labels, owner references and managedFields are skipped.
+/// The metadata fields tongs and kube-rs read (labels for the pools' selectors, matched on tongs' side
+/// when pools share a watch); owner references and managedFields are skipped.
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct Metadata {
@@ -84,6 +85,8 @@ struct Metadata {
     uid: Option<String>,
     #[serde(default)]
     resource_version: Option<String>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
     #[serde(default)]
     annotations: Option<BTreeMap<String, String>>,
     #[serde(default)]
@@ -97,6 +100,7 @@ fn metadata<'de, D: Deserializer<'de>>(deserializer: D) -> Result<ObjectMeta, D:
         namespace: read.namespace,
         uid: read.uid,
         resource_version: read.resource_version,
+        labels: read.labels,
         annotations: read.annotations,
         deletion_timestamp: read.deletion_timestamp,
         ..ObjectMeta::default()
@@ -152,7 +156,8 @@ mod tests {
         assert_eq!(pod.meta().name.as_deref(), Some("llm-0"));
         assert_eq!(pod.meta().resource_version.as_deref(), Some("42"));
         assert!(pod.meta().deletion_timestamp.is_some());
-        assert!(pod.meta().labels.is_none() && pod.meta().managed_fields.is_none());
+        assert_eq!(pod.meta().labels.as_ref().unwrap()["a"], "b");
+        assert!(pod.meta().managed_fields.is_none());
         let spec = pod.spec.unwrap();
         assert_eq!(
             spec.containers.unwrap()[0].ports.as_ref().unwrap()[0].container_port,

@@ -27,6 +27,7 @@ mod harness;
 
 mod fake;
 mod lifecycle;
+mod pools;
 mod process;
 mod registration;
 mod reload;

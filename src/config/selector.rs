@@ -1,0 +1,299 @@
+//! Kubernetes label selectors in their string form (`app=llm,tier in (a,b),!canary`), parsed into
+//! kube-core's [`Selector`].
+//!
+//! Pools that share one pod watch are told apart by matching each pod against each pool's own selector
+//! on tongs' side (the API server cannot OR selectors). kube-core has the matcher
+//! ([`kube::core::SelectorExt::matches`]) but no parser of the string form, and no other crate in the
+//! tree parses it, so this one is hand-written, after the grammar of Kubernetes'
+//! `k8s.io/apimachinery/pkg/labels` parser for the operators kube-core's [`Expression`] has
+//! (`=`, `==`, `!=`, `in`, `notin`, exists, `!` does-not-exist). `gt` and `lt` are refused by name
+//! rather than misread.
+
+use kube::core::{Expression, Selector};
+
+use super::is_qualified_name;
+
+/// Parses a label selector; empty text selects every pod. The error says what is wrong and where.
+pub fn parse_label_selector(text: &str) -> Result<Selector, String> {
+    let mut parser = Parser { rest: text };
+    if text.trim().is_empty() {
+        return Ok(Selector::default());
+    }
+    let mut expressions = Vec::new();
+    loop {
+        expressions.push(parser.requirement()?);
+        parser.skip_spaces();
+        if parser.rest.is_empty() {
+            break;
+        }
+        if !parser.eat(",") {
+            return Err(format!(
+                "expected ',' between requirements, found {:?}",
+                parser.rest
+            ));
+        }
+    }
+    Ok(expressions.into_iter().collect())
+}
+
+/// A label value: empty, or at most 63 alphanumerics, `-`, `_` and `.`, starting and ending
+/// alphanumeric.
+pub fn is_label_value(value: &str) -> bool {
+    let bytes = value.as_bytes();
+    value.is_empty()
+        || (bytes.len() <= 63
+            && bytes
+                .iter()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(b))
+            && bytes[0].is_ascii_alphanumeric()
+            && bytes[bytes.len() - 1].is_ascii_alphanumeric())
+}
+
+struct Parser<'a> {
+    rest: &'a str,
+}
+
+impl Parser<'_> {
+    fn skip_spaces(&mut self) {
+        self.rest = self.rest.trim_start();
+    }
+
+    fn eat(&mut self, token: &str) -> bool {
+        match self.rest.strip_prefix(token) {
+            Some(rest) => {
+                self.rest = rest;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A key, value or operator word: up to whitespace or punctuation.
+    fn word(&mut self) -> &str {
+        self.skip_spaces();
+        let end = self
+            .rest
+            .find(|c: char| c.is_whitespace() || ",=!()".contains(c))
+            .unwrap_or(self.rest.len());
+        let (word, rest) = self.rest.split_at(end);
+        self.rest = rest;
+        word
+    }
+
+    fn key(&mut self) -> Result<String, String> {
+        let key = self.word();
+        if is_qualified_name(key) {
+            Ok(key.to_owned())
+        } else if key.is_empty() {
+            Err(format!("expected a label key, found {:?}", self.rest))
+        } else {
+            Err(format!(
+                "invalid label key {key:?}: an optional DNS prefix and '/', then at most 63 \
+                 alphanumerics, '-', '_' or '.', starting and ending alphanumeric"
+            ))
+        }
+    }
+
+    fn value(&mut self) -> Result<String, String> {
+        let value = self.word();
+        if is_label_value(value) {
+            Ok(value.to_owned())
+        } else {
+            Err(format!(
+                "invalid label value {value:?}: empty, or at most 63 alphanumerics, '-', '_' or '.', \
+                 starting and ending alphanumeric"
+            ))
+        }
+    }
+
+    fn requirement(&mut self) -> Result<Expression, String> {
+        self.skip_spaces();
+        if self.eat("!") {
+            return Ok(Expression::DoesNotExist(self.key()?));
+        }
+        let key = self.key()?;
+        self.skip_spaces();
+        if self.rest.is_empty() || self.rest.starts_with(',') {
+            return Ok(Expression::Exists(key));
+        }
+        if self.eat("!=") {
+            return Ok(Expression::NotEqual(key, self.value()?));
+        }
+        if self.eat("==") || self.eat("=") {
+            return Ok(Expression::Equal(key, self.value()?));
+        }
+        let operator = self.word().to_owned();
+        let values = match operator.as_str() {
+            "in" | "notin" => self.set(&key, &operator)?,
+            "gt" | "lt" => {
+                return Err(format!(
+                    "{key}: the {operator} operator is not supported in a label selector here; \
+                     use =, ==, !=, in, notin, a key alone or !key"
+                ));
+            }
+            _ => {
+                return Err(format!(
+                    "{key}: expected =, ==, !=, in, notin, ',' or the end after the key, found {:?}",
+                    format!("{operator}{}", self.rest)
+                ));
+            }
+        };
+        Ok(if operator == "in" {
+            Expression::In(key, values)
+        } else {
+            Expression::NotIn(key, values)
+        })
+    }
+
+    /// `(a, b, …)` after `in` or `notin`: at least one value.
+    fn set(
+        &mut self,
+        key: &str,
+        operator: &str,
+    ) -> Result<std::collections::BTreeSet<String>, String> {
+        self.skip_spaces();
+        if !self.eat("(") {
+            return Err(format!(
+                "{key} {operator}: expected '(', found {:?}",
+                self.rest
+            ));
+        }
+        let mut values = std::collections::BTreeSet::new();
+        loop {
+            values.insert(self.value()?);
+            self.skip_spaces();
+            if self.eat(")") {
+                break;
+            }
+            if !self.eat(",") {
+                return Err(format!(
+                    "{key} {operator}: expected ',' or ')', found {:?}",
+                    self.rest
+                ));
+            }
+        }
+        if values.iter().all(String::is_empty) && values.len() == 1 {
+            return Err(format!("{key} {operator}: the set of values is empty"));
+        }
+        Ok(values)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use kube::core::SelectorExt;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn parsed(text: &str) -> Vec<Expression> {
+        parse_label_selector(text)
+            .unwrap_or_else(|err| panic!("{text:?}: {err}"))
+            .into_iter()
+            .collect()
+    }
+
+    fn set(values: &[&str]) -> std::collections::BTreeSet<String> {
+        values.iter().map(|v| (*v).to_owned()).collect()
+    }
+
+    #[test]
+    fn every_operator_parses() {
+        use Expression::*;
+        assert_eq!(parsed(""), []);
+        assert_eq!(parsed("  "), []);
+        assert_eq!(parsed("app=llm"), [Equal("app".into(), "llm".into())]);
+        assert_eq!(parsed("app==llm"), [Equal("app".into(), "llm".into())]);
+        assert_eq!(parsed("app!=llm"), [NotEqual("app".into(), "llm".into())]);
+        assert_eq!(parsed("app="), [Equal("app".into(), String::new())]);
+        assert_eq!(
+            parsed("tier in (a,b)"),
+            [In("tier".into(), set(&["a", "b"]))]
+        );
+        assert_eq!(
+            parsed("tier notin ( a , b )"),
+            [NotIn("tier".into(), set(&["a", "b"]))]
+        );
+        assert_eq!(parsed("tongs.dev/pool"), [Exists("tongs.dev/pool".into())]);
+        assert_eq!(parsed("!canary"), [DoesNotExist("canary".into())]);
+        assert_eq!(
+            parsed(" app = llm , ! canary,tier in (x),  gpu "),
+            [
+                Equal("app".into(), "llm".into()),
+                DoesNotExist("canary".into()),
+                In("tier".into(), set(&["x"])),
+                Exists("gpu".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn broken_selectors_are_refused_in_words() {
+        for (text, says) in [
+            ("app=llm,", "expected a label key"),
+            (",app=llm", "expected a label key"),
+            ("app=l m", "expected ','"),
+            ("app=-x", "invalid label value"),
+            ("-app=x", "invalid label key"),
+            ("tier in a,b", "expected '('"),
+            ("tier in (a,b", "expected ',' or ')'"),
+            ("tier in ()", "the set of values is empty"),
+            ("tier notin ()", "the set of values is empty"),
+            ("gpu gt 2", "gt operator is not supported"),
+            ("app ~ x", "expected =, ==, !=, in, notin"),
+            ("app=x)", "expected ','"),
+            ("!", "expected a label key"),
+        ] {
+            let err = parse_label_selector(text).expect_err(text);
+            assert!(err.contains(says), "{text:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn what_parses_matches_as_the_api_server_would() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let selector = parse_label_selector("app=llm,tier in (a,b),!canary").unwrap();
+        assert!(selector.matches(&labels(&[("app", "llm"), ("tier", "a")])));
+        assert!(!selector.matches(&labels(&[("app", "llm"), ("tier", "c")])));
+        assert!(!selector.matches(&labels(&[("app", "llm"), ("tier", "a"), ("canary", "")])));
+        assert!(!selector.matches(&labels(&[("tier", "a")])));
+        let not = parse_label_selector("tier notin (a)").unwrap();
+        assert!(not.matches(&labels(&[])), "notin holds for a missing label");
+    }
+
+    #[test]
+    fn what_parses_prints_back_to_the_same_selector() {
+        for text in [
+            "app=llm",
+            "a!=b,c in (x,y),!d,e",
+            "tongs.dev/pool notin (p)",
+        ] {
+            let selector = parse_label_selector(text).unwrap();
+            assert_eq!(parse_label_selector(&selector.to_string()), Ok(selector));
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_parser_never_panics(text in "\\PC{0,40}") {
+            let _ = parse_label_selector(&text);
+        }
+
+        #[test]
+        fn the_parser_never_panics_on_selector_like_text(
+            text in "[a-z!=(), ]{0,30}|[a-z./-]{1,8}( ?(=|==|!=) ?[a-z0-9._-]{0,6}| (in|notin) \\([a-z, ]{0,10}\\)?)?"
+        ) {
+            if let Ok(selector) = parse_label_selector(&text) {
+                // Whatever parses prints back to the same selector.
+                prop_assert_eq!(parse_label_selector(&selector.to_string()), Ok(selector));
+            }
+        }
+    }
+}
