@@ -162,13 +162,7 @@ impl Intake {
         request_id: &HeaderValue,
         started: Instant,
     ) -> Response<ProxyBody> {
-        tracing::warn!(
-            request_id = request_id.to_str().unwrap_or_default(),
-            status = error.status().as_u16(),
-            error = %error,
-            "request refused"
-        );
-        let response = error.into_response(request_id);
+        let response = super::respond::reject(error, request_id);
         finish(response, &self.metrics, Outcome::Invalid, started)
     }
 }

@@ -182,13 +182,7 @@ impl Proxy {
         error: ProxyError,
         request_id: &HeaderValue,
     ) -> Response<ProxyBody> {
-        tracing::warn!(
-            request_id = request_id.to_str().unwrap_or_default(),
-            status = error.status().as_u16(),
-            error = %error,
-            "request refused"
-        );
-        error.into_response(request_id)
+        reject(error, request_id)
     }
 
     /// Copies bytes both ways between the client and the endpoint once both sides switched protocols.
@@ -245,4 +239,15 @@ fn passes_on<B>(response: &Response<B>) -> bool {
         || essence
             .split_once('/')
             .is_some_and(|(_, subtype)| subtype.ends_with("+json"))
+}
+
+/// Answers a request tongs could not send anywhere, and logs why.
+pub(super) fn reject(error: ProxyError, request_id: &HeaderValue) -> Response<ProxyBody> {
+    tracing::warn!(
+        request_id = request_id.to_str().unwrap_or_default(),
+        status = error.status().as_u16(),
+        error = %error,
+        "request refused"
+    );
+    error.into_response(request_id)
 }
