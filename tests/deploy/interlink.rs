@@ -8,11 +8,11 @@
 //! and labels it (`VIRTUAL_NODE_LABELS`, besides `kubernetes.io/hostname` = its name); `CreatePod`
 //! sets status.podIP to 127.0.0.1, or, when `shouldCreateWstunnel` holds (`Network.EnableTunnel`, a
 //! containerPort or `interlink.eu/wstunnel-extra-ports`, no `interlink.eu/pod-vpn`), to the podIP of
-//! the wstunnel server pod it starts (`waitForWstunnelPodIP`); its default wstunnel template gives that
-//! pod containerPorts 8080 and 51820 of its own. The default pod CIDR of interLink's mesh
-//! configuration is 10.244.0.0/16 (pkg/virtualkubelet/mesh.go, `podCIDRCluster`;
-//! docs/docs/guides/13-mesh-network-configuration.mdx), and 10.244.1.15 the pod address its example
-//! traffic flow shows.
+//! the wstunnel server pod it starts (`waitForWstunnelPodIP`), or the pod's `interlink.eu/pod-ip`
+//! annotation in place of either; its default wstunnel template gives that pod containerPorts 8080
+//! and 51820 of its own. The default pod CIDR of interLink's mesh configuration is 10.244.0.0/16
+//! (pkg/virtualkubelet/mesh.go, `podCIDRCluster`; docs/docs/guides/13-mesh-network-configuration.mdx),
+//! and 10.244.1.15 the pod address its example traffic flow shows.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr};
@@ -61,6 +61,8 @@ const ORDINARY_NODE_LABELS: [(&str, &str); 3] = [
 ];
 /// The annotation that turns interLink's tunnel off for a pod (and asks for its pod VPN instead).
 const POD_VPN: &str = "interlink.eu/pod-vpn";
+/// The annotation whose address interLink reports as podIP in place of the tunnel's.
+const POD_IP_ANNOTATION: &str = "interlink.eu/pod-ip";
 /// The containerPorts the wstunnel server pod listens on itself (interLink's default template).
 const WSTUNNEL_OWN_PORTS: [i32; 2] = [8080, 51820];
 /// interLink's default pod CIDR of the cluster, and a pod address in it from interLink's docs.
@@ -182,6 +184,12 @@ fn check_interlink(documents: &[Value]) -> Vec<String> {
         at,
         !annotations.contains_key(POD_VPN),
         "the pods carry {POD_VPN}, which turns interLink's wstunnel tunnel off for them"
+    );
+    ensure!(
+        problems,
+        at,
+        !annotations.contains_key(POD_IP_ANNOTATION),
+        "the pods carry {POD_IP_ANNOTATION}: interLink would report that address, not the tunnel's"
     );
 
     let Some(config) = tongs_config(documents, &mut problems) else {
@@ -348,6 +356,13 @@ fn interlink_checks_catch_broken_renderings() {
                 json!({ POD_VPN: "true" });
         }),
         "turns interLink's wstunnel tunnel off",
+    );
+    reported(
+        problems_after(&|documents| {
+            inference(documents)["spec"]["template"]["metadata"]["annotations"] =
+                json!({ POD_IP_ANNOTATION: "10.244.1.50" });
+        }),
+        "not the tunnel's",
     );
     reported(
         problems_after(&edit(|spec| {
