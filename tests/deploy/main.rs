@@ -88,6 +88,7 @@ mod dashboard;
 mod deployment;
 mod docs;
 mod fleet;
+mod interlink;
 mod network_policy;
 mod objects;
 mod pods;
