@@ -97,6 +97,7 @@ mod rbac;
 mod render;
 mod secrets;
 mod services;
+mod tailnet;
 mod tailscale;
 
 // ---------------------------------------------------------------------------------------------------
