@@ -89,6 +89,7 @@ mod deployment;
 mod docs;
 mod fleet;
 mod network_policy;
+mod node_script;
 mod objects;
 mod pods;
 mod pools;
