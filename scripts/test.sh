@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 # (tests/admin/status_page.rs); kubectl renders deploy/ with kustomize (tests/deploy/); microsocks and tinyproxy
 # play tailscaled's SOCKS5 and HTTP CONNECT proxies (tests/upstream/transports.rs); nginx, HAProxy and Caddy
 # are the peers whose configurations the comparison benchmark's smoke pass starts and serves through
-# (benches/compare/, run by `cargo test --all-targets`).
+# (benches/compare/, run by `cargo test --all-targets`); shellcheck, curl and jq check and run the GPU node's
+# registration script (tests/deploy/node_script.rs).
 export PATH=$PATH:/usr/sbin:/sbin
 need=()
 command -v kill >/dev/null 2>&1 || need+=(procps)
@@ -22,6 +23,9 @@ command -v tinyproxy >/dev/null 2>&1 || need+=(tinyproxy)
 command -v nginx >/dev/null 2>&1 || need+=(nginx)
 command -v haproxy >/dev/null 2>&1 || need+=(haproxy)
 command -v caddy >/dev/null 2>&1 || need+=(caddy)
+command -v shellcheck >/dev/null 2>&1 || need+=(shellcheck)
+command -v curl >/dev/null 2>&1 || need+=(curl)
+command -v jq >/dev/null 2>&1 || need+=(jq)
 if ((${#need[@]})); then
   echo "test.sh: installing ${need[*]}" >&2
   if [ "$(id -u)" -ne 0 ]; then

@@ -39,7 +39,7 @@ pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, Re
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 pub use selector::{is_label_value, parse_label_selector};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
-pub use upstream::{ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
+pub use upstream::{DomainPattern, ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
 pub use yaml::{load_validated, parse_validated, parse_yaml};
 
 /// Longest duration any key accepts (one day).

@@ -38,6 +38,10 @@ pub struct TailscaleConfig {
     pub proxy: String,
     /// Destination addresses that go through the proxy (IP ranges).
     pub ranges: Vec<String>,
+    /// Destination host names that go through the proxy, resolved by tailscaled: MagicDNS names
+    /// (`*.ts.net`) resolve only inside the tailnet, never in the cluster's DNS. An exact name, or `*.`
+    /// and a suffix.
+    pub domains: Vec<String>,
 }
 
 impl Default for TailscaleConfig {
@@ -51,6 +55,9 @@ impl Default for TailscaleConfig {
             // there was named on purpose, and from a pod in userspace networking only tailscaled
             // reaches it: left out of these ranges it would be dialled directly, where it leads nowhere.
             ranges: vec!["100.64.0.0/10".into(), "fd7a:115c:a1e0::/48".into()],
+            // MagicDNS names: `machine.tailnet-name.ts.net`. A tailnet with a custom DNS name (or
+            // split DNS to names only the tailnet resolves) lists those here too.
+            domains: vec!["*.ts.net".into()],
         }
     }
 }
@@ -65,7 +72,23 @@ impl TailscaleConfig {
             .collect()
     }
 
+    /// The domain patterns, parsed; entries that do not parse are left out (validation reports them).
+    pub fn parsed_domains(&self) -> Vec<DomainPattern> {
+        self.domains
+            .iter()
+            .filter_map(|pattern| DomainPattern::parse(pattern).ok())
+            .collect()
+    }
+
     fn validate(&self, problems: &mut Vec<Problem>) {
+        for (index, pattern) in self.domains.iter().enumerate() {
+            if let Err(message) = DomainPattern::parse(pattern) {
+                problems.push(Problem {
+                    field: format!("upstream.tailscale.domains[{index}]"),
+                    message,
+                });
+            }
+        }
         if !self.proxy.is_empty()
             && let Err(message) = parse_proxy(&self.proxy)
         {
@@ -80,6 +103,71 @@ impl TailscaleConfig {
                     field: format!("upstream.tailscale.ranges[{index}]"),
                     message: format!("{range:?} is not a CIDR range like 100.64.0.0/10"),
                 });
+            }
+        }
+    }
+}
+
+/// A host name pattern of `upstream.tailscale.domains`, lower-cased, without a trailing dot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DomainPattern {
+    /// This name only.
+    Exact(String),
+    /// Any name ending in this suffix (kept with its leading dot), not the suffix itself: `*.ts.net`
+    /// matches `gpu-1.tailnet-name.ts.net`, whatever the depth, and not `ts.net`.
+    Suffix(String),
+}
+
+impl DomainPattern {
+    /// An exact name (`tongs.tailnet-name.ts.net`) or `*.` and a suffix (`*.ts.net`). IP literals
+    /// are refused: they belong in `ranges`, where a CIDR says what a pattern cannot.
+    pub fn parse(text: &str) -> Result<DomainPattern, String> {
+        let name = text.trim().trim_end_matches('.').to_ascii_lowercase();
+        let (suffix, body) = match name.strip_prefix("*.") {
+            Some(body) => (true, body),
+            None => (false, name.as_str()),
+        };
+        let label_ok = |label: &str| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        };
+        if body.is_empty() || body.len() > 253 || !body.split('.').all(label_ok) {
+            return Err(format!(
+                "{text:?} is not a host name pattern: a name (tongs.tailnet-name.ts.net) or `*.` and a \
+                 suffix (*.ts.net)"
+            ));
+        }
+        if body.parse::<std::net::IpAddr>().is_ok()
+            || body
+                .split('.')
+                .all(|label| label.bytes().all(|b| b.is_ascii_digit()))
+        {
+            return Err(format!(
+                "{text:?} is an IP address: list it in upstream.tailscale.ranges"
+            ));
+        }
+        Ok(if suffix {
+            DomainPattern::Suffix(format!(".{body}"))
+        } else {
+            DomainPattern::Exact(body.to_owned())
+        })
+    }
+
+    /// Whether `host` (any case, a trailing dot allowed) matches.
+    pub fn matches(&self, host: &str) -> bool {
+        let host = host.trim_end_matches('.');
+        match self {
+            DomainPattern::Exact(name) => host.eq_ignore_ascii_case(name),
+            DomainPattern::Suffix(suffix) => {
+                host.len() > suffix.len()
+                    && host
+                        .get(host.len() - suffix.len()..)
+                        .is_some_and(|end| end.eq_ignore_ascii_case(suffix))
             }
         }
     }
@@ -159,6 +247,48 @@ mod tests {
             let ip: std::net::IpAddr = ip.parse().unwrap();
             assert!(ranges.iter().any(|range| range.contains(&ip)), "{ip}");
         }
+    }
+
+    #[test]
+    fn domain_patterns_match_names_and_suffixes() {
+        let suffix = DomainPattern::parse("*.ts.net").unwrap();
+        assert!(suffix.matches("gpu-1.tailnet-name.ts.net"));
+        assert!(suffix.matches("GPU-1.Tailnet-Name.TS.NET."));
+        assert!(!suffix.matches("ts.net"));
+        assert!(!suffix.matches("gpu-1.tailnet-name.ts.net.evil.example"));
+        assert!(!suffix.matches("notts.net"));
+        let exact = DomainPattern::parse("Tongs.Tailnet-Name.ts.net.").unwrap();
+        assert!(exact.matches("tongs.tailnet-name.ts.net"));
+        assert!(!exact.matches("x.tongs.tailnet-name.ts.net"));
+    }
+
+    #[test]
+    fn bad_domain_patterns_are_refused_with_their_field() {
+        for bad in [
+            "",
+            "*",
+            "*.",
+            "a.*.ts.net",
+            "*ts.net",
+            "**.ts.net",
+            "https://x.ts.net",
+            "x.ts.net:443",
+            "-x.ts.net",
+            "100.64.0.1",
+            "*.100.64",
+            "fd7a::1",
+        ] {
+            assert!(DomainPattern::parse(bad).is_err(), "{bad:?} parsed");
+        }
+        let config = TailscaleConfig {
+            domains: vec!["*.ts.net".into(), "a.*.ts.net".into()],
+            ..TailscaleConfig::default()
+        };
+        let mut problems = Vec::new();
+        config.validate(&mut problems);
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert_eq!(problems[0].field, "upstream.tailscale.domains[1]");
+        assert_eq!(config.parsed_domains().len(), 1);
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //!   an optional extra CA file, with SNI taken from the endpoint's host and HTTP/2 used when the server
 //!   offers it by ALPN; those that match `salad.gateways` and that static config or the SaladCloud API
 //!   vouch for get the `Salad-Api-Key` ([`gateway_key`]);
-//! - Tailscale addresses go through tailscaled's SOCKS5 or HTTP CONNECT proxy when one is configured
-//!   ([`route`]);
+//! - Tailscale addresses and MagicDNS names go through tailscaled's SOCKS5 or HTTP CONNECT proxy when
+//!   one is configured, names resolved by tailscaled ([`route`]);
 //! - everything else (podIPs) is plain TCP.
 //!
 //! Why a connection failed is told to clients only in general words ([`cause`]).
@@ -126,6 +126,7 @@ fn route(config: &Config, http: HttpConnector) -> Result<Route, UpstreamError> {
         kind,
         proxy,
         tailscale.parsed_ranges(),
+        tailscale.parsed_domains(),
         config.timeouts.connect.get(),
     ))
 }

@@ -90,6 +90,7 @@ mod docs;
 mod fleet;
 mod interlink;
 mod network_policy;
+mod node_script;
 mod objects;
 mod pods;
 mod pools;
@@ -98,6 +99,7 @@ mod rbac;
 mod render;
 mod secrets;
 mod services;
+mod tailnet;
 mod tailscale;
 
 // ---------------------------------------------------------------------------------------------------

@@ -200,6 +200,77 @@ async fn tailscale_addresses_go_through_a_real_socks5_server_and_others_go_direc
     proxy.stop().await;
 }
 
+/// tongs with `proxy` for the host names in `domains` (no ranges), and these endpoints.
+async fn proxy_for_domains(proxy: &str, domains: &str, endpoints: &[String]) -> TestProxy {
+    let yaml = format!(
+        "upstream: {{ tailscale: {{ proxy: {proxy:?}, ranges: [], domains: {domains} }} }}\n\
+         timeouts: {{ connect: 500ms }}\n"
+    );
+    start_proxy(config_with(&yaml, endpoints)).await
+}
+
+/// An endpoint named by a host name that `upstream.tailscale.domains` matches goes through the proxy;
+/// without the pattern, the same name is resolved here and dialled directly. `localhost` stands in
+/// for a MagicDNS name: a name only the proxy's side resolves cannot be made on one machine, so this
+/// shows the routing by name, and `src/upstream/route.rs`'s unit tests show the wire format (SOCKS5
+/// address type 3 carrying the name; `CONNECT name:port`) that leaves the resolving to tailscaled.
+#[tokio::test]
+async fn names_matching_a_domain_pattern_go_through_a_real_socks5_server() {
+    let socks = microsocks(free_port()).await;
+    let socks_url = format!("socks5://127.0.0.1:{}", socks.port);
+    let node = Node::start("127.0.0.1:0").await;
+    let by_name = format!("http://localhost:{}", node.addr.port());
+    let socks_out: IpAddr = SOCKS_OUT.parse().unwrap();
+
+    let proxy = proxy_for_domains(&socks_url, "[localhost]", std::slice::from_ref(&by_name)).await;
+    for _ in 0..5 {
+        assert_eq!(get(&proxy.url("/v1/generate")).await, (200, "node".into()));
+    }
+    let seen = node.seen();
+    assert_eq!(seen.len(), 5);
+    assert!(
+        seen.iter().all(|s| s.peer == socks_out),
+        "the named node was reached only through microsocks: {seen:?}"
+    );
+    proxy.stop().await;
+
+    let proxy = proxy_for_domains(&socks_url, "[\"*.ts.net\"]", &[by_name]).await;
+    for _ in 0..5 {
+        assert_eq!(get(&proxy.url("/v1/generate")).await, (200, "node".into()));
+    }
+    let seen = node.seen();
+    assert_eq!(seen.len(), 10);
+    assert!(
+        seen[5..].iter().all(|s| s.peer != socks_out),
+        "a name no pattern matches was dialled directly: {seen:?}"
+    );
+    proxy.stop().await;
+}
+
+#[tokio::test]
+async fn names_matching_a_domain_pattern_go_through_http_connect_too() {
+    let connect = tinyproxy().await;
+    let node = Node::start("127.0.0.1:0").await;
+    let by_name = format!("http://localhost:{}", node.addr.port());
+    let proxy = proxy_for_domains(
+        &format!("http://127.0.0.1:{}", connect.port),
+        "[localhost]",
+        &[by_name],
+    )
+    .await;
+    for _ in 0..5 {
+        assert_eq!(get(&proxy.url("/x")).await, (200, "node".into()));
+    }
+    let connect_out: IpAddr = CONNECT_OUT.parse().unwrap();
+    let seen = node.seen();
+    assert_eq!(seen.len(), 5);
+    assert!(
+        seen.iter().all(|s| s.peer == connect_out),
+        "every request came through tinyproxy: {seen:?}"
+    );
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn heartbeats_take_the_endpoints_own_transport() {
     let socks = microsocks(free_port()).await;
