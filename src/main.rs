@@ -162,6 +162,15 @@ fn main() -> ExitCode {
         },
         Command::CheckConfig { file } => match Config::load(&file) {
             Ok(config) => {
+                // A value left as an example's placeholder is a deployment mistake, not a setting.
+                let placeholders = config.placeholders();
+                if !placeholders.is_empty() {
+                    let err = ConfigError::Invalid {
+                        origin: file.display().to_string(),
+                        problems: placeholders,
+                    };
+                    return bad_config(&err);
+                }
                 print!("{}", config.to_yaml());
                 ExitCode::SUCCESS
             }
@@ -193,8 +202,10 @@ fn bad_config(err: &ConfigError) -> ExitCode {
 fn init_logging(format: LogFormat, default_level: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    // Colours only for a person at a terminal: a file or a log collector gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.init(),

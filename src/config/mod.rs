@@ -42,6 +42,9 @@ pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
 pub use upstream::{DomainPattern, ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
 pub use yaml::{load_validated, parse_validated, parse_yaml};
 
+/// What the examples in `deploy/` write where a user's own value goes.
+pub const PLACEHOLDER: &str = "replace-with-";
+
 /// Longest duration any key accepts (one day).
 pub const MAX_DURATION: HumanDuration = HumanDuration::from_secs(24 * 3600);
 
@@ -271,6 +274,43 @@ impl Config {
         self.salad.validate(&mut problems);
         self.validate_pools(&mut problems);
         problems
+    }
+
+    /// Every value still holding an example's placeholder (`replace-with-…`), by field.
+    pub fn placeholders(&self) -> Vec<Problem> {
+        fn walk(value: &serde_json::Value, at: &str, out: &mut Vec<Problem>) {
+            match value {
+                serde_json::Value::String(text) if text.contains(PLACEHOLDER) => {
+                    out.push(Problem {
+                        field: at.to_owned(),
+                        message: format!(
+                            "{text:?} is an example's placeholder: put your own value here"
+                        ),
+                    })
+                }
+                serde_json::Value::Object(map) => {
+                    for (key, child) in map {
+                        let field = if at.is_empty() {
+                            key.clone()
+                        } else {
+                            format!("{at}.{key}")
+                        };
+                        walk(child, &field, out);
+                    }
+                }
+                serde_json::Value::Array(items) => {
+                    for (i, item) in items.iter().enumerate() {
+                        walk(item, &format!("{at}[{i}]"), out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        if let Ok(value) = serde_json::to_value(self) {
+            walk(&value, "", &mut out);
+        }
+        out
     }
 
     /// The effective configuration as YAML, defaults filled in.

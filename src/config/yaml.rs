@@ -34,7 +34,8 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned + Default>(
             } else {
                 failed_at
             },
-            message: err.to_string(),
+            // The parser names its input `<input>`: the file's name says more.
+            message: err.to_string().replace("<input>", origin),
         }],
     })
 }

@@ -398,3 +398,81 @@ async fn the_salad_api_key_is_sent_but_never_logged() {
     assert!(leaks.is_empty(), "a key reached the log: {leaks:?}");
     std::fs::remove_file(&config).unwrap();
 }
+
+/// `check-config` refuses the examples' placeholders, naming each field; a parse error names the file
+/// rather than the parser's `<input>`.
+#[test]
+fn check_config_refuses_placeholders_and_names_the_file_in_parse_errors() {
+    let path = write_config(
+        "placeholders",
+        "salad:\n  api_key_env: TONGS_TEST_KEY\n  api:\n    organization: replace-with-organization-name\n\
+         \x20   project: replace-with-project-name\n",
+    );
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64), "{output:?}");
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    for field in ["salad.api.organization:", "salad.api.project:"] {
+        assert!(stderr.contains(field), "{field} not in:\n{stderr}");
+    }
+    assert!(stderr.contains("placeholder"), "{stderr}");
+    assert!(
+        output.stdout.is_empty(),
+        "nothing printed as a valid config"
+    );
+
+    let path = write_config("parse-error", "timeouts:\n  connect: [\n");
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(!stderr.contains("<input>"), "{stderr}");
+    assert!(
+        stderr.matches(&path.display().to_string()).count() >= 2,
+        "the file named in the heading and at the error's place:\n{stderr}"
+    );
+}
+
+/// Logs written to a pipe (a file, a collector) carry no terminal colour codes.
+#[test]
+fn text_logs_to_a_pipe_are_plain() {
+    let path = write_config(
+        "plain-logs",
+        "listen: 127.0.0.1:0\nadmin: { listen: 127.0.0.1:0 }\nhealth: { enabled: false }\n",
+    );
+    let mut child = Command::new(TONGS)
+        .args(["run", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (send, lines) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if send.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let serving = loop {
+        let line = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("tongs logs that it serves within 30 s");
+        if line.contains("tongs serving") {
+            break line;
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(!serving.contains('\u{1b}'), "colour codes in {serving:?}");
+    assert!(serving.contains("INFO"), "{serving:?}");
+}
