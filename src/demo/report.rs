@@ -117,6 +117,16 @@ pub fn snapshot(
     }
 }
 
+/// What the table's columns and the status line mean, under the table.
+const LEGEND: &str = "\
+  node state   what the simulator does to the node: up, or an interruption (refuse: gone, connections
+               reset; blackhole: silent; gateway-503; slow; gray: health passes but work hangs)
+  tongs sees   its heartbeats' verdict; circuit: its breaker (open = ejected, half-open = probing)
+  outstanding  requests on the node now, against its concurrency limit; served / errors so far
+  ok           answers complete and exact; retried: sent again elsewhere; continued: streams resumed on
+               another node; rejected: 503s tongs made itself; queued: waiting for a free slot now
+";
+
 fn render(view: &View) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -174,6 +184,8 @@ pub struct Live {
     sink: Sink,
     terminal: bool,
     lines_drawn: usize,
+    /// The legend was written (once is enough where nothing is redrawn).
+    legend_shown: bool,
 }
 
 impl Live {
@@ -186,6 +198,7 @@ impl Live {
             sink,
             terminal,
             lines_drawn: 0,
+            legend_shown: false,
         }
     }
 
@@ -201,10 +214,16 @@ impl Live {
             let _ = write!(frame, "\x1b[{}F\x1b[J", self.lines_drawn);
         }
         frame.push_str(&text);
+        // Redrawn with the table on a terminal; once, under the first table, in a log.
+        let legend = self.terminal || !self.legend_shown;
+        if legend {
+            frame.push_str(LEGEND);
+            self.legend_shown = true;
+        }
         if !self.terminal {
             frame.push('\n');
         }
-        self.lines_drawn = text.lines().count();
+        self.lines_drawn = text.lines().count() + if legend { LEGEND.lines().count() } else { 0 };
         self.write(&frame);
     }
 

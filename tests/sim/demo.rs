@@ -21,6 +21,13 @@ fn demo_json_summary_is_consistent() {
         .output()
         .unwrap();
     assert!(output.status.success(), "demo failed: {output:?}");
+    // The live table goes to stderr with --json, its legend under the first one.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr.matches("tongs sees   its heartbeats").count(),
+        1,
+        "{stderr}"
+    );
     let stdout = String::from_utf8(output.stdout).unwrap();
     let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(lines.len(), 1, "exactly one JSON line on stdout: {stdout}");
