@@ -1,22 +1,22 @@
 //! What routing a request to a pool by its OpenAI `model` costs end to end, against routing by path
-//! alone. One instant origin, and tongs in front of it three times, all in this process: `path`, one
-//! pool matched by `path_prefixes: ["/v1/"]` (no pool names a model, so no body is read for routing);
-//! `model`, one pool matched by `models: ["bench-model"]` (every body is read with
-//! `tongs::openai::read_model`); and `path, continuation off`, the first with `continuation` off — with
-//! it on (the default) tongs parses every OpenAI body it keeps to know whether its stream could be
-//! continued, whatever the routing, so this one is the only tongs that reads no body at all. POSTs of
-//! an OpenAI chat body of 4 KiB and of 1 MiB, `model` its first key, go closed-loop through each over
-//! keep-alive connections, the contenders taking turns in rounds so the drift of a shared machine hits
-//! all of them; the origin alone takes its turns too, the floor under tongs' own cost. Prints a markdown
-//! table per body size and connection count: p50 and p99 latency, requests per second, CPU per request
-//! of the whole process (getrusage: client, origin and every tongs), then what `model` adds over
-//! `path`.
+//! alone. One instant origin, and tongs in front of it three times, all in this process and each with
+//! one worker thread: `path`, one pool matched by `path_prefixes: ["/v1/"]` (no pool names a model, so
+//! no body is read for routing); `model`, one pool matched by `models: ["bench-model"]` (every body is
+//! read with `tongs::openai::read_model`); and `path, continuation off`, the first with `continuation`
+//! off — with it on (the default) tongs parses every OpenAI body it keeps to know whether its stream
+//! could be continued, whatever the routing, so this one is the only tongs that reads no body at all.
+//! POSTs of an OpenAI chat body of 4 KiB and of 1 MiB, `model` its first key, go closed-loop through
+//! each over keep-alive connections, the contenders taking turns in rounds so the drift of a shared
+//! machine hits all of them; the origin alone takes its turns too, the floor under tongs' own cost.
+//! Prints a markdown table per body size and connection count: p50 and p99 latency, requests per
+//! second, CPU per request of the whole process (getrusage: client, origin and every tongs), then what
+//! `model` adds over `path`.
 //!
 //!     cargo bench --bench pools
 //!     REQUESTS=2000 ROUNDS=4 CONNECTIONS="4" cargo bench --bench pools
 //!
 //! Environment: REQUESTS (requests per contender with the 4 KiB body, default 20000; the 1 MiB body
-//! gets a fortieth of it, 500), ROUNDS (default 10), CONNECTIONS (a list, default `1 4`: one alone,
+//! gets a fortieth of it, 500), ROUNDS (default 50), CONNECTIONS (a list, default `1 4`: one alone,
 //! where the figures are what a lone request pays, and four at once, where they queue for the CPUs).
 //! Under `cargo test --all-targets` (no `--bench` argument) it runs a smoke pass: a few requests of
 //! each size through each contender, every one of which must be answered 200.
@@ -57,16 +57,18 @@ const ANSWER: &[u8] = br#"{"id":"chatcmpl-bench","object":"chat.completion","mod
 /// Body sizes, and the share of REQUESTS each gets.
 const SIZES: [(&str, usize, u64); 2] = [("4 KiB", 4 << 10, 1), ("1 MiB", 1 << 20, 40)];
 const DEFAULT_REQUESTS: u64 = 20_000;
-const DEFAULT_ROUNDS: u64 = 10;
+const DEFAULT_ROUNDS: u64 = 50;
 const DEFAULT_CONNECTIONS: &str = "1 4";
 /// Unrecorded requests through each contender before a body size's rounds, as a share of its requests.
 const WARMUP_SHARE: u64 = 10;
 /// A request not answered within this fails the bench.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Settings every tongs shares: heartbeats off (nothing but the bench's requests), the ports free.
+/// Settings every tongs shares: the ports free; heartbeats off (nothing but the bench's requests); one
+/// worker, so every connection lands on the same thread — with two, SO_REUSEPORT spreads connections
+/// by a hash of their ports, and each round's fresh connections would split 2–2, 3–1 or 4–0 by chance.
 const COMMON: &str =
-    "listen: 127.0.0.1:0\nadmin: { listen: 127.0.0.1:0 }\nhealth: { enabled: false }\n";
+    "listen: 127.0.0.1:0\nadmin: { listen: 127.0.0.1:0 }\nworkers: 1\nhealth: { enabled: false }\n";
 
 /// Where the bench's requests go: the origin itself, or a tongs in front of it.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -586,6 +588,8 @@ struct Measured {
     cpu: Duration,
     /// Each round's p50, nanoseconds.
     round_p50: Vec<u64>,
+    /// Each round's CPU per request, microseconds.
+    round_cpu_us: Vec<f64>,
 }
 
 impl Measured {
@@ -597,11 +601,14 @@ impl Measured {
             wall: Duration::ZERO,
             cpu: Duration::ZERO,
             round_p50: Vec::new(),
+            round_cpu_us: Vec::new(),
         }
     }
 
     fn add(&mut self, phase: Phase) -> Result<()> {
         self.round_p50.push(phase.latencies.value_at_quantile(0.5));
+        self.round_cpu_us
+            .push(phase.cpu.as_secs_f64() * 1e6 / phase.latencies.len() as f64);
         self.requests += phase.latencies.len();
         self.latencies.add(&phase.latencies)?;
         self.wall += phase.wall;
@@ -652,6 +659,29 @@ fn signed(value: f64, decimals: usize) -> String {
     }
 }
 
+/// "+1.6 (−0.4 … +2.5)": the median of each round's `model` − `path`, and their range.
+fn by_round<T: Copy>(path: &[T], model: &[T], value: impl Fn(T) -> f64) -> String {
+    let mut rounds: Vec<f64> = path
+        .iter()
+        .zip(model)
+        .map(|(&a, &b)| value(b) - value(a))
+        .collect();
+    rounds.sort_by(f64::total_cmp);
+    let (Some(median), Some(min), Some(max)) = (
+        support::stats::percentile(&rounds, 50.0),
+        rounds.first(),
+        rounds.last(),
+    ) else {
+        return "–".into();
+    };
+    format!(
+        "{} ({} … {})",
+        signed(median, 1),
+        signed(*min, 1),
+        signed(*max, 1)
+    )
+}
+
 fn print_tables(tables: &[Table]) {
     let mut out = String::new();
     out.push_str(
@@ -676,9 +706,9 @@ fn print_tables(tables: &[Table]) {
         }
     }
     out.push('\n');
-    out.push_str("What reading `model` adds: `model` − `path`, measured in the same rounds. For scale, tongs' own CPU (`path` − origin alone) and, within it, what the continuation's read of the body costs (`path` − `path, continuation off`).\n\n");
-    out.push_str("| body | connections | added p50 µs | added p99 µs | added p50, each round's: median (min … max) µs | req/s model ÷ path | added CPU µs / req | tongs' CPU µs / req | continuation's read CPU µs / req |\n");
-    out.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    out.push_str("What reading `model` adds: `model` − `path`, measured in the same rounds; each round's difference, median (min … max), shows how steady it was. For scale, tongs' own CPU (`path` − origin alone) and, within it, what the continuation's read of the body costs (`path` − `path, continuation off`).\n\n");
+    out.push_str("| body | connections | added p50 µs | added p99 µs | added p50 by round µs | req/s model ÷ path | added CPU µs / req | added CPU by round µs / req | tongs' CPU µs / req | continuation's read CPU µs / req |\n");
+    out.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for table in tables {
         let (origin, path, plain, model) = (
             table.get(Routing::Origin),
@@ -686,27 +716,19 @@ fn print_tables(tables: &[Table]) {
             table.get(Routing::PathNoContinuation),
             table.get(Routing::Model),
         );
-        let mut rounds: Vec<f64> = path
-            .round_p50
-            .iter()
-            .zip(&model.round_p50)
-            .map(|(&a, &b)| (b as f64 - a as f64) / 1e3)
-            .collect();
-        rounds.sort_by(f64::total_cmp);
-        let median = support::stats::percentile(&rounds, 50.0).unwrap_or(f64::NAN);
-        let (min, max) = (rounds[0], rounds[rounds.len() - 1]);
+        let p50_rounds = by_round(&path.round_p50, &model.round_p50, |ns| ns as f64 / 1e3);
+        let cpu_rounds = by_round(&path.round_cpu_us, &model.round_cpu_us, |us| us);
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} ({} … {}) | {:.3} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.1} | {} |",
             table.size,
             table.connections,
             signed(model.p50_us() - path.p50_us(), 1),
             signed(model.p99_us() - path.p99_us(), 1),
-            signed(median, 1),
-            signed(min, 1),
-            signed(max, 1),
+            p50_rounds,
             model.per_second() / path.per_second(),
             signed(model.cpu_us() - path.cpu_us(), 1),
+            cpu_rounds,
             path.cpu_us() - origin.cpu_us(),
             signed(path.cpu_us() - plain.cpu_us(), 1),
         );
