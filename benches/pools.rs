@@ -1,16 +1,19 @@
 //! What routing a request to a pool by its OpenAI `model` costs end to end, against routing by path
-//! alone. One instant origin, and tongs in front of it three times, all in this process and each with
+//! alone. One instant origin, and tongs in front of it four times, all in this process and each with
 //! one worker thread: `path`, one pool matched by `path_prefixes: ["/v1/"]` (no pool names a model, so
 //! no body is read for routing); `model`, one pool matched by `models: ["bench-model"]` (every body is
-//! read with `tongs::openai::read_model`); and `path, continuation off`, the first with `continuation`
-//! off — with it on (the default) tongs parses every OpenAI body it keeps to know whether its stream
-//! could be continued, whatever the routing, so this one is the only tongs that reads no body at all.
+//! read with `tongs::openai::read_model`); `path, continuation off` — with `continuation` on (the
+//! default) tongs parses every OpenAI body it keeps to know whether its stream could be continued,
+//! whatever the routing, so this is the only tongs that reads no body at all; and `path` again, the
+//! control: two tongs configured alike differ by a few microseconds (where each one's memory and
+//! thread fell), which is the bench's resolution.
+//!
 //! POSTs of an OpenAI chat body of 4 KiB and of 1 MiB, `model` its first key, go closed-loop through
-//! each over keep-alive connections, the contenders taking turns in rounds so the drift of a shared
-//! machine hits all of them; the origin alone takes its turns too, the floor under tongs' own cost.
-//! Prints a markdown table per body size and connection count: p50 and p99 latency, requests per
-//! second, CPU per request of the whole process (getrusage: client, origin and every tongs), then what
-//! `model` adds over `path`.
+//! each over keep-alive connections, the contenders taking turns in rounds, in a shuffled order, so
+//! the drift of a shared machine hits all of them; the origin alone takes its turns too, the floor
+//! under tongs' own cost. Prints a markdown table per body size and connection count: p50 and p99
+//! latency, requests per second, CPU per request of the whole process (getrusage: client, origin and
+//! every tongs), then what `model` adds over `path`, beside the control's difference.
 //!
 //!     cargo bench --bench pools
 //!     REQUESTS=2000 ROUNDS=4 CONNECTIONS="4" cargo bench --bench pools
@@ -78,14 +81,18 @@ enum Routing {
     /// By path, with `continuation` off: tongs reads no body at all.
     PathNoContinuation,
     Model,
+    /// `Path` again, in a tongs of its own: the control, whose difference from `Path` is what the
+    /// bench cannot tell from nothing.
+    PathAgain,
 }
 
 impl Routing {
-    const ALL: [Routing; 4] = [
+    const ALL: [Routing; 5] = [
         Routing::Origin,
         Routing::Path,
         Routing::PathNoContinuation,
         Routing::Model,
+        Routing::PathAgain,
     ];
 
     fn label(self) -> &'static str {
@@ -94,6 +101,7 @@ impl Routing {
             Routing::Path => "path",
             Routing::PathNoContinuation => "path, continuation off",
             Routing::Model => "model",
+            Routing::PathAgain => "path, a second tongs (control)",
         }
     }
 
@@ -102,7 +110,7 @@ impl Routing {
     fn yaml(self, origin: SocketAddr) -> Option<String> {
         let (rule, extra) = match self {
             Routing::Origin => return None,
-            Routing::Path => (r#"path_prefixes: ["/v1/"]"#.to_owned(), ""),
+            Routing::Path | Routing::PathAgain => (r#"path_prefixes: ["/v1/"]"#.to_owned(), ""),
             Routing::PathNoContinuation => (
                 r#"path_prefixes: ["/v1/"]"#.to_owned(),
                 "continuation: { enabled: false }\n",
@@ -202,12 +210,11 @@ async fn run(settings: Settings) -> Result<()> {
                 let warmup = (requests / WARMUP_SHARE).max(connections as u64);
                 phase(addr, &body, warmup, connections).await?;
             }
-            for round in 0..settings.rounds {
-                // Every other round the other way round, so no contender always follows the same one.
+            // Each round in its own order, so no contender always runs first, or after the same one.
+            let mut rng = fastrand::Rng::with_seed(1);
+            for _ in 0..settings.rounds {
                 let mut order: Vec<usize> = (0..targets.len()).collect();
-                if round % 2 == 1 {
-                    order.reverse();
-                }
+                rng.shuffle(&mut order);
                 for i in order {
                     let result = phase(targets[i].1, &body, per_round, connections).await?;
                     measured[i].add(result)?;
@@ -260,7 +267,7 @@ fn print_header(settings: &Settings) {
         })
         .collect();
     println!(
-        "- load: closed loop over {} keep-alive connection(s); {}; {} rounds, contenders in turn (reversed every other round), after a tenth of the requests unrecorded",
+        "- load: closed loop over {} keep-alive connection(s); {}; {} rounds, contenders in turn (shuffled, seed 1), after a tenth of the requests unrecorded",
         settings
             .connections
             .iter()
@@ -588,8 +595,6 @@ struct Measured {
     cpu: Duration,
     /// Each round's p50, nanoseconds.
     round_p50: Vec<u64>,
-    /// Each round's CPU per request, microseconds.
-    round_cpu_us: Vec<f64>,
 }
 
 impl Measured {
@@ -601,14 +606,12 @@ impl Measured {
             wall: Duration::ZERO,
             cpu: Duration::ZERO,
             round_p50: Vec::new(),
-            round_cpu_us: Vec::new(),
         }
     }
 
     fn add(&mut self, phase: Phase) -> Result<()> {
         self.round_p50.push(phase.latencies.value_at_quantile(0.5));
-        self.round_cpu_us
-            .push(phase.cpu.as_secs_f64() * 1e6 / phase.latencies.len() as f64);
+
         self.requests += phase.latencies.len();
         self.latencies.add(&phase.latencies)?;
         self.wall += phase.wall;
@@ -659,27 +662,16 @@ fn signed(value: f64, decimals: usize) -> String {
     }
 }
 
-/// "+1.6 (−0.4 … +2.5)": the median of each round's `model` − `path`, and their range.
-fn by_round<T: Copy>(path: &[T], model: &[T], value: impl Fn(T) -> f64) -> String {
-    let mut rounds: Vec<f64> = path
+/// The median of each round's p50 difference `b` − `a`, microseconds.
+fn median_by_round(a: &Measured, b: &Measured) -> f64 {
+    let mut rounds: Vec<f64> = a
+        .round_p50
         .iter()
-        .zip(model)
-        .map(|(&a, &b)| value(b) - value(a))
+        .zip(&b.round_p50)
+        .map(|(&a, &b)| (b as f64 - a as f64) / 1e3)
         .collect();
     rounds.sort_by(f64::total_cmp);
-    let (Some(median), Some(min), Some(max)) = (
-        support::stats::percentile(&rounds, 50.0),
-        rounds.first(),
-        rounds.last(),
-    ) else {
-        return "–".into();
-    };
-    format!(
-        "{} ({} … {})",
-        signed(median, 1),
-        signed(*min, 1),
-        signed(*max, 1)
-    )
+    support::stats::percentile(&rounds, 50.0).unwrap_or(f64::NAN)
 }
 
 fn print_tables(tables: &[Table]) {
@@ -706,29 +698,29 @@ fn print_tables(tables: &[Table]) {
         }
     }
     out.push('\n');
-    out.push_str("What reading `model` adds: `model` − `path`, measured in the same rounds; each round's difference, median (min … max), shows how steady it was. For scale, tongs' own CPU (`path` − origin alone) and, within it, what the continuation's read of the body costs (`path` − `path, continuation off`).\n\n");
-    out.push_str("| body | connections | added p50 µs | added p99 µs | added p50 by round µs | req/s model ÷ path | added CPU µs / req | added CPU by round µs / req | tongs' CPU µs / req | continuation's read CPU µs / req |\n");
-    out.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+    out.push_str("What reading `model` adds: `model` − `path`, measured in the same rounds (p50 also as the median of each round's difference). The control is the same difference between two tongs configured alike (`path, a second tongs` − `path`): what the bench cannot tell from nothing. For scale, tongs' own CPU (`path` − origin alone) and, within it, the continuation's read of the body (`path` − `path, continuation off`).\n\n");
+    out.push_str("| body | connections | added p50 µs | added p50, median of rounds µs | added p99 µs | added CPU µs / req | req/s model ÷ path | control: p50 µs | control: CPU µs / req | tongs' CPU µs / req | continuation's read CPU µs / req |\n");
+    out.push_str("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
     for table in tables {
-        let (origin, path, plain, model) = (
+        let (origin, path, plain, model, again) = (
             table.get(Routing::Origin),
             table.get(Routing::Path),
             table.get(Routing::PathNoContinuation),
             table.get(Routing::Model),
+            table.get(Routing::PathAgain),
         );
-        let p50_rounds = by_round(&path.round_p50, &model.round_p50, |ns| ns as f64 / 1e3);
-        let cpu_rounds = by_round(&path.round_cpu_us, &model.round_cpu_us, |us| us);
         let _ = writeln!(
             out,
-            "| {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {:.3} | {} | {} | {:.1} | {} |",
             table.size,
             table.connections,
             signed(model.p50_us() - path.p50_us(), 1),
+            signed(median_by_round(path, model), 1),
             signed(model.p99_us() - path.p99_us(), 1),
-            p50_rounds,
-            model.per_second() / path.per_second(),
             signed(model.cpu_us() - path.cpu_us(), 1),
-            cpu_rounds,
+            model.per_second() / path.per_second(),
+            signed(again.p50_us() - path.p50_us(), 1),
+            signed(again.cpu_us() - path.cpu_us(), 1),
             path.cpu_us() - origin.cpu_us(),
             signed(path.cpu_us() - plain.cpu_us(), 1),
         );
