@@ -5,8 +5,8 @@
 //! read with `tongs::openai::read_model`); `path, continuation off` — with `continuation` on (the
 //! default) tongs parses every OpenAI body it keeps to know whether its stream could be continued,
 //! whatever the routing, so this is the only tongs that reads no body at all; and `path` again, the
-//! control: two tongs configured alike differ by a few microseconds (where each one's memory and
-//! thread fell), which is the bench's resolution.
+//! control: two tongs configured alike do not measure exactly alike, and their difference is the
+//! bench's resolution.
 //!
 //! POSTs of an OpenAI chat body of 4 KiB and of 1 MiB, `model` its first key, go closed-loop through
 //! each over keep-alive connections, the contenders taking turns in rounds, in a shuffled order, so
