@@ -96,6 +96,19 @@ const MAX_TOKEN_FIELDS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
 impl Continuable {
     /// Reads a request whose whole body is `raw`.
     pub fn read(api: Api, raw: &Bytes) -> Result<Continuable, NotContinuable> {
+        // Most bodies are settled by `stream` alone: read just that (the other values skipped, not
+        // built) before building the whole body. A body this cannot read (malformed, `stream` not a
+        // bool, `stream` twice) is left to the full read, which decides as before.
+        #[derive(serde::Deserialize)]
+        struct StreamFlag {
+            #[serde(default)]
+            stream: Option<bool>,
+        }
+        if let Ok(flag) = serde_json::from_slice::<StreamFlag>(raw)
+            && flag.stream != Some(true)
+        {
+            return Err(NotContinuable::NotAStream);
+        }
         let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(raw) else {
             return Err(NotContinuable::NotAStream);
         };
@@ -270,6 +283,16 @@ mod tests {
             Continuable::read(Api::Chat, &Bytes::from_static(b"not json")).map(|_| ()),
             Err(NotContinuable::NotAStream)
         );
+        // What the quick read of `stream` cannot settle, the full read does, as before.
+        for (body, continuable) in [
+            (r#"{"stream":"true","messages":[]}"#, false),
+            (r#"{"stream":false,"stream":true,"messages":[]}"#, true),
+            (r#"{"stream":true,"stream":false,"messages":[]}"#, false),
+            (r#"{"messages":[],"stream":true}"#, true),
+        ] {
+            let read = Continuable::read(Api::Chat, &Bytes::from(body));
+            assert_eq!(read.is_ok(), continuable, "{body}: {:?}", read.map(|_| ()));
+        }
 
         let completion = |prompt: Value, extra: Value| {
             let mut body = json!({"stream": true, "prompt": prompt});
