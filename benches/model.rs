@@ -12,6 +12,9 @@ use std::time::Duration;
 use criterion::{BenchmarkId, Criterion, Throughput};
 use tongs::openai::model_of;
 
+#[path = "support/chat.rs"]
+mod chat;
+
 /// dhat's allocator counts every heap allocation while a profiler runs.
 #[global_allocator]
 static GLOBAL: dhat::Alloc = dhat::Alloc;
@@ -21,33 +24,10 @@ const PATH: &str = "/v1/chat/completions";
 const SIZES: [(&str, usize); 2] = [("4KiB", 4 << 10), ("1MiB", 1 << 20)];
 const ALLOC_CHECK_READS: u64 = 10_000;
 
-/// A chat request of at least `size` bytes: a system prompt, then user and assistant turns of prose
-/// (with the quotes and newlines a conversation has, escaped), then the sampling settings; `model`
-/// first or last.
+/// A chat request of at least `size` bytes: a conversation, then the sampling settings; `model` first
+/// or last.
 fn chat_body(size: usize, model_first: bool) -> Vec<u8> {
-    let sentences = [
-        "Summarise the report below in three bullet points.\n",
-        "The quarterly figures show a \"modest\" rise in throughput, 4.2 % over the last period. ",
-        "Latency at the 99th percentile fell from 840 ms to 610 ms after the cache was resized. ",
-        "Which of the two regions should take the next batch of nodes, and why?\n",
-    ];
-    let mut messages = vec![serde_json::json!({
-        "role": "system",
-        "content": "You are a careful assistant. Answer briefly and cite the figures you use.",
-    })];
-    let mut length = 0;
-    let mut turn = 0;
-    while length < size {
-        let content: String = (0..8)
-            .map(|i| sentences[(turn + i) % sentences.len()])
-            .collect();
-        let role = if turn % 2 == 0 { "user" } else { "assistant" };
-        let message = serde_json::json!({"role": role, "content": content});
-        length += message.to_string().len() + 1;
-        messages.push(message);
-        turn += 1;
-    }
-    let messages = serde_json::to_string(&messages).unwrap();
+    let messages = chat::conversation(size);
     let model = serde_json::to_string(MODEL).unwrap();
     let settings = r#""temperature":0.7,"top_p":0.95,"max_tokens":512,"stream":true,"stream_options":{"include_usage":true}"#;
     let body = if model_first {

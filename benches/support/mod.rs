@@ -9,6 +9,7 @@
 //! a benchmark's own folder); not every benchmark uses every helper.
 #![allow(dead_code)]
 
+pub mod chat;
 pub mod fleet;
 pub mod in_process;
 pub mod stats;
