@@ -12,7 +12,7 @@
 //! priority below its own. While the oldest waiter has waited longer than `shed_low_priority_after`,
 //! low-priority arrivals are refused at once.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -151,6 +151,11 @@ struct Entry {
 
 struct State {
     entries: BTreeMap<Key, Entry>,
+    /// Woken requests still deciding (looking for a slot): out of `entries`, yet still in line.
+    looking: BTreeSet<Key>,
+    /// Those of them a release came for while they looked: they look again before they wait, so a
+    /// request ahead in line never loses a slot to one behind it that happened to be waiting.
+    missed: BTreeMap<Key, u32>,
     next_seq: u64,
     settings: QueueSettings,
     drain: DrainMeter,
@@ -226,6 +231,8 @@ impl Queue {
         Queue {
             state: Mutex::new(State {
                 entries: BTreeMap::new(),
+                looking: BTreeSet::new(),
+                missed: BTreeMap::new(),
                 next_seq: 0,
                 settings,
                 drain: DrainMeter {
@@ -310,6 +317,7 @@ impl Queue {
             woken: Some(woken),
             in_queue: true,
             go: false,
+            missed: 0,
         })
     }
 
@@ -319,9 +327,20 @@ impl Queue {
             return;
         }
         let mut state = self.lock();
-        while let Some((_, entry)) = state.entries.pop_first() {
+        // A request ahead of every waiter is looking already: the slot is its, once it looks again.
+        if let Some(&first) = state.looking.first()
+            && state
+                .entries
+                .first_key_value()
+                .is_none_or(|(key, _)| first < *key)
+        {
+            *state.missed.entry(first).or_default() += 1;
+            return;
+        }
+        while let Some((key, entry)) = state.entries.pop_first() {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             if entry.wake.send(Wake::Go).is_ok() {
+                state.looking.insert(key);
                 break;
             }
         }
@@ -346,6 +365,7 @@ impl Queue {
             if let Some(entry) = state.entries.remove(&next) {
                 self.waiting.fetch_sub(1, Ordering::SeqCst);
                 if entry.wake.send(Wake::Go).is_ok() {
+                    state.looking.insert(next);
                     return;
                 }
             }
@@ -399,6 +419,8 @@ pub struct Ticket<'a> {
     in_queue: bool,
     /// A wake was received (the entry was taken out of the queue by whoever woke it).
     go: bool,
+    /// Releases that came for this request while it looked, and that it leaves unused.
+    missed: u32,
 }
 
 /// What a wait came to.
@@ -488,6 +510,19 @@ impl Ticket<'_> {
         }
         let (wake, woken) = oneshot::channel();
         let mut state = self.queue.lock();
+        self.woken = Some(woken);
+        self.go = false;
+        if let Some(missed) = state.missed.remove(&self.key) {
+            // A release came while this looked: look again at once, still first in line; any more
+            // that came go to those behind it.
+            let _ = wake.send(Wake::Go);
+            drop(state);
+            for _ in 1..missed {
+                self.queue.wake_after(self.key);
+            }
+            return;
+        }
+        state.looking.remove(&self.key);
         state.entries.insert(
             self.key,
             Entry {
@@ -496,9 +531,7 @@ impl Ticket<'_> {
             },
         );
         self.queue.waiting.fetch_add(1, Ordering::SeqCst);
-        self.woken = Some(woken);
         self.in_queue = true;
-        self.go = false;
     }
 
     /// The request got an endpoint: leave the queue, and count how long it waited.
@@ -516,6 +549,12 @@ impl Ticket<'_> {
     }
 
     fn leave(&mut self) {
+        {
+            let mut state = self.queue.lock();
+            state.looking.remove(&self.key);
+            // A release that came for this request while it looked goes to the next in line.
+            self.missed += state.missed.remove(&self.key).unwrap_or(0);
+        }
         if self.in_queue {
             let mut state = self.queue.lock();
             if state.entries.remove(&self.key).is_some() {
@@ -531,6 +570,9 @@ impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         self.leave();
         if self.go {
+            self.queue.wake_one();
+        }
+        for _ in 0..std::mem::take(&mut self.missed) {
             self.queue.wake_one();
         }
     }
@@ -558,6 +600,33 @@ mod tests {
         assert_eq!(Priority::from_header(None), Priority::Normal);
     }
 
+    /// A release that comes while the first in line is still looking (woken by a wake passed on, say)
+    /// is its, not the next waiter's: it looks again at once instead of going back to wait.
+    #[tokio::test]
+    async fn a_release_during_a_look_stays_with_the_first_in_line() {
+        let q = queue(10);
+        let mut first = q.join(Priority::Normal).unwrap();
+        let mut behind = q.join(Priority::Low).unwrap();
+        q.wake_one();
+        let until = Instant::now() + Duration::from_secs(1);
+        assert_eq!(first.wait(until).await, Waited::Go);
+        // It looks and finds nothing; meanwhile a slot frees.
+        q.wake_one();
+        assert!(
+            behind.woken.as_mut().unwrap().try_recv().is_err(),
+            "the waiter behind was not woken"
+        );
+        first.requeue();
+        assert_eq!(
+            first.wait(until).await,
+            Waited::Go,
+            "it looks again at once"
+        );
+        // It leaves without using that release: the waiter behind gets it.
+        drop(first);
+        assert_eq!(behind.wait(until).await, Waited::Go);
+    }
+
     #[tokio::test]
     async fn wakes_in_priority_order_then_fifo() {
         let q = queue(10);
@@ -571,15 +640,17 @@ mod tests {
         let mut order = Vec::new();
         for _ in 0..4 {
             q.wake_one();
-            for (name, ticket) in &mut tickets {
-                if let Some(woken) = ticket.woken.as_mut()
-                    && let Ok(Wake::Go) = woken.try_recv()
-                {
-                    ticket.woken = None;
-                    ticket.in_queue = false;
-                    order.push(*name);
-                }
-            }
+            let woken = tickets.iter_mut().position(|(_, ticket)| {
+                ticket
+                    .woken
+                    .as_mut()
+                    .is_some_and(|woken| matches!(woken.try_recv(), Ok(Wake::Go)))
+            });
+            let (name, mut ticket) = tickets.remove(woken.expect("one woken"));
+            order.push(name);
+            // It took the slot: it leaves without passing a wake on.
+            ticket.leave();
+            ticket.go = false;
         }
         assert_eq!(order, ["high", "normal-1", "normal-2", "low"]);
         assert_eq!(q.len(), 0);
