@@ -400,12 +400,14 @@ impl Queue {
         ((ahead / rate).ceil() as u64).clamp(1, max)
     }
 
-    /// Whether `key` is first in line.
+    /// Whether `key` is first in line: first of those waiting, and behind none still looking.
     fn is_head(&self, key: Key) -> bool {
-        self.lock()
+        let state = self.lock();
+        state
             .entries
             .first_key_value()
             .is_some_and(|(first, _)| *first == key)
+            && state.looking.first().is_none_or(|looking| key < *looking)
     }
 }
 
@@ -484,7 +486,8 @@ impl Ticket<'_> {
                     if Instant::now() >= until {
                         return Waited::TimedOut;
                     }
-                    if head {
+                    // Still first in line now: one ahead may have started looking meanwhile.
+                    if head && self.queue.is_head(self.key) {
                         return Waited::Go;
                     }
                 }
