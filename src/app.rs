@@ -55,6 +55,8 @@ pub struct Parts {
     pub admin_token: Arc<ArcSwapOption<String>>,
     /// The pod watches, one per group of pools that can share it.
     pub watches: Arc<discovery::hub::Hubs>,
+    /// How many tongs replicas share the fleets (`replicas`), for the pools' fixed limits.
+    pub replicas: Arc<discovery::replicas::Replicas>,
 }
 
 impl Parts {
@@ -68,6 +70,7 @@ impl Parts {
             gateway_key: Arc::default(),
             admin_token: Arc::default(),
             watches: Arc::default(),
+            replicas: Arc::default(),
         }
     }
 
@@ -111,6 +114,7 @@ impl Parts {
             Err(err) => errors.push(AppError::SaladKey(err)),
         }
         errors.extend(self.router.apply(config).into_iter().map(AppError::Pool));
+        self.replicas.configure(&config.replicas);
         match &config.admin.bearer_token_file {
             None => self.admin_token.store(None),
             Some(path) => match read_token(path) {
@@ -130,6 +134,7 @@ impl Parts {
             readiness: Arc::clone(&self.readiness),
             router: Arc::clone(&self.router),
             metrics: Arc::clone(&self.metrics),
+            replicas: Arc::clone(&self.replicas),
         }
     }
 }
@@ -394,6 +399,32 @@ impl App {
                 tracing::error!(error = %err, "cannot build the heartbeat client; heartbeats and discovery are off");
             }
         }
+        // The replica count follows tongs' own Service; each change reaches every pool's limits.
+        let replicas_stop = CancellationToken::new();
+        let replicas = {
+            let (replicas, router, stop) = (
+                Arc::clone(&parts.replicas),
+                Arc::clone(&parts.router),
+                replicas_stop.clone(),
+            );
+            tokio::spawn(async move {
+                let mut counts = replicas.subscribe();
+                let follow = async {
+                    loop {
+                        let count = *counts.borrow_and_update();
+                        router.set_replicas(count);
+                        if counts.changed().await.is_err() {
+                            return;
+                        }
+                    }
+                };
+                // `run` returns once stopped; `follow` only if the count's sender is gone.
+                tokio::select! {
+                    () = replicas.run(stop) => {}
+                    () = follow => {}
+                }
+            })
+        };
         let reload_stop = CancellationToken::new();
         let reloads = self.config_path.clone().map(|path| {
             let target: Arc<dyn reload::Apply> = Arc::new(parts.clone());
@@ -440,6 +471,8 @@ impl App {
             let _ = reloads.await;
         }
         parts.router.stop_pools();
+        replicas_stop.cancel();
+        let _ = replicas.await;
         admin_stop.cancel();
         let _ = admin.await;
         tracing::info!("tongs stopped");

@@ -29,6 +29,9 @@ pub struct LimitSettings {
     pub max: u32,
     pub probe_interval: Duration,
     pub backoff_ratio: f64,
+    /// tongs replicas sharing the fleet (at least 1): fixed limits (static, and a pod's own cap) are
+    /// divided among them; an adaptive limit is not (each replica learns its own).
+    pub replicas: u32,
 }
 
 impl LimitSettings {
@@ -40,7 +43,17 @@ impl LimitSettings {
             max: config.max_limit.max(config.min_limit.max(1)),
             probe_interval: config.probe_interval.get(),
             backoff_ratio: config.backoff_ratio,
+            replicas: 1,
         }
+    }
+
+    /// This replica's share of a fixed limit: `limit ÷ replicas`, rounded up (so the replicas together
+    /// may exceed it by less than one request each), and at least 1 (a node nobody may use is no use).
+    pub fn share(&self, limit: u64) -> u64 {
+        if limit == u64::MAX {
+            return limit;
+        }
+        limit.div_ceil(u64::from(self.replicas.max(1))).max(1)
     }
 
     /// No limit at all (the default).
@@ -243,7 +256,26 @@ mod tests {
             max: 256,
             probe_interval: Duration::from_secs(60),
             backoff_ratio: 0.75,
+            replicas: 1,
         }
+    }
+
+    #[test]
+    fn a_fixed_limit_is_shared_rounded_up_and_never_below_one() {
+        let share = |limit, replicas| {
+            LimitSettings {
+                replicas,
+                ..settings()
+            }
+            .share(limit)
+        };
+        assert_eq!(share(8, 1), 8);
+        assert_eq!(share(8, 2), 4);
+        assert_eq!(share(8, 3), 3);
+        assert_eq!(share(2, 3), 1);
+        assert_eq!(share(1, 5), 1);
+        assert_eq!(share(8, 0), 8, "no count is one replica");
+        assert_eq!(share(u64::MAX, 4), u64::MAX, "no limit stays none");
     }
 
     /// A node serving `capacity` requests at once in `service` each, queueing the rest: with `limit`

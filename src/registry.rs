@@ -138,13 +138,36 @@ impl Registry {
         *self.limits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Applies new concurrency limits to every endpoint, now and to come.
+    /// Applies new concurrency limits to every endpoint, now and to come (the count of replicas
+    /// sharing them stays as [`Registry::set_replicas`] last set it).
     pub fn set_limits(&self, settings: LimitSettings) {
+        self.update_limits(|limits| {
+            *limits = LimitSettings {
+                replicas: limits.replicas,
+                ..settings
+            }
+        });
+    }
+
+    /// How many tongs replicas share this fleet's fixed limits (see [`LimitSettings::share`]); a
+    /// count that did not change touches nothing.
+    pub fn set_replicas(&self, replicas: u32) {
+        let replicas = replicas.max(1);
+        if self.limits().replicas != replicas {
+            self.update_limits(|limits| limits.replicas = replicas);
+        }
+    }
+
+    fn update_limits(&self, change: impl FnOnce(&mut LimitSettings)) {
         let _writer = self
             .writer
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        *self.limits.lock().unwrap_or_else(|p| p.into_inner()) = settings;
+        let settings = {
+            let mut limits = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+            change(&mut limits);
+            *limits
+        };
         let now = tokio::time::Instant::now();
         for endpoint in self.snapshot.load().iter() {
             endpoint.apply_limit(&settings, now);

@@ -48,6 +48,8 @@ pub struct State {
     /// The pools: each one's request path, endpoints, queue and discovery.
     pub router: Arc<Router>,
     pub metrics: Arc<Metrics>,
+    /// How many tongs replicas share the fleets' fixed limits.
+    pub replicas: Arc<crate::discovery::replicas::Replicas>,
 }
 
 impl State {
@@ -103,6 +105,7 @@ impl State {
         let front = Front {
             stats: self.router.intake().stats(),
             fallbacks: &fallbacks,
+            replicas: self.router.replicas(),
         };
         self.metrics.render(&front, &scrapes)
     }

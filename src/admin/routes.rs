@@ -64,6 +64,7 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
                 "queue": main["queue"],
                 "balancer": main["balancer"],
                 "pools": by_pool,
+                "replicas": state.replicas.view(),
             }))
         }
         "/metrics" => typed(

@@ -12,6 +12,7 @@ mod header;
 mod hedge;
 mod kubernetes;
 mod pools;
+mod replicas;
 mod resilience;
 mod salad;
 mod selector;
@@ -35,6 +36,7 @@ pub use kubernetes::{
     is_qualified_name,
 };
 pub use pools::{DEFAULT_POOL, PoolConfig, PoolDiscovery, PoolMatch, PoolSpec, model_matches};
+pub use replicas::ReplicasConfig;
 pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 pub use selector::{is_label_value, parse_label_selector};
@@ -76,6 +78,8 @@ pub struct Config {
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
     pub shutdown: ShutdownConfig,
+    /// The tongs replicas that share the fleet, so fixed per-node limits hold for all of them together.
+    pub replicas: ReplicasConfig,
     /// Several fleets behind one tongs, chosen per request (see [`PoolConfig`]).
     pub pools: Vec<PoolConfig>,
 }
@@ -101,6 +105,7 @@ impl Default for Config {
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
             shutdown: ShutdownConfig::default(),
+            replicas: ReplicasConfig::default(),
             pools: Vec::new(),
         }
     }
@@ -272,6 +277,7 @@ impl Config {
         self.admin.validate(&mut problems);
         self.upstream.validate(&mut problems);
         self.salad.validate(&mut problems);
+        self.replicas.validate(&mut problems);
         self.validate_pools(&mut problems);
         problems
     }

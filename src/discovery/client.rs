@@ -2,14 +2,15 @@
 
 use std::time::Duration;
 
-use crate::config::KubernetesConfig;
+use std::path::{Path, PathBuf};
 
 /// A kube client, retried with backoff until one can be made (a missing service account is an
 /// operator's error: say so, stay unready, keep trying).
-pub(super) async fn connect(config: &KubernetesConfig) -> kube::Client {
+/// `field` names the configuration key of `kubeconfig` in errors.
+pub(super) async fn connect(kubeconfig: Option<&Path>, field: &'static str) -> kube::Client {
     let mut delay = Duration::from_secs(1);
     loop {
-        match try_connect(config).await {
+        match try_connect(kubeconfig, field).await {
             Ok(client) => return client,
             Err(err) => {
                 tracing::error!(error = %err, "cannot make a Kubernetes client; retrying");
@@ -23,18 +24,20 @@ pub(super) async fn connect(config: &KubernetesConfig) -> kube::Client {
 /// Why no Kubernetes client could be made.
 #[derive(Debug, thiserror::Error)]
 enum ConnectError {
-    #[error("discovery.kubernetes.kubeconfig {}: {source}", path.display())]
+    #[error("{field} {}: {source}", path.display())]
     Kubeconfig {
-        path: std::path::PathBuf,
+        field: &'static str,
+        path: PathBuf,
         source: kube::config::KubeconfigError,
     },
     #[error(
-        "discovery.kubernetes.kubeconfig {}: the cluster's proxy-url {proxy} is not supported; tongs \
-         reaches the API server directly",
+        "{field} {}: the cluster's proxy-url {proxy} is not supported; tongs reaches the API server \
+         directly",
         path.display()
     )]
     ProxyUnsupported {
-        path: std::path::PathBuf,
+        field: &'static str,
+        path: PathBuf,
         proxy: String,
     },
     #[error("no in-cluster service account and no kubeconfig: {0}")]
@@ -43,11 +46,15 @@ enum ConnectError {
     Client(#[from] kube::Error),
 }
 
-async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, ConnectError> {
-    let kube_config = match &config.kubeconfig {
+async fn try_connect(
+    kubeconfig: Option<&Path>,
+    field: &'static str,
+) -> Result<kube::Client, ConnectError> {
+    let kube_config = match kubeconfig {
         Some(path) => {
             let failed = |source| ConnectError::Kubeconfig {
-                path: path.clone(),
+                field,
+                path: path.to_owned(),
                 source,
             };
             let file = kube::config::Kubeconfig::read_from(path).map_err(failed)?;
@@ -70,7 +77,8 @@ async fn try_connect(config: &KubernetesConfig) -> Result<kube::Client, ConnectE
                 });
                 if !from_env {
                     return Err(ConnectError::ProxyUnsupported {
-                        path: path.clone(),
+                        field,
+                        path: path.to_owned(),
                         proxy,
                     });
                 }

@@ -408,7 +408,11 @@ impl Discovery {
                 return std::future::pending().await;
             }
         };
-        let client = super::client::connect(config).await;
+        let client = super::client::connect(
+            config.kubeconfig.as_deref(),
+            "discovery.kubernetes.kubeconfig",
+        )
+        .await;
         let rules = Arc::new(Rules::new(config, self.salad.is_some()));
         let known = status
             .watched()

@@ -23,6 +23,7 @@ mod lookups;
 pub mod object;
 pub mod pods;
 pub mod register;
+pub mod replicas;
 pub mod salad;
 
 use std::sync::Arc;

@@ -78,6 +78,8 @@ impl Endpoint {
     /// when only other settings changed.
     pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
         self.held_until.store(0, Ordering::Relaxed);
+        let cap = self.origin.max_outstanding.unwrap_or(u64::MAX).max(1);
+        self.limit_cap.store(settings.share(cap), Ordering::Relaxed);
         let mut limiter = self.lock_limiter();
         let limit = match settings.mode {
             LimitMode::None => {
@@ -87,7 +89,7 @@ impl Endpoint {
             }
             LimitMode::Static => {
                 *limiter = None;
-                let limit = u64::from(settings.initial);
+                let limit = settings.share(u64::from(settings.initial));
                 self.configured_limit.store(limit, Ordering::Relaxed);
                 limit
             }
@@ -154,7 +156,7 @@ impl Endpoint {
     }
 
     fn store_limit(&self, limit: u64) {
-        let limit = limit.min(self.limit_cap);
+        let limit = limit.min(self.limit_cap.load(Ordering::Relaxed));
         let old = self.limit.swap(limit, Ordering::Relaxed);
         if limit > old
             && let Some(slot_freed) = self.slot_freed.get()

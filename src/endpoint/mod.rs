@@ -152,8 +152,9 @@ pub struct Endpoint {
     heartbeat_ok: AtomicBool,
     /// Where the endpoint came from (`static` or `kubernetes`, and the pod).
     origin: Origin,
-    /// A cap on the concurrency limit, whatever the mode says (a pod's own annotation).
-    limit_cap: u64,
+    /// A cap on the concurrency limit, whatever the mode says: this replica's share of a pod's own
+    /// annotation (see [`crate::limit::LimitSettings::share`]).
+    limit_cap: AtomicU64,
 }
 
 /// Where an endpoint came from, and what its source says about it beyond the address.
@@ -243,7 +244,7 @@ impl Endpoint {
             heartbeat_rtt_us: AtomicU64::new(0),
             heartbeat_ok: AtomicBool::new(false),
             origin: Origin::default(),
-            limit_cap: u64::MAX,
+            limit_cap: AtomicU64::new(u64::MAX),
             configured_limit: AtomicU64::new(u64::MAX),
         }
     }
@@ -251,7 +252,7 @@ impl Endpoint {
     /// Sets where the endpoint came from and its own concurrency cap (before it serves).
     pub fn with_origin(mut self, origin: &Origin) -> Endpoint {
         self.origin = origin.clone();
-        self.limit_cap = origin.max_outstanding.unwrap_or(u64::MAX).max(1);
+        self.limit_cap = AtomicU64::new(origin.max_outstanding.unwrap_or(u64::MAX).max(1));
         self
     }
 

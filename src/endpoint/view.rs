@@ -26,8 +26,12 @@ pub struct EndpointView {
     /// `closed`, `open` or `half-open`.
     pub breaker: &'static str,
     pub outstanding: u64,
-    /// Concurrency limit (null: none).
+    /// Concurrency limit (null: none): this replica's share where the limit is fixed.
     pub limit: Option<u64>,
+    /// The pod's own cap on concurrent requests (its max-outstanding annotation), for all replicas
+    /// together; this replica enforces its share of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_outstanding: Option<u64>,
     pub requests: u64,
     pub failures: u64,
     pub ejections: u64,
@@ -144,6 +148,7 @@ impl Endpoint {
             breaker,
             outstanding: self.outstanding(),
             limit: self.limit(),
+            max_outstanding: self.origin.max_outstanding,
             requests: self.requests(),
             failures: self.failures(),
             ejections: self.ejections(),

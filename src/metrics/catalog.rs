@@ -167,6 +167,11 @@ pub const CONFIG_RELOADS: Spec = spec(
     "counter",
     "Configuration reloads, by result (applied, invalid).",
 );
+pub const REPLICAS: Spec = spec(
+    "tongs_replicas",
+    "gauge",
+    "tongs replicas this one shares the fleets' fixed limits with, itself included (the ready endpoints of replicas.service; 1 when it is unset).",
+);
 pub const BUILD_INFO: Spec = spec(
     "tongs_build_info",
     "gauge",
@@ -215,7 +220,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 41] = [
+pub const CATALOG: [&Spec; 42] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -248,6 +253,7 @@ pub const CATALOG: [&Spec; 41] = [
     &ENDPOINT_HEARTBEAT_OK,
     &CONFIG_RELOADS,
     &BUILD_INFO,
+    &REPLICAS,
     &UPTIME,
     &DISCOVERY_SYNCED,
     &DISCOVERY_PODS,

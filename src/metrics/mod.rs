@@ -252,6 +252,7 @@ mod tests {
         let front_figures = render::Front {
             stats: &stats,
             fallbacks: &fallbacks,
+            replicas: 3,
         };
         let text = front.render(&front_figures, &[scrape("a"), scrape("b")]);
         for want in [
@@ -260,6 +261,7 @@ mod tests {
             r#"tongs_requests_total{pool="b",outcome="refused",code="5xx"} 1"#,
             r#"tongs_request_duration_seconds_bucket{pool="a",outcome="proxied",le="0.05"} 1"#,
             r#"tongs_demand{pool="b"} 3"#,
+            "tongs_replicas 3",
             r#"tongs_pool_fallbacks_total{from="a",to="b"} 2"#,
             "tongs_build_info{version=",
         ] {

@@ -10,9 +10,9 @@ use super::{
     ENDPOINT_HEARTBEAT, ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT,
     ENDPOINT_OUTSTANDING, ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
     FIRST_BYTE, HEDGES, HEDGES_WON, Metrics, Outcome, POOL_FALLBACKS, ProxyStats, QUEUE_DEPTH,
-    QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REQUEST_DURATION,
-    REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS, STREAMS_CUT, Spec,
-    UPTIME,
+    QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
+    REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
+    STREAMS_CUT, Spec, UPTIME,
 };
 use crate::endpoint::{EndpointState, EndpointView};
 
@@ -58,6 +58,8 @@ pub struct Front<'a> {
     pub stats: &'a ProxyStats,
     /// Requests a pool handed on, by (from, to) pool.
     pub fallbacks: &'a [(std::sync::Arc<str>, std::sync::Arc<str>, u64)],
+    /// tongs replicas sharing the fixed limits.
+    pub replicas: u32,
 }
 
 impl Metrics {
@@ -95,6 +97,8 @@ impl Metrics {
         header(&mut out, &BUILD_INFO);
         let version = [("version", env!("CARGO_PKG_VERSION"))];
         sample(&mut out, BUILD_INFO.name, &version, 1.0);
+        header(&mut out, &REPLICAS);
+        sample(&mut out, REPLICAS.name, &[], f64::from(front.replicas));
         header(&mut out, &REQUEST_DURATION);
         for (pool, metrics) in &recorded {
             for &outcome in outcomes(pool) {

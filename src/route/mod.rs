@@ -47,6 +47,8 @@ pub struct Router {
     /// Requests a pool handed on, by (from, to).
     fallbacks: Mutex<BTreeMap<Hop, u64>>,
     starter: Mutex<Option<Starter>>,
+    /// tongs replicas sharing the fleets (see [`Router::set_replicas`]).
+    replicas: std::sync::atomic::AtomicU32,
 }
 
 impl Router {
@@ -58,6 +60,7 @@ impl Router {
             reads_models: Default::default(),
             fallbacks: Mutex::default(),
             starter: Mutex::new(None),
+            replicas: std::sync::atomic::AtomicU32::new(1),
         }
     }
 
@@ -74,7 +77,11 @@ impl Router {
                 .iter()
                 .find(|p| **p.name() == *spec.name)
                 .cloned()
-                .unwrap_or_else(|| Pool::new(&spec.name, &self.intake));
+                .unwrap_or_else(|| {
+                    let pool = Pool::new(&spec.name, &self.intake);
+                    pool.registry().set_replicas(self.replicas());
+                    pool
+                });
             errors.extend(pool.apply(&spec));
             pools.push(pool);
         }
@@ -84,6 +91,11 @@ impl Router {
         self.reads_models
             .store(reads_models, std::sync::atomic::Ordering::Relaxed);
         self.pools.store(Arc::new(pools.clone()));
+        // After the store, so a count set meanwhile reaches the new pools one way or the other.
+        let replicas = self.replicas();
+        for pool in &pools {
+            pool.registry().set_replicas(replicas);
+        }
         for gone in before
             .iter()
             .filter(|old| !pools.iter().any(|p| Arc::ptr_eq(p, old)))
@@ -97,6 +109,21 @@ impl Router {
             }
         }
         errors
+    }
+
+    /// How many tongs replicas share every pool's fleet: each pool's fixed limits are divided by it
+    /// (see [`crate::limit::LimitSettings::share`]).
+    pub fn set_replicas(&self, replicas: u32) {
+        self.replicas
+            .store(replicas.max(1), std::sync::atomic::Ordering::Relaxed);
+        for pool in self.pools.load().iter() {
+            pool.registry().set_replicas(replicas);
+        }
+    }
+
+    /// The replica count fixed limits are divided by.
+    pub fn replicas(&self) -> u32 {
+        self.replicas.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Starts every pool's background tasks now, and those of pools added later by `start`.

@@ -380,6 +380,37 @@ fn the_cross_checks_catch_broken_renderings() {
     });
     reported(&problems, "upstream.tailscale.proxy is empty");
     reported(&problems, "no rule of discovery.kubernetes.rules");
+    // Replicas counted without the Role that lets tongs read its Service's EndpointSlices.
+    let problems = problems_after("deploy/overlays/interlink", |documents| {
+        documents.retain(|doc| !name_of(doc).contains("replica-counter"));
+    });
+    reported(&problems, "grants list on endpointslices");
+    // Replicas counted from a Service that is not tongs' own; and the Role kept without the setting.
+    for (from, to, wanted) in [
+        (
+            "replicas:\n  service: tongs",
+            "replicas:\n  service: inference",
+            "replicas.service \"inference\" is no Service of the rendering",
+        ),
+        (
+            "replicas:\n  service: tongs",
+            "replicas:\n  service: \"\"",
+            "grants reading EndpointSlices, but tongs.yaml sets no replicas.service",
+        ),
+    ] {
+        let problems = problems_after("deploy/overlays/interlink", |documents| {
+            let config_map = documents
+                .iter_mut()
+                .find(|doc| doc["kind"] == "ConfigMap" && name_of(doc).starts_with("tongs-config"))
+                .expect("tongs' ConfigMap");
+            let text = config_map["data"]["tongs.yaml"]
+                .as_str()
+                .unwrap_or_default();
+            assert!(text.contains(from), "the interlink overlay sets {from:?}");
+            config_map["data"]["tongs.yaml"] = Value::String(text.replace(from, to));
+        });
+        reported(&problems, wanted);
+    }
 }
 #[test]
 fn grafana_dashboard_uses_only_exported_metrics() {

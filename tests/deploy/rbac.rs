@@ -1,11 +1,12 @@
-//! RBAC: each Role reads pods or patches them, never both; each RoleBinding binds a Role to a
-//! ServiceAccount of the rendering; and tongs' ServiceAccount may do to pods exactly what its
-//! discovery, node registration and write-back need.
+//! RBAC: each Role reads pods or patches them, never both, or reads EndpointSlices; each RoleBinding
+//! binds a Role to a ServiceAccount of the rendering; tongs' ServiceAccount may do to pods exactly what
+//! its discovery, node registration and write-back need; and where `replicas.service` is set, it names
+//! the Service in front of tongs' own pods and tongs may read that Service's EndpointSlices.
 
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 
 use crate::objects::{Asks, Objects};
-use crate::pods::TongsPod;
+use crate::pods::{TongsPod, pod_labels, selects};
 use crate::problems::Problems;
 
 /// A Role either reads pods (get, list, watch) or patches them, never both: `patch` lets tongs change any
@@ -19,18 +20,20 @@ pub(crate) fn check_role(at: &str, role: &Role, problems: &mut Problems) {
         .any(|rule| rule.verbs.iter().any(|verb| verb == "patch"));
     for rule in rules {
         let groups = rule.api_groups.as_deref();
-        ensure!(
-            problems,
-            at,
-            groups == Some(&[String::new()]),
-            "apiGroups {groups:?}: only the core group"
-        );
         let resources = rule.resources.as_deref();
+        let slices = groups == Some(&["discovery.k8s.io".to_owned()])
+            && resources == Some(&["endpointslices".to_owned()]);
         ensure!(
             problems,
             at,
-            resources == Some(&["pods".to_owned()]),
-            "resources {resources:?}: only pods"
+            groups == Some(&[String::new()]) || slices,
+            "apiGroups {groups:?}: only the core group (or discovery.k8s.io for endpointslices)"
+        );
+        ensure!(
+            problems,
+            at,
+            resources == Some(&["pods".to_owned()]) || slices,
+            "resources {resources:?}: only pods (or endpointslices in discovery.k8s.io)"
         );
         let verbs = &rule.verbs;
         if patches {
@@ -107,6 +110,16 @@ fn granted<'a>(
     namespace: Option<&str>,
     verb: &str,
 ) -> Vec<&'a str> {
+    granted_where(objects, tongs, namespace, |role| grants_on_pods(role, verb))
+}
+
+/// The Roles of `namespace` that `grants` and that a RoleBinding there binds to tongs' ServiceAccount.
+fn granted_where<'a>(
+    objects: &'a Objects,
+    tongs: &TongsPod,
+    namespace: Option<&str>,
+    grants: impl Fn(&Role) -> bool,
+) -> Vec<&'a str> {
     let account = tongs.service_account();
     let bound = |role: &str| {
         objects.role_bindings.values().any(|binding| {
@@ -124,29 +137,87 @@ fn granted<'a>(
         .roles
         .iter()
         .filter(|(name, role)| {
-            role.metadata.namespace.as_deref() == namespace
-                && grants_on_pods(role, verb)
-                && bound(name)
+            role.metadata.namespace.as_deref() == namespace && grants(role) && bound(name)
         })
         .map(|(name, _)| name.as_str())
         .collect()
 }
 
 fn grants_on_pods(role: &Role, verb: &str) -> bool {
+    grants(role, "", "pods", verb)
+}
+
+fn grants(role: &Role, group: &str, resource: &str, verb: &str) -> bool {
     role.rules.iter().flatten().any(|rule| {
-        rule.api_groups
-            .iter()
-            .flatten()
-            .any(|group| group.is_empty())
-            && rule.resources.iter().flatten().any(|r| r == "pods")
+        rule.api_groups.iter().flatten().any(|g| g == group)
+            && rule.resources.iter().flatten().any(|r| r == resource)
             && rule.verbs.iter().any(|v| v == verb)
     })
+}
+
+/// Roles of `namespace` bound to tongs' ServiceAccount that grant `verb` on EndpointSlices.
+fn granted_on_slices<'a>(
+    objects: &'a Objects,
+    tongs: &TongsPod,
+    namespace: Option<&str>,
+    verb: &str,
+) -> Vec<&'a str> {
+    granted_where(objects, tongs, namespace, |role| {
+        grants(role, "discovery.k8s.io", "endpointslices", verb)
+    })
+}
+
+/// `replicas.service` names the Service whose selector picks tongs' own pods, and tongs may read its
+/// EndpointSlices where it lives; a Role granting that with no `replicas.service` is unused.
+fn check_replicas(asks: &Asks, problems: &mut Problems) {
+    let (at, tongs, config, objects) = asks.parts();
+    let replicas = &config.replicas;
+    let readers = granted_on_slices(objects, tongs, tongs.namespace(), "list");
+    if replicas.service.is_empty() {
+        ensure!(
+            problems,
+            at,
+            readers.is_empty(),
+            "Role {readers:?} grants reading EndpointSlices, but tongs.yaml sets no replicas.service"
+        );
+        return;
+    }
+    let namespace = match replicas.namespace.as_str() {
+        "" => tongs.namespace(),
+        namespace => Some(namespace),
+    };
+    let own = objects
+        .services
+        .get(&replicas.service)
+        .is_some_and(|service| {
+            let selector = service.spec.as_ref().and_then(|s| s.selector.as_ref());
+            selects(selector, &pod_labels(tongs.deployment))
+        });
+    ensure!(
+        problems,
+        at,
+        own && namespace == tongs.namespace(),
+        "replicas.service {:?} is no Service of the rendering that selects tongs' own pods",
+        replicas.service
+    );
+    for verb in ["get", "list", "watch"] {
+        let roles = granted_on_slices(objects, tongs, namespace, verb);
+        ensure!(
+            problems,
+            at,
+            !roles.is_empty(),
+            "replicas.service is set, but no Role bound to ServiceAccount {} grants {verb} on \
+             endpointslices (discovery.k8s.io)",
+            tongs.service_account()
+        );
+    }
 }
 
 /// tongs' ServiceAccount may do to pods exactly what tongs.yaml needs: get, list and watch where each
 /// pool's discovery watches, and `patch` there only when node registration or write-back writes
 /// annotations.
 pub(crate) fn check_access(asks: &Asks, problems: &mut Problems) {
+    check_replicas(asks, problems);
     let (at, tongs, _config, objects) = asks.parts();
     let account = tongs.service_account();
     let mut writers = Vec::new();
