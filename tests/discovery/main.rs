@@ -28,6 +28,7 @@ mod harness;
 mod fake;
 mod lifecycle;
 mod pools;
+mod replicas;
 mod process;
 mod registration;
 mod reload;
