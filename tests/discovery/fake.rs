@@ -1,6 +1,7 @@
 //! The fake API server checked against kube-rs's own client and runtime watcher, so that the other
 //! tests test tongs and not the fake: selectors, pages, get, merge patch, watch events, 410, and loud
-//! refusal of what it does not implement.
+//! refusal of what it does not implement; for EndpointSlices too (`slices`: list, get, watch), kept
+//! apart from pods though both share one resourceVersion and history.
 
 use std::path::Path;
 
@@ -12,6 +13,8 @@ use serde_json::json;
 
 use crate::harness::*;
 use crate::support::*;
+
+mod slices;
 
 async fn kube_client(kubeconfig: &Path) -> kube::Client {
     let file = kube::config::Kubeconfig::read_from(kubeconfig).expect("kubeconfig reads");

@@ -1,5 +1,6 @@
-//! The fake cluster's state: pods, the one resourceVersion, the history watches resume from, the
-//! open watches, and the test controls that change them.
+//! The fake cluster's state: objects by resource (pods, EndpointSlices), the one resourceVersion and
+//! the one history watches resume from (as etcd keeps them for every resource), the open watches, and
+//! the test controls that change them.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -9,6 +10,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use super::resource::Resource;
 use super::selectors::{FieldSelector, LabelSelector};
 use super::{DEFAULT_HISTORY, FIRST_RESOURCE_VERSION, PatchRecord, RecordedRequest, Stats};
 
@@ -19,13 +21,14 @@ pub(super) enum ChangeKind {
     Deleted,
 }
 
-/// One change to a pod, as the history keeps it for watches.
+/// One change to an object, as the history keeps it for watches.
 pub(super) struct Change {
+    pub(super) resource: Resource,
     pub(super) resource_version: u64,
     pub(super) kind: ChangeKind,
-    /// The pod before the change (for a watch to tell "stopped matching" from "never matched").
+    /// The object before the change (for a watch to tell "stopped matching" from "never matched").
     pub(super) before: Option<Value>,
-    /// The pod after the change (for a deletion: its last state, at the deletion's resourceVersion).
+    /// The object after the change (for a deletion: its last state, at the deletion's resourceVersion).
     pub(super) after: Value,
 }
 
@@ -36,20 +39,22 @@ pub(super) enum WatchFrame {
 }
 
 /// What a watch or list is about.
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub(super) struct Scope {
+    pub(super) resource: Resource,
     pub(super) namespace: Option<String>,
     pub(super) labels: LabelSelector,
     pub(super) fields: FieldSelector,
 }
 
 impl Scope {
-    pub(super) fn matches(&self, pod: &Value) -> bool {
+    /// Whether an object of this scope's resource is in it.
+    pub(super) fn matches(&self, object: &Value) -> bool {
         self.namespace
             .as_deref()
-            .is_none_or(|ns| text(pod, &["metadata", "namespace"]) == ns)
-            && self.labels.matches(pod)
-            && self.fields.matches(pod)
+            .is_none_or(|ns| text(object, &["metadata", "namespace"]) == ns)
+            && self.labels.matches(object)
+            && self.fields.matches(object)
     }
 }
 
@@ -67,11 +72,11 @@ pub(super) struct Snapshot {
     pub(super) items: Arc<Vec<Value>>,
 }
 
-/// The fake cluster's state: pods, history, open watches, and the test controls.
+/// The fake cluster's state: objects, history, open watches, and the test controls.
 pub struct Cluster {
     pub(super) resource_version: u64,
-    /// By (namespace, name): the key order etcd lists in.
-    pub(super) pods: BTreeMap<(String, String), Value>,
+    /// By resource, then (namespace, name): the key order etcd lists in.
+    pub(super) objects: BTreeMap<Resource, BTreeMap<(String, String), Value>>,
     pub(super) history: VecDeque<Change>,
     pub(super) history_limit: usize,
     /// Every change after this resourceVersion is in `history`; a watch may start from here on.
@@ -91,7 +96,7 @@ impl Cluster {
     pub(super) fn new() -> Cluster {
         Cluster {
             resource_version: FIRST_RESOURCE_VERSION,
-            pods: BTreeMap::new(),
+            objects: BTreeMap::new(),
             history: VecDeque::new(),
             history_limit: DEFAULT_HISTORY,
             compacted: FIRST_RESOURCE_VERSION,
@@ -114,59 +119,14 @@ impl Cluster {
 
     /// Creates a pod (a JSON object with at least `metadata.name`; `metadata.namespace` defaults to
     /// `default`), filling in what the server owns; emits `ADDED`. Panics if it exists: a test's error.
-    pub fn create(&mut self, mut pod: Value) -> u64 {
-        let Some(metadata) = pod.get_mut("metadata").and_then(Value::as_object_mut) else {
-            panic!("fake kube API: a pod needs metadata.name: {pod}");
-        };
-        metadata
-            .entry("namespace")
-            .or_insert_with(|| json!("default"));
-        let id = self.next_id;
-        self.next_id += 1;
-        metadata.insert(
-            "uid".into(),
-            json!(format!("00000000-0000-4000-8000-{id:012x}")),
-        );
-        metadata.insert("creationTimestamp".into(), json!(timestamp()));
-        metadata.insert(
-            "managedFields".into(),
-            json!([{
-                "manager": "fake-kube-api", "operation": "Update", "apiVersion": "v1",
-                "time": timestamp(), "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {}}
-            }]),
-        );
-        let key = key_of(&pod);
-        assert!(
-            !key.1.is_empty(),
-            "fake kube API: a pod needs metadata.name"
-        );
-        assert!(
-            !self.pods.contains_key(&key),
-            "fake kube API: pod {}/{} exists already",
-            key.0,
-            key.1
-        );
-        if let Some(object) = pod.as_object_mut() {
-            object.insert("apiVersion".into(), json!("v1"));
-            object.insert("kind".into(), json!("Pod"));
-        }
-        self.commit(ChangeKind::Added, None, pod)
+    pub fn create(&mut self, pod: Value) -> u64 {
+        self.create_object(Resource::Pods, pod)
     }
 
     /// Changes pod `namespace/name` with `change`, keeping what the server owns; emits `MODIFIED`
     /// unless nothing changed. Panics if there is no such pod.
     pub fn update(&mut self, namespace: &str, name: &str, change: impl FnOnce(&mut Value)) -> u64 {
-        let key = (namespace.to_owned(), name.to_owned());
-        let Some(before) = self.pods.get(&key).cloned() else {
-            panic!("fake kube API: no pod {namespace}/{name} to update");
-        };
-        let mut after = before.clone();
-        change(&mut after);
-        keep_server_fields(&before, &mut after);
-        if after == before {
-            return self.resource_version;
-        }
-        self.commit(ChangeKind::Modified, Some(before), after)
+        self.update_object(Resource::Pods, namespace, name, change)
     }
 
     /// Starts deleting a pod, as `DELETE` with a grace period does: `deletionTimestamp` is set and the
@@ -182,18 +142,133 @@ impl Cluster {
 
     /// Removes a pod; emits `DELETED` with its last state. Panics if there is no such pod.
     pub fn delete(&mut self, namespace: &str, name: &str) -> u64 {
-        let key = (namespace.to_owned(), name.to_owned());
-        let Some(before) = self.pods.get(&key).cloned() else {
-            panic!("fake kube API: no pod {namespace}/{name} to delete");
-        };
-        self.commit(ChangeKind::Deleted, Some(before.clone()), before)
+        self.delete_object(Resource::Pods, namespace, name)
     }
 
     /// A pod as stored.
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
-        self.pods
+        self.object(Resource::Pods, namespace, name)
+    }
+
+    /// Creates an EndpointSlice (see [`super::endpoint_slice`]), as [`Cluster::create`] does a pod.
+    pub fn create_slice(&mut self, slice: Value) -> u64 {
+        self.create_object(Resource::EndpointSlices, slice)
+    }
+
+    /// Changes EndpointSlice `namespace/name`, as [`Cluster::update`] does a pod.
+    pub fn update_slice(
+        &mut self,
+        namespace: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> u64 {
+        self.update_object(Resource::EndpointSlices, namespace, name, change)
+    }
+
+    /// Removes an EndpointSlice; emits `DELETED`. Panics if there is no such slice.
+    pub fn delete_slice(&mut self, namespace: &str, name: &str) -> u64 {
+        self.delete_object(Resource::EndpointSlices, namespace, name)
+    }
+
+    /// An EndpointSlice as stored.
+    pub fn slice(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.object(Resource::EndpointSlices, namespace, name)
+    }
+
+    /// Creates an object of `resource` (a JSON object with at least `metadata.name`;
+    /// `metadata.namespace` defaults to `default`), filling in what the server owns (uid,
+    /// creationTimestamp, managedFields, resourceVersion, and `apiVersion`/`kind` as the server returns
+    /// them); emits `ADDED`. Returns the new resourceVersion. Panics if it exists: a test's error.
+    pub fn create_object(&mut self, resource: Resource, mut object: Value) -> u64 {
+        let kind = resource.kind();
+        let Some(metadata) = object.get_mut("metadata").and_then(Value::as_object_mut) else {
+            panic!("fake kube API: a {kind} needs metadata.name: {object}");
+        };
+        metadata
+            .entry("namespace")
+            .or_insert_with(|| json!("default"));
+        let id = self.next_id;
+        self.next_id += 1;
+        metadata.insert(
+            "uid".into(),
+            json!(format!("00000000-0000-4000-8000-{id:012x}")),
+        );
+        metadata.insert("creationTimestamp".into(), json!(timestamp()));
+        metadata.insert(
+            "managedFields".into(),
+            json!([{
+                "manager": "fake-kube-api", "operation": "Update",
+                "apiVersion": resource.api_version(),
+                "time": timestamp(), "fieldsType": "FieldsV1", "fieldsV1": {"f:metadata": {}}
+            }]),
+        );
+        let key = key_of(&object);
+        assert!(
+            !key.1.is_empty(),
+            "fake kube API: a {kind} needs metadata.name"
+        );
+        assert!(
+            self.object(resource, &key.0, &key.1).is_none(),
+            "fake kube API: {kind} {}/{} exists already",
+            key.0,
+            key.1
+        );
+        if let Some(fields) = object.as_object_mut() {
+            fields.insert("apiVersion".into(), json!(resource.api_version()));
+            fields.insert("kind".into(), json!(kind));
+        }
+        self.commit(resource, ChangeKind::Added, None, object)
+    }
+
+    /// Changes object `namespace/name` of `resource` with `change`, keeping what the server owns; emits
+    /// `MODIFIED` unless nothing changed. Panics if there is no such object.
+    pub fn update_object(
+        &mut self,
+        resource: Resource,
+        namespace: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> u64 {
+        let Some(before) = self.object(resource, namespace, name) else {
+            panic!(
+                "fake kube API: no {} {namespace}/{name} to update",
+                resource.kind()
+            );
+        };
+        let mut after = before.clone();
+        change(&mut after);
+        keep_server_fields(&before, &mut after);
+        if after == before {
+            return self.resource_version;
+        }
+        self.commit(resource, ChangeKind::Modified, Some(before), after)
+    }
+
+    /// Removes an object of `resource`; emits `DELETED` with its last state. Panics if there is none.
+    pub fn delete_object(&mut self, resource: Resource, namespace: &str, name: &str) -> u64 {
+        let Some(before) = self.object(resource, namespace, name) else {
+            panic!(
+                "fake kube API: no {} {namespace}/{name} to delete",
+                resource.kind()
+            );
+        };
+        self.commit(resource, ChangeKind::Deleted, Some(before.clone()), before)
+    }
+
+    /// An object as stored.
+    pub fn object(&self, resource: Resource, namespace: &str, name: &str) -> Option<Value> {
+        self.objects
+            .get(&resource)?
             .get(&(namespace.to_owned(), name.to_owned()))
             .cloned()
+    }
+
+    /// The stored objects of `resource`, in key order (namespace, name).
+    pub(super) fn objects_of(&self, resource: Resource) -> impl Iterator<Item = &Value> {
+        self.objects
+            .get(&resource)
+            .into_iter()
+            .flat_map(BTreeMap::values)
     }
 
     /// Cuts every open watch connection abruptly (no chunked terminator), as a lost connection or a
@@ -248,22 +323,25 @@ impl Cluster {
         self.lists_to_fail = 0;
     }
 
-    /// Sends a `BOOKMARK` at the current resourceVersion to every watch that allowed bookmarks.
+    /// Sends a `BOOKMARK` at the current resourceVersion to every watch that allowed bookmarks (of any
+    /// resource, each with its own kind).
     pub fn bookmark(&mut self) -> usize {
-        let line = event_line(
-            "BOOKMARK",
-            &json!({
-                "kind": "Pod", "apiVersion": "v1",
-                "metadata": {"resourceVersion": self.resource_version.to_string()}
-            }),
-        );
+        let version = self.resource_version.to_string();
         let mut sent = 0;
         self.watches.retain(|watch| {
             if !watch.bookmarks {
                 return true;
             }
             sent += 1;
-            watch.sender.send(WatchFrame::Line(line.clone())).is_ok()
+            let resource = watch.scope.resource;
+            let line = event_line(
+                "BOOKMARK",
+                &json!({
+                    "kind": resource.kind(), "apiVersion": resource.api_version(),
+                    "metadata": {"resourceVersion": version}
+                }),
+            );
+            watch.sender.send(WatchFrame::Line(line)).is_ok()
         });
         sent
     }
@@ -282,6 +360,7 @@ impl Cluster {
     /// Records a change, keeps it for watches and sends it to the open ones. Returns its version.
     pub(super) fn commit(
         &mut self,
+        resource: Resource,
         kind: ChangeKind,
         before: Option<Value>,
         mut after: Value,
@@ -292,15 +371,17 @@ impl Cluster {
             metadata.insert("resourceVersion".into(), json!(version.to_string()));
         }
         let key = key_of(&after);
+        let store = self.objects.entry(resource).or_default();
         match kind {
             ChangeKind::Deleted => {
-                self.pods.remove(&key);
+                store.remove(&key);
             }
             ChangeKind::Added | ChangeKind::Modified => {
-                self.pods.insert(key, after.clone());
+                store.insert(key, after.clone());
             }
         }
         let change = Change {
+            resource,
             resource_version: version,
             kind,
             before,
@@ -332,6 +413,9 @@ impl Cluster {
 
 /// The watch event a change makes for a watch of `scope`, as a JSON line (none if it does not see it).
 pub(super) fn event_for(scope: &Scope, change: &Change) -> Option<Bytes> {
+    if change.resource != scope.resource {
+        return None;
+    }
     let now = scope.matches(&change.after);
     let was = change.before.as_ref().is_some_and(|b| scope.matches(b));
     let kind = match change.kind {
@@ -351,10 +435,10 @@ pub(super) fn event_line(kind: &str, object: &Value) -> Bytes {
     Bytes::from(line)
 }
 
-pub(super) fn key_of(pod: &Value) -> (String, String) {
+pub(super) fn key_of(object: &Value) -> (String, String) {
     (
-        text(pod, &["metadata", "namespace"]).to_owned(),
-        text(pod, &["metadata", "name"]).to_owned(),
+        text(object, &["metadata", "namespace"]).to_owned(),
+        text(object, &["metadata", "name"]).to_owned(),
     )
 }
 

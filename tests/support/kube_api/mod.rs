@@ -1,45 +1,63 @@
-//! A fake of the Kubernetes API server's pod endpoints, faithful enough that kube-rs's own client and
-//! `kube::runtime::watcher` run against it unchanged: tongs reaches it through a kubeconfig file
-//! (cluster `http://127.0.0.1:PORT`, a bearer token), over plain HTTP/1.1 on a real socket.
+//! A fake of the Kubernetes API server's pod and EndpointSlice endpoints, faithful enough that kube-rs's
+//! own client and `kube::runtime::watcher` run against it unchanged: tongs reaches it through a
+//! kubeconfig file (cluster `http://127.0.0.1:PORT`, a bearer token), over plain HTTP/1.1 on a real
+//! socket.
+//!
+//! Two resources ([`Resource`]): `v1` `Pod` under `/api/v1` (`pods`), and `discovery.k8s.io/v1`
+//! `EndpointSlice` under `/apis/discovery.k8s.io/v1` (`endpointslices`). As in etcd, objects of both
+//! share the one global resourceVersion and the one history of changes (each change tagged with its
+//! resource); every list, watch and get is scoped to one resource, so a pod change never shows up in
+//! a watch of EndpointSlices, nor the reverse.
 //!
 //! What it covers, in the API server's wire format (JSON, `Status` objects for every error):
-//! - `GET /api/v1/pods` and `GET /api/v1/namespaces/{ns}/pods`: a `PodList` with
+//! - `GET /api/v1/pods`, `GET /api/v1/namespaces/{ns}/pods`, and the same for
+//!   `/apis/discovery.k8s.io/v1/.../endpointslices`: a `PodList` (`EndpointSliceList`) with
 //!   `metadata.resourceVersion`; `labelSelector` (`k=v`, `k==v`, `k!=v`, `k`, `!k`, `k in (a,b)`,
-//!   `k notin (a,b)`, comma-joined), `fieldSelector` (`=`, `==`, `!=` on the pod fields the API server
-//!   indexes: `metadata.name`, `metadata.namespace`, `spec.nodeName`, `spec.restartPolicy`,
+//!   `k notin (a,b)`, comma-joined), `fieldSelector` (`=`, `==`, `!=` on the fields the API server
+//!   indexes: for pods `metadata.name`, `metadata.namespace`, `spec.nodeName`, `spec.restartPolicy`,
 //!   `spec.schedulerName`, `spec.serviceAccountName`, `spec.hostNetwork`, `status.phase`,
-//!   `status.podIP`, `status.nominatedNodeName`; any other field is a 400 as on a real server);
+//!   `status.podIP`, `status.nominatedNodeName`; for EndpointSlices only `metadata.name` and
+//!   `metadata.namespace`; any other field is a 400 as on a real server);
 //!   `limit` + `continue` pagination over a consistent snapshot (a continue token outlives neither
 //!   [`Cluster::compact`] nor the last 64 snapshots: 410 `Expired` then, as after etcd compaction);
 //!   `resourceVersion` (unset, `0`, or not newer than the current one) with `resourceVersionMatch`.
 //! - `GET ...?watch=true`: a chunked stream of JSON lines `{"type": ..., "object": ...}`. From
-//!   `resourceVersion=N` it replays the changes after N from the kept history, then streams live ones;
-//!   without one (or `0`) it starts with synthetic `ADDED` events for the current pods. An N older than
-//!   the history answers one `ERROR` event with a 410 `Expired` `Status` ("too old resource version").
-//!   Selectors apply to events as on a real server: a pod that stops matching arrives as `DELETED`, one
-//!   that starts matching as `ADDED`. `allowWatchBookmarks` gets `BOOKMARK` events (sent by
-//!   [`Cluster::bookmark`]); `timeoutSeconds` ends the stream cleanly.
-//! - `GET /api/v1/namespaces/{ns}/pods/{name}`, and `PATCH` of it with `application/merge-patch+json`
+//!   `resourceVersion=N` it replays the changes to its resource after N from the kept history, then
+//!   streams live ones; without one (or `0`) it starts with synthetic `ADDED` events for the current
+//!   objects. An N older than the history answers one `ERROR` event with a 410 `Expired` `Status`
+//!   ("too old resource version"). Selectors apply to events as on a real server: an object that stops
+//!   matching arrives as `DELETED`, one that starts matching as `ADDED`. `allowWatchBookmarks` gets
+//!   `BOOKMARK` events (sent by [`Cluster::bookmark`], with the watched resource's kind);
+//!   `timeoutSeconds` ends the stream cleanly.
+//! - `GET /api/v1/namespaces/{ns}/pods/{name}` and
+//!   `GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices/{name}`; unknown objects are a 404
+//!   `NotFound`.
+//! - `PATCH` of a pod (not of an EndpointSlice) with `application/merge-patch+json`
 //!   (RFC 7386; `application/strategic-merge-patch+json` only for `metadata`, where the two agree):
 //!   bumps the resourceVersion and emits `MODIFIED`, unless nothing changed; `status` in the patch is
 //!   ignored (it is a subresource), `spec` changes are refused (422) as pod updates mostly are, a
 //!   `metadata.resourceVersion` or `metadata.uid` in the patch is a precondition (409); unknown pods
 //!   are a 404 `NotFound`. Every patch is recorded ([`FakeKubeApi::patches`]).
 //! - Test controls ([`Cluster`], through [`FakeKubeApi::atomically`] or the shortcuts on
-//!   [`FakeKubeApi`]): create, update, start deleting (`deletionTimestamp`) and delete pods (each bumps
-//!   the one global resourceVersion); drop every open watch abruptly (the chunked stream is cut without
-//!   its terminator) or end them cleanly (as a server-side timeout does); make the next watches answer
-//!   410; forget the history (compaction); make the next lists fail with 500; count lists, watches and
-//!   patches; record every request.
+//!   [`FakeKubeApi`]): create, update, start deleting (`deletionTimestamp`) and delete pods; create,
+//!   update and delete EndpointSlices ([`Cluster::create_slice`] and co., [`endpoint_slice`] builds
+//!   one as the EndpointSlice controller writes it) or objects of any [`Resource`]
+//!   ([`Cluster::create_object`] and co.); each change bumps the one global resourceVersion; drop
+//!   every open watch abruptly (the chunked stream is cut without its terminator) or end them cleanly
+//!   (as a server-side timeout does); make the next watches answer 410; forget the history
+//!   (compaction); make the next lists fail with 500; count lists, watches and patches; record every
+//!   request. These controls and [`Stats`] are not per resource: they apply to and count lists and
+//!   watches of both.
 //!
-//! What it does not cover: other resources, API discovery (`/api`, `/apis`, `/version`), create,
-//! update (PUT) and delete through the API, `deleteCollection`, subresources (`/status`, `/log`,
-//! `/exec`), server-side apply and JSON patch (415), streaming lists (`sendInitialEvents`: 400), list at
-//! an exact past resourceVersion (410 unless it is the current one), protobuf, TLS and any
-//! authentication but one bearer token, admission, defaulting and validation of pod objects (they are
-//! stored as the test writes them, plus the metadata the server owns: uid, resourceVersion,
-//! creationTimestamp, managedFields), periodic bookmarks, and watch-cache delays (every change is
-//! visible at once).
+//! What it does not cover: other resources (Services, Endpoints, nodes, ...), API discovery (`/api`,
+//! `/apis`, `/version`), create, update (PUT) and delete through the API, `PATCH` of EndpointSlices
+//! (405), `deleteCollection`, subresources (`/status`, `/log`, `/exec`), server-side apply and JSON
+//! patch (415), streaming lists (`sendInitialEvents`: 400), list at an exact past resourceVersion (410
+//! unless it is the current one), protobuf, TLS and any authentication but one bearer token,
+//! admission, defaulting and validation of objects (they are stored as the test writes them, plus the
+//! metadata the server owns: uid, resourceVersion, creationTimestamp, managedFields, and
+//! `apiVersion`/`kind`), the EndpointSlice controller (slices change only when a test changes them,
+//! never from pods), periodic bookmarks, and watch-cache delays (every change is visible at once).
 //!
 //! Anything it does not implement is never silently ignored: unknown query parameters, paths, media
 //! types and features are answered with a `Status` error, printed, and kept in
@@ -48,7 +66,9 @@
 #![allow(dead_code)]
 
 mod cluster;
+mod collection;
 mod pod;
+mod resource;
 /// Label and field selectors as the API server reads them; `tests/deploy` checks the manifests' selectors
 /// with the same reading.
 pub mod selectors;
@@ -65,6 +85,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use cluster::Cluster;
+pub use resource::{Resource, endpoint_slice};
 
 /// Largest request body accepted (the API server's own limit is 3 MiB).
 pub(super) const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
@@ -135,8 +156,14 @@ impl RecordedRequest {
         self.param("watch").is_some_and(|w| w == "true" || w == "1")
     }
 
+    /// A list of pods (not of another resource).
     pub fn is_list(&self) -> bool {
         self.method == Method::GET && self.path.ends_with("/pods") && !self.is_watch()
+    }
+
+    /// The resource the request's path is about, if the fake serves it.
+    pub fn resource(&self) -> Option<Resource> {
+        Resource::of_path(&self.path)
     }
 }
 
@@ -217,6 +244,27 @@ impl FakeKubeApi {
 
     pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
         self.atomically(|c| c.pod(namespace, name))
+    }
+
+    pub fn create_slice(&self, slice: Value) -> u64 {
+        self.atomically(|c| c.create_slice(slice))
+    }
+
+    pub fn update_slice(
+        &self,
+        namespace: &str,
+        name: &str,
+        change: impl FnOnce(&mut Value),
+    ) -> u64 {
+        self.atomically(|c| c.update_slice(namespace, name, change))
+    }
+
+    pub fn delete_slice(&self, namespace: &str, name: &str) -> u64 {
+        self.atomically(|c| c.delete_slice(namespace, name))
+    }
+
+    pub fn slice(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.atomically(|c| c.slice(namespace, name))
     }
 
     pub fn drop_watches(&self) -> usize {

@@ -1,29 +1,13 @@
-//! One pod: `GET` it, and `PATCH` it with a JSON merge patch (recorded, preconditions checked, status
+//! One pod: `PATCH` it with a JSON merge patch (recorded, preconditions checked, status
 //! ignored, spec immutable).
 
 use http::{HeaderMap, Response, StatusCode, header};
 use serde_json::{Map, Value};
 
 use super::cluster::{ChangeKind, Cluster, keep_server_fields, text};
+use super::resource::Resource;
 use super::server::{ApiBody, Query, bad_request, check_params, failure, json_response, not_found};
 use super::{PatchRecord, Shared};
-
-pub(super) fn get_pod(
-    shared: &Shared,
-    namespace: &str,
-    name: &str,
-    query: &Query,
-) -> Response<ApiBody> {
-    let mut cluster = shared.cluster();
-    if let Some(refused) = check_params(&mut cluster, "get", query, &["resourceVersion", "pretty"])
-    {
-        return refused;
-    }
-    match cluster.pod(namespace, name) {
-        Some(pod) => json_response(StatusCode::OK, &pod),
-        None => not_found(name),
-    }
-}
 
 /// RFC 7386 JSON merge patch.
 fn merge_patch(target: &mut Value, patch: &Value) {
@@ -133,7 +117,7 @@ fn patch_answer(
         return bad_request("error decoding patch: metadata must be an object");
     }
     let Some(before) = cluster.pod(namespace, name) else {
-        return not_found(name);
+        return not_found(Resource::Pods, name);
     };
     let wanted = |field: &str| patch.get("metadata").and_then(|m| m.get(field));
     for field in ["name", "namespace"] {
@@ -197,7 +181,7 @@ fn patch_answer(
     if after == before || dry_run {
         return json_response(StatusCode::OK, &after);
     }
-    cluster.commit(ChangeKind::Modified, Some(before), after);
+    cluster.commit(Resource::Pods, ChangeKind::Modified, Some(before), after);
     let stored = cluster.pod(namespace, name).unwrap_or(Value::Null);
     json_response(StatusCode::OK, &stored)
 }

@@ -159,12 +159,18 @@ pub(crate) fn label_value(value: &str) -> Result<String, String> {
     }
 }
 
-/// A field selector over the pod fields the API server supports.
+/// A field selector over the fields the API server indexes for a resource.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub(crate) struct FieldSelector(Vec<(String, bool, String)>);
 
 impl FieldSelector {
+    /// A field selector over pod fields.
     pub(crate) fn parse(text: &str) -> Result<FieldSelector, String> {
+        FieldSelector::parse_for(text, &POD_FIELDS)
+    }
+
+    /// A field selector that may name only `supported` fields.
+    pub(crate) fn parse_for(text: &str, supported: &[&str]) -> Result<FieldSelector, String> {
         let mut terms = Vec::new();
         if text.trim().is_empty() {
             return Ok(FieldSelector(terms));
@@ -182,7 +188,7 @@ impl FieldSelector {
                 ));
             };
             let field = field.trim();
-            if !POD_FIELDS.contains(&field) {
+            if !supported.contains(&field) {
                 return Err(format!("field label not supported: {field}"));
             }
             terms.push((field.to_owned(), equal, value.trim().to_owned()));
