@@ -87,12 +87,14 @@ async fn fixed_limits_are_divided_by_the_ready_replicas_of_tongs_own_service() {
         slice["endpoints"][1]["conditions"]["serving"] = Value::Bool(false);
     });
     until_shared(&proxy, 2, &[(&capped, 3), (&fixed, 4)]).await;
-    // Terminating but still serving (draining its streams): still holds its share.
+    // Terminating but still serving (draining its streams) still holds its share, beside one that
+    // became ready in the same change: 3.
     api.update_slice(NS, "tongs-b", |slice| {
         slice["endpoints"][0]["conditions"] =
             serde_json::json!({"ready": false, "serving": true, "terminating": true});
+        slice["endpoints"][1]["conditions"]["ready"] = Value::Bool(true);
     });
-    assert_eq!(debug(&proxy).await["replicas"]["ready"], 2);
+    until_shared(&proxy, 3, &[(&capped, 2), (&fixed, 3)]).await;
     api.delete_slice(NS, "tongs-b");
     until_shared(&proxy, 1, &[(&capped, 5), (&fixed, 8)]).await;
     cluster.finish(proxy).await;
@@ -120,7 +122,10 @@ async fn a_larger_share_lets_a_waiting_request_through_at_once() {
     // Two requests, a share of one: the second waits in tongs' queue, not at the node.
     let url = proxy.url("/");
     let first = tokio::spawn(get_owned(url.clone()));
-    until("the first request at the node", || async { node.arrived() == 1 }).await;
+    until("the first request at the node", || async {
+        node.arrived() == 1
+    })
+    .await;
     let second = tokio::spawn(get_owned(url));
     until("the second request in the queue", || async {
         debug(&proxy).await["queue"]["waiting"] == 1
@@ -145,4 +150,45 @@ async fn a_larger_share_lets_a_waiting_request_through_at_once() {
 
 async fn get_owned(url: String) -> (u16, String) {
     get(&url).await
+}
+
+#[tokio::test]
+async fn a_reload_that_names_no_service_counts_one_again_and_naming_it_watches_again() {
+    let cluster = Cluster::start("tongs-replicas-reload").await;
+    let api = &cluster.api;
+    let node = named("127.0.0.5", "node").await;
+    api.create_slice(endpoint_slice(
+        NS,
+        "tongs-a",
+        "tongs",
+        &[true, true, true, true],
+    ));
+    let with = |service: &str| {
+        let top = format!(
+            "concurrency: {{ limit: static, max_outstanding_per_endpoint: 8 }}\n\
+             replicas: {{ service: \"{service}\", kubeconfig: {} }}",
+            cluster.kubeconfig.display()
+        );
+        cluster.config_and_static(&[], &top, &[node.url()])
+    };
+    let app = tongs::App::bind(&with("tongs")).await.expect("binds");
+    let parts = app.parts().clone();
+    let admin = app.admin_addr();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let task = tokio::spawn(app.run(shutdown.clone()));
+    let proxy = TestProxy {
+        addr: admin,
+        admin,
+        app_registry: parts.registry(),
+        app_queue: parts.queue(),
+        shutdown,
+        task,
+    };
+    until_shared(&proxy, 4, &[(&node.url(), 2)]).await;
+    assert!(parts.apply(&with("")).is_empty());
+    until_shared(&proxy, 1, &[(&node.url(), 8)]).await;
+    assert_eq!(debug(&proxy).await["replicas"]["service"], Value::Null);
+    assert!(parts.apply(&with("tongs")).is_empty());
+    until_shared(&proxy, 4, &[(&node.url(), 2)]).await;
+    cluster.finish(proxy).await;
 }

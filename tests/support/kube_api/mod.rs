@@ -85,6 +85,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use cluster::Cluster;
+#[allow(unused_imports)] // Not every test binary builds slices.
 pub use resource::{Resource, endpoint_slice};
 
 /// Largest request body accepted (the API server's own limit is 3 MiB).
