@@ -2,7 +2,7 @@
 //!
 //! Parsing is strict (`deny_unknown_fields`): a misspelt key is an error, never silently ignored, because
 //! an ignored `timeouts.conect` would leave a production proxy on a default nobody chose.
-//! Every key is documented in `config/tongs.yaml` and in the README's table.
+//! Every key is documented in `config/tongs.yaml` and in the table of `docs/configuration.md`.
 
 mod address;
 mod balance;

@@ -1,5 +1,5 @@
-//! Every metric tongs exports, defined once: name, Prometheus type and help text. The README's table
-//! is checked against [`CATALOG`].
+//! Every metric tongs exports, defined once: name, Prometheus type and help text. The table in
+//! `docs/metrics.md` is checked against [`CATALOG`].
 
 /// One metric: name, Prometheus type, help text.
 pub struct Spec {

@@ -15,7 +15,7 @@
 //! half its CPU per request again, so the histograms were hand-written first and the rest followed, to
 //! keep one path from the counters to the page.
 //!
-//! Every metric name is defined once, in [`CATALOG`]; the README's table is checked against it.
+//! Every metric name is defined once, in [`CATALOG`]; the table in `docs/metrics.md` is checked against it.
 
 mod catalog;
 mod histogram;

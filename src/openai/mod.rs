@@ -54,7 +54,7 @@ pub struct Continuable {
     max_tokens: Option<u64>,
 }
 
-/// Why a streamed request is not continued when its node breaks (named in the README's list).
+/// Why a streamed request is not continued when its node breaks (listed in `docs/design.md`, "Not continued").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum NotContinuable {
     /// Not one of the two paths, not a JSON object, or not `"stream": true`: nothing to continue.

@@ -1,5 +1,5 @@
-//! Configuration (`src/config/`, `src/reload.rs`, `src/main.rs`): the shipped example and the README's
-//! table of keys, reload from a ConfigMap-style volume, and the `tongs` binary's config check and
+//! Configuration (`src/config/`, `src/reload.rs`, `src/main.rs`): the shipped example and the table of
+//! keys in `docs/configuration.md`, reload from a ConfigMap-style volume, and the `tongs` binary's config check and
 //! SIGTERM drain.
 //!
 //! The kubelet's ConfigMap volume is played by the test (real files, real symlink swaps, real inotify);

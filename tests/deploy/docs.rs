@@ -290,3 +290,193 @@ fn placeholders_are_found_in_text() {
     );
     assert!(placeholders("replaces the file").is_empty());
 }
+
+/// Longest the top-level README may grow: it is a first contact (the problem, the two commands,
+/// prerequisites, short sections), and reference material belongs in docs/ (#20).
+const README_MAX_LINES: usize = 320;
+
+/// The Markdown a reader moves between: the READMEs, the benchmark figures and every file of docs/.
+fn markdown_files() -> Vec<String> {
+    let mut files: Vec<String> = [
+        "README.md",
+        "deploy/README.md",
+        "benches/README.md",
+        "benches/RESULTS.md",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut docs: Vec<String> = std::fs::read_dir(Path::new(crate::ROOT).join("docs"))
+        .expect("a docs/ directory")
+        .map(|entry| {
+            entry
+                .expect("a docs/ entry")
+                .file_name()
+                .to_string_lossy()
+                .into_owned()
+        })
+        .filter(|name| name.ends_with(".md"))
+        .map(|name| format!("docs/{name}"))
+        .collect();
+    docs.sort();
+    files.extend(docs);
+    files
+}
+
+/// The targets of `[text](target)` links outside fenced code blocks and code spans, web links left out.
+fn relative_links(markdown: &str) -> Vec<String> {
+    let mut links = Vec::new();
+    let mut fenced = false;
+    for line in markdown.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Code spans are the odd pieces between backticks.
+        let prose: String = line.split('`').step_by(2).collect::<Vec<_>>().join(" ");
+        let mut rest = prose.as_str();
+        while let Some(at) = rest.find("](") {
+            rest = &rest[at + 2..];
+            let end = rest.find(')').unwrap_or(rest.len());
+            let target = &rest[..end];
+            if !target.contains("://") && !target.starts_with("mailto:") {
+                links.push(target.to_owned());
+            }
+            rest = &rest[end..];
+        }
+    }
+    links
+}
+
+/// The anchors GitHub gives a Markdown file's headings: lower case, spaces as `-`, punctuation dropped.
+fn anchors(markdown: &str) -> BTreeSet<String> {
+    let mut fenced = false;
+    let mut found = BTreeSet::new();
+    for line in markdown.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        } else if !fenced && line.starts_with('#') {
+            let title = line.trim_start_matches('#').trim().to_lowercase();
+            let slug = title
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect();
+            found.insert(slug);
+        }
+    }
+    found
+}
+
+/// Every relative link of the READMEs and docs/ points at a file that exists, and every `#anchor` at a
+/// heading of that file: moving a section must not leave a reader at a dead end.
+#[test]
+fn relative_links_in_the_docs_resolve() {
+    let mut broken = Vec::new();
+    for file in markdown_files() {
+        let dir = Path::new(&file).parent().expect("a file in the repository");
+        for link in relative_links(&read(&file)) {
+            let (path, anchor) = link
+                .split_once('#')
+                .map_or((link.as_str(), None), |(path, anchor)| (path, Some(anchor)));
+            let target = if path.is_empty() {
+                Path::new(&file).to_path_buf()
+            } else {
+                dir.join(path)
+            };
+            let full = Path::new(crate::ROOT).join(&target);
+            if !full.exists() {
+                broken.push(format!("{file}: ({link}): no {}", target.display()));
+            } else if let Some(anchor) = anchor {
+                let text = std::fs::read_to_string(&full).unwrap_or_default();
+                if !anchors(&text).contains(anchor) {
+                    broken.push(format!(
+                        "{file}: ({link}): no heading #{anchor} in {}",
+                        target.display()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// The README stays a first contact: short, the two commands first, the prerequisites it states true
+/// (the Rust version `Cargo.toml` declares, every Debian package `scripts/test.sh` may install), and a
+/// link to every file of docs/, where the reference material lives.
+#[test]
+fn the_readme_is_a_first_contact() {
+    let readme = read("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines (at most {README_MAX_LINES}): move reference material to docs/"
+    );
+    let commands = section(&readme, "## Two commands");
+    for command in ["cargo run --release -- demo", "bash scripts/test.sh"] {
+        assert!(
+            commands.contains(&format!("\n{command}\n")),
+            "README's two commands lack `{command}`"
+        );
+    }
+    assert!(
+        read(".ci/run").contains("\nbash scripts/test.sh\n"),
+        ".ci/run no longer runs the README's test command"
+    );
+
+    let prerequisites = section(&readme, "## Prerequisites and expected times");
+    let cargo = read("Cargo.toml");
+    let rust_version = cargo
+        .lines()
+        .find_map(|line| line.strip_prefix("rust-version = "))
+        .expect("Cargo.toml declares rust-version")
+        .trim_matches('"');
+    assert!(
+        prerequisites.contains(&format!("Rust **{rust_version} or newer**")),
+        "README's prerequisites do not name Rust {rust_version}, Cargo.toml's rust-version"
+    );
+    let script = read("scripts/test.sh");
+    let packages: Vec<&str> = script
+        .split("need+=(")
+        .skip(1)
+        .map(|rest| rest.split(')').next().unwrap_or(""))
+        .collect();
+    assert!(
+        packages.len() >= 10,
+        "scripts/test.sh installs {packages:?}"
+    );
+    for package in packages {
+        assert!(
+            prerequisites.contains(&format!("`{package}`")),
+            "README's prerequisites do not name `{package}`, which scripts/test.sh installs"
+        );
+    }
+
+    let linked = relative_links(&readme);
+    for file in markdown_files()
+        .iter()
+        .filter(|file| file.starts_with("docs/"))
+    {
+        assert!(
+            linked
+                .iter()
+                .any(|link| link == file || link.starts_with(&format!("{file}#"))),
+            "README.md does not link {file}"
+        );
+    }
+}
+
+#[test]
+fn links_and_anchors_are_read_as_github_reads_them() {
+    let text = "See [a](docs/a.md#b-c) and [web](https://x.y), `[code](no.md)`\n\
+                ```\n[fenced](no.md)\n```\n[c](../c.md)\n";
+    assert_eq!(relative_links(text), ["docs/a.md#b-c", "../c.md"]);
+    let headings = anchors("# Around `src/`\n## Pools and models\n```\n# not a heading\n```\n");
+    let expected: BTreeSet<String> = ["around-src", "pools-and-models"].map(String::from).into();
+    assert_eq!(headings, expected);
+}
