@@ -102,10 +102,13 @@ impl State {
             })
             .collect();
         let fallbacks = self.router.fallbacks();
+        let tenants = self.router.tenants().all();
         let front = Front {
             stats: self.router.intake().stats(),
             fallbacks: &fallbacks,
             replicas: self.router.replicas(),
+            tenants: &tenants,
+            auth_failures: self.router.tenants().failures(),
         };
         self.metrics.render(&front, &scrapes)
     }

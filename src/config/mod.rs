@@ -5,6 +5,7 @@
 //! Every key is documented in `config/tongs.yaml` and in the table of `docs/configuration.md`.
 
 mod address;
+mod auth;
 mod balance;
 mod duration;
 mod endpoints;
@@ -26,6 +27,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 pub use address::{Guard, guard};
+pub use auth::{AuthConfig, TenantConfig, TenantPriority, parse_keys, tenant_name};
 pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
@@ -78,6 +80,8 @@ pub struct Config {
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
     pub shutdown: ShutdownConfig,
+    /// Inbound API keys and the tenants they name.
+    pub auth: AuthConfig,
     /// The tongs replicas that share the fleet, so fixed per-node limits hold for all of them together.
     pub replicas: ReplicasConfig,
     /// Several fleets behind one tongs, chosen per request (see [`PoolConfig`]).
@@ -105,6 +109,7 @@ impl Default for Config {
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
             shutdown: ShutdownConfig::default(),
+            auth: AuthConfig::default(),
             replicas: ReplicasConfig::default(),
             pools: Vec::new(),
         }
@@ -277,6 +282,7 @@ impl Config {
         self.admin.validate(&mut problems);
         self.upstream.validate(&mut problems);
         self.salad.validate(&mut problems);
+        self.auth.validate(&mut problems);
         self.replicas.validate(&mut problems);
         self.validate_pools(&mut problems);
         problems

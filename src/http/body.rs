@@ -147,19 +147,20 @@ impl ProxyBody {
     }
 
     /// A complete body made by tongs (error messages, admin answers).
-    /// Hands `finish` to a streamed body, to drop when the body goes; gives it back for any other body.
+    /// Hands `finish` to a streamed body, to drop when the body goes (after any it holds already);
+    /// gives it back for any other body.
     pub fn on_end(&mut self, finish: Guard) -> Result<(), Guard> {
-        match &mut self.kind {
-            Kind::Upstream { finish: slot, .. } => {
-                *slot = Some(finish);
-                Ok(())
-            }
-            Kind::Relay { relay } => {
-                relay.finish = Some(finish);
-                Ok(())
-            }
-            Kind::Full { .. } => Err(finish),
-        }
+        let slot = match &mut self.kind {
+            Kind::Upstream { finish: slot, .. } => slot,
+            Kind::Relay { relay } => &mut relay.finish,
+            Kind::Full { .. } => return Err(finish),
+        };
+        *slot = Some(match slot.take() {
+            // A pair drops its first member first.
+            Some(held) => Box::new((held, finish)),
+            None => finish,
+        });
+        Ok(())
     }
 
     /// A stream relayed by [`Relay`], continued on another endpoint when its node breaks.

@@ -67,12 +67,19 @@ pub enum ProxyError {
     /// No pool serves the request (by its path, or its model when it names none).
     #[error("no pool serves this request")]
     NoRoute,
+    /// Inbound API keys are on (`auth.keys_file`) and the request presented none, or an unknown one.
+    #[error("{detail}")]
+    Unauthorized { detail: &'static str },
 }
 
 impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
+            ProxyError::Refused { reason, .. } if reason.is_tenant_cap() => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ProxyError::Refused { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ProxyError::BadDeadline { .. } => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
@@ -108,7 +115,8 @@ impl ProxyError {
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientTooSlow
             | ProxyError::ModelNotFound { .. }
-            | ProxyError::NoRoute => self.to_string(),
+            | ProxyError::NoRoute
+            | ProxyError::Unauthorized { .. } => self.to_string(),
         }
     }
 
@@ -145,7 +153,11 @@ impl ProxyError {
                 reason: Refusal::NoEndpoints,
                 ..
             } => Some("service_unavailable"),
+            ProxyError::Refused { reason, .. } if reason.is_tenant_cap() => {
+                Some("rate_limit_exceeded")
+            }
             ProxyError::Refused { .. } => Some("server_is_overloaded"),
+            ProxyError::Unauthorized { .. } => Some("invalid_api_key"),
             ProxyError::BadDeadline { .. } => Some("invalid_header"),
             ProxyError::BodyTooLarge { .. } => Some("request_too_large"),
             ProxyError::MethodNotAllowed { .. } => Some("method_not_allowed"),
@@ -185,6 +197,9 @@ impl ProxyError {
         }
         if let ProxyError::MethodNotAllowed { .. } = &self {
             headers.insert(header::ALLOW, HeaderValue::from_static(FORWARDED_METHODS));
+        }
+        if let ProxyError::Unauthorized { .. } = &self {
+            headers.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }
         headers.insert(
             header::CONTENT_TYPE,

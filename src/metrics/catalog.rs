@@ -172,6 +172,31 @@ pub const REPLICAS: Spec = spec(
     "gauge",
     "tongs replicas this one shares the fleets' fixed limits with, itself included (the ready endpoints of replicas.service; 1 when it is unset).",
 );
+pub const TENANT_REQUESTS: Spec = spec(
+    "tongs_tenant_requests_total",
+    "counter",
+    "Answers to a tenant's requests (its API key named it), by status class, counted when the answer ends.",
+);
+pub const TENANT_IN_FLIGHT: Spec = spec(
+    "tongs_tenant_in_flight",
+    "gauge",
+    "A tenant's requests in tongs now, waiting or at an endpoint (capped by its max_in_flight).",
+);
+pub const TENANT_QUEUED: Spec = spec(
+    "tongs_tenant_queued",
+    "gauge",
+    "A tenant's requests waiting in queues now (capped by its max_queued).",
+);
+pub const TENANT_REFUSALS: Spec = spec(
+    "tongs_tenant_refusals_total",
+    "counter",
+    "A tenant's requests refused with 429 for its own caps, by reason (tenant-queue-full, tenant-in-flight).",
+);
+pub const AUTH_FAILURES: Spec = spec(
+    "tongs_auth_failures_total",
+    "counter",
+    "Requests refused with 401 while inbound API keys are on, by reason: missing (no bearer key), unknown (no tenant's key).",
+);
 pub const BUILD_INFO: Spec = spec(
     "tongs_build_info",
     "gauge",
@@ -220,7 +245,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 42] = [
+pub const CATALOG: [&Spec; 47] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -254,6 +279,11 @@ pub const CATALOG: [&Spec; 42] = [
     &CONFIG_RELOADS,
     &BUILD_INFO,
     &REPLICAS,
+    &TENANT_REQUESTS,
+    &TENANT_IN_FLIGHT,
+    &TENANT_QUEUED,
+    &TENANT_REFUSALS,
+    &AUTH_FAILURES,
     &UPTIME,
     &DISCOVERY_SYNCED,
     &DISCOVERY_PODS,

@@ -253,6 +253,8 @@ mod tests {
             stats: &stats,
             fallbacks: &fallbacks,
             replicas: 3,
+            tenants: &[],
+            auth_failures: (4, 5),
         };
         let text = front.render(&front_figures, &[scrape("a"), scrape("b")]);
         for want in [
@@ -262,6 +264,7 @@ mod tests {
             r#"tongs_request_duration_seconds_bucket{pool="a",outcome="proxied",le="0.05"} 1"#,
             r#"tongs_demand{pool="b"} 3"#,
             "tongs_replicas 3",
+            r#"tongs_auth_failures_total{reason="unknown"} 5"#,
             r#"tongs_pool_fallbacks_total{from="a",to="b"} 2"#,
             "tongs_build_info{version=",
         ] {

@@ -4,16 +4,17 @@ use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 
 use super::{
-    ATTEMPTS, BUILD_INFO, CAPACITY, CLASSES, CONFIG_RELOADS, CONTINUATIONS, Continuation, DEMAND,
-    DISCOVERY_LISTS, DISCOVERY_PODS, DISCOVERY_REJECTIONS, DISCOVERY_SYNCED,
+    ATTEMPTS, AUTH_FAILURES, BUILD_INFO, CAPACITY, CLASSES, CONFIG_RELOADS, CONTINUATIONS,
+    Continuation, DEMAND, DISCOVERY_LISTS, DISCOVERY_PODS, DISCOVERY_REJECTIONS, DISCOVERY_SYNCED,
     DISCOVERY_WATCH_ERRORS, ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES,
     ENDPOINT_HEARTBEAT, ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT,
     ENDPOINT_OUTSTANDING, ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
     FIRST_BYTE, HEDGES, HEDGES_WON, Metrics, Outcome, POOL_FALLBACKS, ProxyStats, QUEUE_DEPTH,
     QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
     REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
-    STREAMS_CUT, Spec, UPTIME,
+    STREAMS_CUT, Spec, TENANT_IN_FLIGHT, TENANT_QUEUED, TENANT_REFUSALS, TENANT_REQUESTS, UPTIME,
 };
+use crate::admission::{Refusal, TENANT_CLASSES, Tenant};
 use crate::endpoint::{EndpointState, EndpointView};
 
 /// The state of things at scrape time, read by whoever owns them (the admin port) as plain figures.
@@ -60,6 +61,10 @@ pub struct Front<'a> {
     pub fallbacks: &'a [(std::sync::Arc<str>, std::sync::Arc<str>, u64)],
     /// tongs replicas sharing the fixed limits.
     pub replicas: u32,
+    /// The tenants inbound API keys name (none while keys are off).
+    pub tenants: &'a [std::sync::Arc<crate::admission::Tenant>],
+    /// Requests refused for want of a key: (missing, unknown).
+    pub auth_failures: (u64, u64),
 }
 
 impl Metrics {
@@ -99,6 +104,7 @@ impl Metrics {
         sample(&mut out, BUILD_INFO.name, &version, 1.0);
         header(&mut out, &REPLICAS);
         sample(&mut out, REPLICAS.name, &[], f64::from(front.replicas));
+        render_tenants(&mut out, front);
         header(&mut out, &REQUEST_DURATION);
         for (pool, metrics) in &recorded {
             for &outcome in outcomes(pool) {
@@ -152,11 +158,58 @@ impl Metrics {
     }
 }
 
-/// The outcomes a pool's requests have; one that reached no pool was invalid (unreadable, or for a
-/// model no pool serves).
+/// The tenants' families (each tenant a series, so the label is bounded by the keys file), and the
+/// requests refused for want of a key.
+fn render_tenants(out: &mut String, front: &Front) {
+    header(out, &AUTH_FAILURES);
+    let (missing, unknown) = front.auth_failures;
+    sample(
+        out,
+        AUTH_FAILURES.name,
+        &[("reason", "missing")],
+        missing as f64,
+    );
+    sample(
+        out,
+        AUTH_FAILURES.name,
+        &[("reason", "unknown")],
+        unknown as f64,
+    );
+    header(out, &TENANT_REQUESTS);
+    for tenant in front.tenants {
+        for (class, count) in TENANT_CLASSES.iter().zip(tenant.answers()) {
+            let labels = [("tenant", &**tenant.name()), ("code", *class)];
+            sample(out, TENANT_REQUESTS.name, &labels, count as f64);
+        }
+    }
+    for (spec, value) in [
+        (&TENANT_IN_FLIGHT, Tenant::in_flight as fn(&Tenant) -> u64),
+        (&TENANT_QUEUED, Tenant::queued),
+    ] {
+        header(out, spec);
+        for tenant in front.tenants {
+            let labels = [("tenant", &**tenant.name())];
+            sample(out, spec.name, &labels, value(tenant) as f64);
+        }
+    }
+    header(out, &TENANT_REFUSALS);
+    for tenant in front.tenants {
+        let (queued, in_flight) = tenant.refusals();
+        for (reason, count) in [
+            (Refusal::TenantQueueFull, queued),
+            (Refusal::TenantInFlight, in_flight),
+        ] {
+            let labels = [("tenant", &**tenant.name()), ("reason", reason.as_str())];
+            sample(out, TENANT_REFUSALS.name, &labels, count as f64);
+        }
+    }
+}
+
+/// The outcomes a pool's requests have; one that reached no pool was invalid (unreadable, without a
+/// valid API key, or for a model no pool serves) or refused (its tenant at its cap).
 fn outcomes(pool: &str) -> &'static [Outcome] {
     if pool.is_empty() {
-        &[Outcome::Invalid]
+        &[Outcome::Refused, Outcome::Invalid]
     } else {
         &Outcome::ALL
     }

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 
 use super::attempt::{Failure, Slot};
 use super::{Proxy, ProxySettings, millis_of};
-use crate::admission::{Priority, Refusal, Waited};
+use crate::admission::{Place, Refusal, Waited};
 use crate::balance::{self, PickContext};
 use crate::breaker::Admission;
 use crate::config::BalancePolicy;
@@ -122,7 +122,7 @@ impl Proxy {
         &self,
         settings: &ProxySettings,
         tried: &mut Tried,
-        priority: Priority,
+        place: &Place,
         deadline: Instant,
         queued: &mut Duration,
         last_failure: &mut Option<Failure>,
@@ -154,12 +154,12 @@ impl Proxy {
         }
         let allowed = max_wait.saturating_sub(*queued);
         let until = deadline.min(joined + allowed);
-        if let Some(wait) = queue.expected_wait(priority)
+        if let Some(wait) = queue.expected_wait(place)
             && Instant::now() + wait > until
         {
             return Err(Stop::Refused(self.refusal(Refusal::QueueFull)));
         }
-        let mut ticket = match queue.join(priority) {
+        let mut ticket = match queue.join_as(place) {
             Ok(ticket) => ticket,
             Err(reason) => return Err(Stop::Refused(self.refusal(reason))),
         };

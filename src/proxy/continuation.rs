@@ -22,7 +22,7 @@ use super::hedge::Race;
 use super::request::Template;
 use super::respond::Piece;
 use super::{Proxy, ProxySettings, WorkerPath};
-use crate::admission::Priority;
+use crate::admission::Place;
 use crate::http::relay::{Relay, Resume, Resuming};
 use crate::http::{BoxError, ProxyBody};
 use crate::metrics::Continuation;
@@ -47,7 +47,7 @@ pub(super) struct Continuer {
     template: Template,
     tried: Tried,
     request_id: HeaderValue,
-    priority: Priority,
+    place: Place,
     deadline: Instant,
     /// The endpoint streaming now.
     streaming: Arc<str>,
@@ -65,7 +65,7 @@ pub(super) struct Committing<'a> {
     pub template: &'a Template,
     pub tried: Tried,
     pub request_id: &'a HeaderValue,
-    pub priority: Priority,
+    pub place: &'a Place,
     pub deadline: Instant,
     pub body: &'a ReplayBody,
 }
@@ -106,7 +106,7 @@ impl Proxy {
             template: at.template.for_new_body(),
             tried: at.tried,
             request_id: at.request_id.clone(),
-            priority: at.priority,
+            place: at.place.clone(),
             deadline: at.deadline,
             streaming: streaming.into(),
             taken: 0,
@@ -244,7 +244,7 @@ impl Continuer {
                 .acquire(
                     &settings,
                     &mut self.tried,
-                    self.priority,
+                    &self.place,
                     self.deadline,
                     &mut queued,
                     &mut last_failure,

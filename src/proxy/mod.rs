@@ -271,7 +271,7 @@ impl Proxy {
         let ClientRequest {
             request_id,
             deadline,
-            priority,
+            place,
             retries_wanted,
             upgrade,
             template,
@@ -307,7 +307,7 @@ impl Proxy {
                 .acquire(
                     settings,
                     &mut tried,
-                    priority,
+                    &place,
                     deadline,
                     &mut queued,
                     &mut last_failure,
@@ -322,7 +322,7 @@ impl Proxy {
                     let request = ClientRequest {
                         request_id,
                         deadline,
-                        priority,
+                        place,
                         retries_wanted: client_allows_retries,
                         upgrade,
                         template,
@@ -373,7 +373,7 @@ impl Proxy {
                         template: &template,
                         tried,
                         request_id: &request_id,
-                        priority,
+                        place: &place,
                         deadline,
                         body,
                     };

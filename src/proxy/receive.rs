@@ -137,6 +137,31 @@ impl Intake {
         Err(self.invalid(error, &request.request_id, started))
     }
 
+    /// Answers a request before it is read (no valid API key, or its tenant at its cap), counted as
+    /// `outcome`.
+    pub fn answer_unread(
+        &self,
+        headers: &HeaderMap,
+        error: ProxyError,
+        outcome: Outcome,
+    ) -> Response<ProxyBody> {
+        let started = Instant::now();
+        let request_id = crate::http::headers::request_id(headers);
+        tracing::warn!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            status = error.status().as_u16(),
+            error = %error,
+            "request refused before it was read"
+        );
+        self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+        finish(
+            error.into_response(&request_id),
+            &self.metrics,
+            outcome,
+            started,
+        )
+    }
+
     /// Answers a request that reached no pool, counted as `outcome`.
     pub fn answer_unrouted(
         &self,

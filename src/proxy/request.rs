@@ -11,7 +11,9 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::ProxySettings;
-use crate::admission::Priority;
+use std::sync::Arc;
+
+use crate::admission::{Place, Priority, Tenant};
 use crate::endpoint::Endpoint;
 use crate::http::ProxyError;
 use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
@@ -23,7 +25,8 @@ pub(super) struct ClientRequest {
     pub request_id: HeaderValue,
     /// The request's overall deadline: `timeouts.total`, or the client's own if sooner.
     pub deadline: Instant,
-    pub priority: Priority,
+    /// Its priority, and the tenant its API key named (see [`Place`]).
+    pub place: Place,
     /// The client did not opt out of retries (whether they are on is the pool's setting).
     pub retries_wanted: bool,
     /// The client's half of a protocol upgrade, claimed before the request was taken apart.
@@ -56,7 +59,13 @@ impl ClientRequest {
             Ok(None) => started + settings.total_timeout,
             Err(error) => return Err((error, request_id)),
         };
-        let priority = Priority::from_header(request.headers().get(&settings.priority_header));
+        // A tenant the client's key named (the router put it there) may fix the priority.
+        let tenant = request.extensions().get::<Arc<Tenant>>().cloned();
+        let priority = match tenant.as_ref().and_then(|t| t.settings().priority) {
+            Some(fixed) => fixed,
+            None => Priority::from_header(request.headers().get(&settings.priority_header)),
+        };
+        let place = Place { priority, tenant };
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
         // request is taken apart.
@@ -89,7 +98,7 @@ impl ClientRequest {
         let read = ClientRequest {
             request_id,
             deadline,
-            priority,
+            place,
             retries_wanted,
             upgrade: client_upgrade,
             template,

@@ -167,6 +167,14 @@ impl Proxy {
             Refusal::ShedLowPriority => {
                 "low-priority request shed while the queue is congested".to_owned()
             }
+            Refusal::TenantQueueFull => {
+                "this API key's tenant has as many requests waiting as it may (max_queued)"
+                    .to_owned()
+            }
+            Refusal::TenantInFlight => {
+                "this API key's tenant has as many requests in progress as it may (max_in_flight)"
+                    .to_owned()
+            }
         };
         let error = ProxyError::Refused {
             reason,

@@ -9,7 +9,13 @@
 //!
 //! Under `/v1/` tongs speaks OpenAI: its own errors take OpenAI's shape, and `GET /v1/models` lists
 //! the models the pools name.
+//!
+//! With inbound API keys on (`auth.keys_file`), a request's key names its tenant before anything else
+//! is read ([`auth`]); no key, or an unknown one, is a 401, and a tenant at its `max_in_flight` a 429.
+//! The tenant goes with the request (its priority, its share of the queue) and is counted in flight
+//! until the answer ends.
 
+mod auth;
 mod pool;
 
 use std::collections::BTreeMap;
@@ -22,8 +28,9 @@ use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use tokio_util::task::TaskTracker;
 
+pub use self::auth::{Identified, KeysError, Tenants};
 pub use self::pool::{Pool, PoolError, PoolRules};
-use crate::admission::Refusal;
+use crate::admission::{InFlight, Refusal};
 use crate::config::Config;
 use crate::http::{ProxyBody, ProxyError, openai_shape};
 use crate::metrics::{Metrics, Outcome};
@@ -49,6 +56,8 @@ pub struct Router {
     starter: Mutex<Option<Starter>>,
     /// tongs replicas sharing the fleets (see [`Router::set_replicas`]).
     replicas: std::sync::atomic::AtomicU32,
+    /// Inbound API keys and the tenants they name.
+    tenants: Tenants,
 }
 
 impl Router {
@@ -61,6 +70,7 @@ impl Router {
             fallbacks: Mutex::default(),
             starter: Mutex::new(None),
             replicas: std::sync::atomic::AtomicU32::new(1),
+            tenants: Tenants::default(),
         }
     }
 
@@ -71,6 +81,9 @@ impl Router {
         self.intake.apply(ProxySettings::from_config(config));
         let before = self.pools.load_full();
         let mut errors = Vec::new();
+        if let Err(error) = self.tenants.apply(&config.auth) {
+            errors.push(PoolError::Keys(error));
+        }
         let mut pools = Vec::new();
         for spec in config.pool_specs() {
             let pool = before
@@ -200,12 +213,74 @@ impl Router {
         client: SocketAddr,
     ) -> Response<ProxyBody> {
         let openai = request.uri().path().starts_with("/v1/");
-        let response = self.route(worker, request, client).await;
+        let response = match self.admit(request) {
+            Ok((request, None)) => self.route(worker, request, client).await,
+            Ok((request, Some(mut in_flight))) => {
+                let span = tracing::info_span!("request", tenant = %in_flight.tenant().name());
+                let mut response =
+                    tracing::Instrument::instrument(self.route(worker, request, client), span)
+                        .await;
+                in_flight.answered(response.status().as_u16());
+                // Counted in flight until the answer ends: a stream until its last byte.
+                if let Err(done) = response.body_mut().on_end(Box::new(in_flight)) {
+                    drop(done);
+                }
+                response
+            }
+            Err(refused) => refused,
+        };
         if openai {
             openai_shape(response)
         } else {
             response
         }
+    }
+
+    /// Lets the request in as its key's tenant (its key taken off), or answers it: 401 without a
+    /// valid key, 429 when the tenant is at its `max_in_flight`.
+    #[allow(clippy::result_large_err)] // The refusal is the response itself, built once.
+    fn admit(
+        &self,
+        mut request: Request<Incoming>,
+    ) -> Result<(Request<Incoming>, Option<InFlight>), Response<ProxyBody>> {
+        let detail = match self.tenants.identify(request.headers()) {
+            Identified::Open => return Ok((request, None)),
+            Identified::Tenant(tenant) => {
+                request.headers_mut().remove(header::AUTHORIZATION);
+                return match tenant.enter() {
+                    Ok(in_flight) => {
+                        request.extensions_mut().insert(tenant);
+                        Ok((request, Some(in_flight)))
+                    }
+                    Err(retry_after) => {
+                        tracing::info!(tenant = %tenant.name(), "tenant at its max_in_flight");
+                        let error = ProxyError::Refused {
+                            reason: Refusal::TenantInFlight,
+                            detail: format!(
+                                "this API key's tenant has as many requests in progress as it may \
+                                 (max_in_flight {})",
+                                tenant.settings().max_in_flight
+                            ),
+                            retry_after,
+                        };
+                        Err(self
+                            .intake
+                            .answer_unread(request.headers(), error, Outcome::Refused))
+                    }
+                };
+            }
+            Identified::Missing => "an API key is required: Authorization: Bearer <key>",
+            Identified::Unknown => "the API key is not valid",
+        };
+        let error = ProxyError::Unauthorized { detail };
+        Err(self
+            .intake
+            .answer_unread(request.headers(), error, Outcome::Invalid))
+    }
+
+    /// The tenants and their keys.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
     }
 
     async fn route(

@@ -42,6 +42,9 @@ pub struct Pool {
 /// Why a pool's configuration could not be applied in full (the rest was).
 #[derive(Debug, thiserror::Error)]
 pub enum PoolError {
+    /// Not a pool's, but applied with them: the inbound keys (the keys in force stay).
+    #[error(transparent)]
+    Keys(#[from] super::auth::KeysError),
     #[error("pool {pool}: cannot read discovery.kubernetes.registration.token_file: {source}")]
     RegistrationToken {
         pool: String,

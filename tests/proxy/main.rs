@@ -23,3 +23,4 @@ mod limits;
 mod pools;
 mod resilience;
 mod streaming;
+mod tenants;

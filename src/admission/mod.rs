@@ -8,81 +8,36 @@
 //! again every [`HEAD_RECHECK`], for capacity that returns by the clock rather than by a release (a
 //! cooldown or an ejection ending, a heartbeat passing).
 //!
+//! Within a priority, tenants take turns (weighted fair queueing): each waiter's place is a virtual
+//! finish time, its tenant's previous one (or the queue's virtual clock, if later) plus
+//! `1 ÷ weight`, and the clock moves to the finish time of each request admitted (self-clocked fair
+//! queueing). A tenant that floods the queue so waits behind its own requests, while another's next
+//! request lines up just after the clock. Without tenants every request is the same one tenant's, and
+//! the order is arrival order.
+//!
 //! A full queue answers at once. A higher-priority arrival displaces the newest waiter of the lowest
 //! priority below its own. While the oldest waiter has waited longer than `shed_low_priority_after`,
 //! low-priority arrivals are refused at once.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Mutex;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::HeaderValue;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::config::QueueConfig;
 
+mod drain;
+mod kinds;
+mod tenant;
+use drain::DrainMeter;
+pub use kinds::{Priority, Refusal};
+pub use tenant::{InFlight, Place, TENANT_CLASSES, Tenant, TenantSettings};
+
 /// How often the waiter at the head of the queue looks for capacity that came back by the clock.
 pub const HEAD_RECHECK: Duration = Duration::from_millis(100);
-
-/// A request's priority, from the configured header (`high`, `normal`, `low`; anything else is normal).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Priority {
-    High = 0,
-    Normal = 1,
-    Low = 2,
-}
-
-impl Priority {
-    pub fn from_header(value: Option<&HeaderValue>) -> Priority {
-        match value.map(HeaderValue::as_bytes) {
-            Some(v) if v.eq_ignore_ascii_case(b"high") => Priority::High,
-            Some(v) if v.eq_ignore_ascii_case(b"low") => Priority::Low,
-            _ => Priority::Normal,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::High => "high",
-            Priority::Normal => "normal",
-            Priority::Low => "low",
-        }
-    }
-}
-
-/// Why tongs refused a request itself (the `x-tongs-reject-reason` header and the JSON body say it).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Refusal {
-    /// The queue was full and the request could not displace anyone.
-    QueueFull,
-    /// The request waited `queue.max_wait`, or until its own deadline, without an endpoint freeing up.
-    QueueTimeout,
-    /// No endpoint is available at all (none discovered, or every one down) and the queue is off or the
-    /// wait ran out.
-    NoEndpoints,
-    /// Congestion: low priority was refused, or displaced by a higher-priority request.
-    ShedLowPriority,
-}
-
-impl Refusal {
-    pub const ALL: [Refusal; 4] = [
-        Refusal::QueueFull,
-        Refusal::QueueTimeout,
-        Refusal::NoEndpoints,
-        Refusal::ShedLowPriority,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Refusal::QueueFull => "queue-full",
-            Refusal::QueueTimeout => "queue-timeout",
-            Refusal::NoEndpoints => "no-endpoints",
-            Refusal::ShedLowPriority => "shed-low-priority",
-        }
-    }
-}
 
 /// Settings the queue reads; replaced whole on reload.
 #[derive(Clone, Debug, PartialEq)]
@@ -123,17 +78,23 @@ pub struct QueueStats {
     /// Total time admitted requests waited, in microseconds.
     pub wait_us: AtomicU64,
     /// Refusals by reason, in [`Refusal::ALL`] order.
-    pub rejected: [AtomicU64; 4],
+    pub rejected: [AtomicU64; 5],
 }
 
 impl QueueStats {
     pub fn rejected(&self, reason: Refusal) -> u64 {
-        self.rejected[reason as usize].load(Ordering::Relaxed)
+        self.rejected
+            .get(reason as usize)
+            .map_or(0, |count| count.load(Ordering::Relaxed))
     }
 }
 
-/// Position in the queue: priority first, then arrival order.
-type Key = (Priority, u64);
+/// Position in the queue: priority first, then virtual finish time (see the module's doc), then
+/// arrival order.
+type Key = (Priority, u64, u64);
+
+/// Virtual time one request of weight 1 takes; a tenant of weight `w` takes `FAIR_UNIT ÷ w`.
+const FAIR_UNIT: u64 = 1 << 20;
 
 /// What a waiter is told.
 #[derive(Debug)]
@@ -157,50 +118,27 @@ struct State {
     /// request ahead in line never loses a slot to one behind it that happened to be waiting.
     missed: BTreeMap<Key, u32>,
     next_seq: u64,
+    /// The virtual clock: the finish time of the request admitted last.
+    clock: u64,
+    /// Each tenant's last finish time (`""`: requests without a tenant); emptied when the queue is.
+    finish: HashMap<Arc<str>, u64>,
     settings: QueueSettings,
     drain: DrainMeter,
 }
 
-/// How fast the queue hands requests to endpoints: an EWMA of handoffs per second over one-second
-/// buckets, the basis of `Retry-After`.
-#[derive(Debug)]
-struct DrainMeter {
-    bucket_start: Instant,
-    count: u32,
-    per_second: f64,
-}
-
-impl DrainMeter {
-    fn roll(&mut self, now: Instant) {
-        let elapsed = now
-            .saturating_duration_since(self.bucket_start)
-            .as_secs_f64();
-        if elapsed >= 1.0 {
-            let rate = f64::from(self.count) / elapsed;
-            // Long silences count as several empty buckets.
-            let weight = 0.5f64.powf(elapsed.min(30.0));
-            self.per_second = self.per_second * weight + rate * (1.0 - weight);
-            self.count = 0;
-            self.bucket_start = now;
-        }
-    }
-
-    fn record(&mut self, now: Instant) {
-        self.roll(now);
-        self.count = self.count.saturating_add(1);
-    }
-
-    fn rate(&mut self, now: Instant) -> f64 {
-        self.roll(now);
-        let partial = now
-            .saturating_duration_since(self.bucket_start)
-            .as_secs_f64();
-        let current = if partial > 0.2 {
-            f64::from(self.count) / partial
-        } else {
-            0.0
+impl State {
+    /// The finish time a request of `place` joining now gets (and with `take`, keeps for its tenant).
+    fn finish_time(&mut self, place: &Place, take: bool) -> u64 {
+        let (name, weight) = match &place.tenant {
+            Some(tenant) => (Arc::clone(tenant.name()), tenant.settings().weight),
+            None => (Arc::from(""), 1),
         };
-        self.per_second.max(current)
+        let last = self.finish.get(&name).copied().unwrap_or(0);
+        let finish = last.max(self.clock) + FAIR_UNIT / u64::from(weight.max(1));
+        if take {
+            self.finish.insert(name, finish);
+        }
+        finish
     }
 }
 
@@ -234,6 +172,8 @@ impl Queue {
                 looking: BTreeSet::new(),
                 missed: BTreeMap::new(),
                 next_seq: 0,
+                clock: 0,
+                finish: HashMap::new(),
                 settings,
                 drain: DrainMeter {
                     bucket_start: Instant::now(),
@@ -275,11 +215,19 @@ impl Queue {
 
     /// Counts a refusal.
     pub fn count_rejection(&self, reason: Refusal) {
-        self.stats.rejected[reason as usize].fetch_add(1, Ordering::Relaxed);
+        if let Some(count) = self.stats.rejected.get(reason as usize) {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Joins the queue as a request of no tenant (see [`Queue::join_as`]).
+    pub fn join(&self, priority: Priority) -> Result<Ticket<'_>, Refusal> {
+        self.join_as(&Place::new(priority))
     }
 
     /// Joins the queue, or says at once why not.
-    pub fn join(&self, priority: Priority) -> Result<Ticket<'_>, Refusal> {
+    pub fn join_as(&self, place: &Place) -> Result<Ticket<'_>, Refusal> {
+        let priority = place.priority;
         let now = Instant::now();
         let mut state = self.lock();
         let max_length = state.settings.max_length;
@@ -292,8 +240,14 @@ impl Queue {
         {
             return Err(Refusal::ShedLowPriority);
         }
+        if let Some(tenant) = &place.tenant
+            && !tenant.join_queue()
+        {
+            return Err(Refusal::TenantQueueFull);
+        }
         if state.entries.len() >= max_length {
-            // The newest waiter of the lowest priority present makes room, if that is below ours.
+            // The last waiter of the lowest priority present makes room, if that is below ours: the
+            // newest of the tenant furthest ahead of its share.
             match state.entries.last_key_value() {
                 Some((&key, _)) if key.0 > priority => {
                     if let Some(victim) = state.entries.remove(&key) {
@@ -301,10 +255,15 @@ impl Queue {
                         let _ = victim.wake.send(Wake::Shed);
                     }
                 }
-                _ => return Err(Refusal::QueueFull),
+                _ => {
+                    if let Some(tenant) = &place.tenant {
+                        tenant.leave_queue();
+                    }
+                    return Err(Refusal::QueueFull);
+                }
             }
         }
-        let key = (priority, state.next_seq);
+        let key = (priority, state.finish_time(place, true), state.next_seq);
         state.next_seq += 1;
         let (wake, woken) = oneshot::channel();
         state.entries.insert(key, Entry { wake, since: now });
@@ -312,6 +271,7 @@ impl Queue {
         self.stats.enqueued.fetch_add(1, Ordering::Relaxed);
         Ok(Ticket {
             queue: self,
+            tenant: place.tenant.clone(),
             key,
             since: now,
             woken: Some(woken),
@@ -375,14 +335,18 @@ impl Queue {
     /// How long a request of `priority` joining now would wait, at the rate the queue has been draining:
     /// those ahead of it (its priority and higher) plus itself, over handoffs per second. `None` while
     /// nothing has drained lately (no basis for a guess).
-    pub fn expected_wait(&self, priority: Priority) -> Option<Duration> {
+    pub fn expected_wait(&self, place: &Place) -> Option<Duration> {
         let now = Instant::now();
         let mut state = self.lock();
         let rate = state.drain.rate(now);
         if rate <= 0.01 {
             return None;
         }
-        let ahead = state.entries.range(..(priority, u64::MAX)).count() as f64;
+        let finish = state.finish_time(place, false);
+        let ahead = state
+            .entries
+            .range(..(place.priority, finish, u64::MAX))
+            .count() as f64;
         Some(Duration::from_secs_f64((ahead + 1.0) / rate))
     }
 
@@ -415,6 +379,8 @@ impl Queue {
 /// it received, so capacity is never stranded.
 pub struct Ticket<'a> {
     queue: &'a Queue,
+    /// Counted in its tenant's queued requests until it goes.
+    tenant: Option<Arc<Tenant>>,
     key: Key,
     since: Instant,
     woken: Option<oneshot::Receiver<Wake>>,
@@ -547,7 +513,10 @@ impl Ticket<'_> {
             u64::try_from(waited.as_micros()).unwrap_or(u64::MAX),
             Ordering::Relaxed,
         );
-        self.queue.lock().drain.record(Instant::now());
+        let mut state = self.queue.lock();
+        state.drain.record(Instant::now());
+        state.clock = state.clock.max(self.key.1);
+        drop(state);
         // Dropping passes the wake on: more capacity may have come free at once.
     }
 
@@ -572,6 +541,16 @@ impl Ticket<'_> {
 impl Drop for Ticket<'_> {
     fn drop(&mut self) {
         self.leave();
+        if let Some(tenant) = &self.tenant {
+            tenant.leave_queue();
+        }
+        {
+            // Nobody left in line: the tenants' finish times have nothing to be fair against.
+            let mut state = self.queue.lock();
+            if state.entries.is_empty() && state.looking.is_empty() {
+                state.finish.clear();
+            }
+        }
         if self.go {
             self.queue.wake_one();
         }
@@ -583,6 +562,8 @@ impl Drop for Ticket<'_> {
 
 #[cfg(test)]
 mod tests {
+    use http::HeaderValue;
+
     use super::*;
 
     fn queue(max_length: usize) -> Queue {
@@ -657,6 +638,110 @@ mod tests {
         }
         assert_eq!(order, ["high", "normal-1", "normal-2", "low"]);
         assert_eq!(q.len(), 0);
+    }
+
+    fn tenant(name: &str, weight: u32) -> Place {
+        Place {
+            priority: Priority::Normal,
+            tenant: Some(Tenant::new(
+                name,
+                TenantSettings {
+                    weight,
+                    ..TenantSettings::default()
+                },
+            )),
+        }
+    }
+
+    /// Wakes the queue `n` times, each woken request admitted; their names in order.
+    fn admit_in_order(q: &Queue, tickets: &mut Vec<(String, Ticket<'_>)>, n: usize) -> Vec<String> {
+        let mut order = Vec::new();
+        for _ in 0..n {
+            q.wake_one();
+            let woken = tickets.iter_mut().position(|(_, ticket)| {
+                ticket
+                    .woken
+                    .as_mut()
+                    .is_some_and(|woken| matches!(woken.try_recv(), Ok(Wake::Go)))
+            });
+            let (name, mut ticket) = tickets.remove(woken.expect("one woken"));
+            order.push(name);
+            // It took the slot: it passes no wake on.
+            ticket.go = false;
+            ticket.admitted();
+        }
+        order
+    }
+
+    #[tokio::test]
+    async fn tenants_take_turns_by_weight_and_a_flood_waits_behind_itself() {
+        let q = queue(100);
+        let (a, b, c) = (tenant("a", 1), tenant("b", 1), tenant("c", 2));
+        let mut tickets: Vec<(String, Ticket<'_>)> = Vec::new();
+        for i in 1..=4 {
+            tickets.push((format!("a{i}"), q.join_as(&a).unwrap()));
+        }
+        for i in 1..=2 {
+            tickets.push((format!("b{i}"), q.join_as(&b).unwrap()));
+        }
+        assert_eq!(
+            admit_in_order(&q, &mut tickets, 6),
+            ["a1", "b1", "a2", "b2", "a3", "a4"],
+            "b's requests do not wait behind a's flood"
+        );
+
+        // Weight 2 takes two turns to weight 1's.
+        for i in 1..=2 {
+            tickets.push((format!("a{i}"), q.join_as(&a).unwrap()));
+        }
+        for i in 1..=4 {
+            tickets.push((format!("c{i}"), q.join_as(&c).unwrap()));
+        }
+        assert_eq!(
+            admit_in_order(&q, &mut tickets, 6),
+            ["c1", "a1", "c2", "c3", "a2", "c4"]
+        );
+
+        // A tenant arriving late starts at the clock, not ahead of those already served.
+        for i in 1..=4 {
+            tickets.push((format!("a{i}"), q.join_as(&a).unwrap()));
+        }
+        assert_eq!(admit_in_order(&q, &mut tickets, 2), ["a1", "a2"]);
+        tickets.push(("b1".into(), q.join_as(&b).unwrap()));
+        assert_eq!(admit_in_order(&q, &mut tickets, 3), ["a3", "b1", "a4"]);
+        assert_eq!(q.len(), 0);
+        for place in [&a, &b, &c] {
+            assert_eq!(place.tenant.as_ref().unwrap().queued(), 0);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_tenant_at_its_queue_cap_is_refused_and_leaves_room_for_others() {
+        let q = queue(100);
+        let capped = Place {
+            priority: Priority::Normal,
+            tenant: Some(Tenant::new(
+                "capped",
+                TenantSettings {
+                    max_queued: 2,
+                    ..TenantSettings::default()
+                },
+            )),
+        };
+        let first = q.join_as(&capped).unwrap();
+        let _second = q.join_as(&capped).unwrap();
+        assert_eq!(q.join_as(&capped).err(), Some(Refusal::TenantQueueFull));
+        assert!(q.join_as(&tenant("other", 1)).is_ok());
+        drop(first);
+        assert!(q.join_as(&capped).is_ok(), "a place came free");
+        let tenant = capped.tenant.as_ref().unwrap();
+        assert_eq!(tenant.refusals(), (1, 0));
+        // A full queue's refusal does not keep the tenant's count.
+        let small = queue(1);
+        let _held = small.join(Priority::Normal).unwrap();
+        let before = tenant.queued();
+        assert_eq!(small.join_as(&capped).err(), Some(Refusal::QueueFull));
+        assert_eq!(tenant.queued(), before);
     }
 
     #[tokio::test]

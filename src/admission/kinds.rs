@@ -1,0 +1,75 @@
+//! A request's priority, and why tongs refuses one itself.
+
+use http::HeaderValue;
+
+/// A request's priority, from the configured header (`high`, `normal`, `low`; anything else is normal).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    High = 0,
+    Normal = 1,
+    Low = 2,
+}
+
+impl Priority {
+    pub fn from_header(value: Option<&HeaderValue>) -> Priority {
+        match value.map(HeaderValue::as_bytes) {
+            Some(v) if v.eq_ignore_ascii_case(b"high") => Priority::High,
+            Some(v) if v.eq_ignore_ascii_case(b"low") => Priority::Low,
+            _ => Priority::Normal,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+}
+
+/// Why tongs refused a request itself (the `x-tongs-reject-reason` header and the JSON body say it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Refusal {
+    /// The queue was full and the request could not displace anyone.
+    QueueFull,
+    /// The request waited `queue.max_wait`, or until its own deadline, without an endpoint freeing up.
+    QueueTimeout,
+    /// No endpoint is available at all (none discovered, or every one down) and the queue is off or the
+    /// wait ran out.
+    NoEndpoints,
+    /// Congestion: low priority was refused, or displaced by a higher-priority request.
+    ShedLowPriority,
+    /// The request's tenant already has `max_queued` requests waiting (429).
+    TenantQueueFull,
+    /// The request's tenant already has `max_in_flight` requests in tongs (429; refused before any
+    /// pool, so no queue counts it).
+    TenantInFlight,
+}
+
+impl Refusal {
+    /// The refusals a queue makes, in the order its counts keep them.
+    pub const ALL: [Refusal; 5] = [
+        Refusal::QueueFull,
+        Refusal::QueueTimeout,
+        Refusal::NoEndpoints,
+        Refusal::ShedLowPriority,
+        Refusal::TenantQueueFull,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Refusal::QueueFull => "queue-full",
+            Refusal::QueueTimeout => "queue-timeout",
+            Refusal::NoEndpoints => "no-endpoints",
+            Refusal::ShedLowPriority => "shed-low-priority",
+            Refusal::TenantQueueFull => "tenant-queue-full",
+            Refusal::TenantInFlight => "tenant-in-flight",
+        }
+    }
+
+    /// A refusal for the tenant's own cap, not for the fleet's state: 429 rather than 503.
+    pub fn is_tenant_cap(self) -> bool {
+        matches!(self, Refusal::TenantQueueFull | Refusal::TenantInFlight)
+    }
+}
