@@ -23,12 +23,15 @@ use std::time::Duration;
 use arc_swap::ArcSwapOption;
 use http::{Request, Response, StatusCode, header};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tower_http::compression::CompressionLayer;
+use tower_http::sensitive_headers::SetSensitiveRequestHeadersLayer;
+use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
 
 use crate::admission::Refusal;
 use crate::config::Config;
@@ -179,6 +182,34 @@ pub async fn serve(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
+    // The answers behind tower-http's layers: the `Authorization` header marked sensitive (never shown
+    // by the trace layer or any log), each request traced at debug level (probes come every few
+    // seconds), answers gzipped for clients that ask (Prometheus does: `/metrics` is the one large
+    // answer), and the bearer token checked ([`auth::AdminToken`]).
+    let routes = tower::service_fn(move |request: Request<Incoming>| {
+        let state = state.clone();
+        async move {
+            let response = if request.uri().path() == REGISTER_PATH {
+                // Nodes present their own token, not the admin one.
+                register::register(request, &state.router).await
+            } else {
+                routes::route(&request, &state)
+            };
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let stack = tower::ServiceBuilder::new()
+        .layer(SetSensitiveRequestHeadersLayer::new([
+            header::AUTHORIZATION,
+        ]))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(DefaultMakeSpan::new().level(tracing::Level::DEBUG))
+                .on_response(DefaultOnResponse::new().level(tracing::Level::DEBUG)),
+        )
+        .layer(CompressionLayer::new().gzip(true))
+        .layer(auth::AdminToken(token).layer())
+        .service(routes);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     // Whether the last connection found the port full: the warning is logged once per episode.
     let mut full = false;
@@ -203,23 +234,7 @@ pub async fn serve(
             continue;
         };
         full = false;
-        let (state, token) = (state.clone(), token.clone());
-        let service = service_fn(move |request: Request<Incoming>| {
-            let (state, token) = (state.clone(), token.clone());
-            async move {
-                let response = if request.uri().path() == REGISTER_PATH {
-                    // Nodes present their own token, not the admin one.
-                    register::register(request, &state.router).await
-                } else {
-                    // The token in force now: a reload may have rotated it.
-                    match &*token.load() {
-                        Some(token) if !auth::authorized(&request, token) => auth::unauthorized(),
-                        _ => routes::route(&request, &state),
-                    }
-                };
-                Ok::<_, Infallible>(response)
-            }
-        });
+        let service = TowerToHyperService::new(stack.clone());
         let builder = builder.clone();
         tokio::spawn(async move {
             let _slot = slot;

@@ -51,8 +51,11 @@ pub struct Router {
     pools: ArcSwap<Vec<Arc<Pool>>>,
     /// Some pool matches on models: bodies are kept and read.
     reads_models: std::sync::atomic::AtomicBool,
-    /// Requests a pool handed on, by (from, to).
-    fallbacks: Mutex<BTreeMap<Hop, u64>>,
+    /// Requests a pool handed on, by (from, to). Every worker thread counts here on the request path,
+    /// and while a pool is down every one of its requests does: a map sharded by key, whose counts are
+    /// atomics, so workers counting different hops never wait on each other and the same hop costs one
+    /// shared read lock and an atomic add. Pairs appear as they are first used; a scrape copies them.
+    fallbacks: dashmap::DashMap<Hop, std::sync::atomic::AtomicU64>,
     starter: Mutex<Option<Starter>>,
     /// tongs replicas sharing the fleets (see [`Router::set_replicas`]).
     replicas: std::sync::atomic::AtomicU32,
@@ -67,7 +70,7 @@ impl Router {
             intake: Intake::new(ProxySettings::from_config(&Config::default()), metrics),
             pools: ArcSwap::default(),
             reads_models: Default::default(),
-            fallbacks: Mutex::default(),
+            fallbacks: dashmap::DashMap::new(),
             starter: Mutex::new(None),
             replicas: std::sync::atomic::AtomicU32::new(1),
             tenants: Tenants::default(),
@@ -187,11 +190,14 @@ impl Router {
     /// Requests handed on, by (from, to) pool: every fallback configured now (0 until used), and any
     /// used before.
     pub fn fallbacks(&self) -> Vec<(Arc<str>, Arc<str>, u64)> {
-        let mut counts = self
+        let mut counts: BTreeMap<Hop, u64> = self
             .fallbacks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+            .iter()
+            .map(|entry| {
+                let count = entry.value().load(std::sync::atomic::Ordering::Relaxed);
+                (entry.key().clone(), count)
+            })
+            .collect();
         for pool in self.pools.load().iter() {
             for to in &pool.rules().fallback {
                 counts
@@ -419,12 +425,14 @@ impl Router {
     }
 
     fn count_fallback(&self, from: &Arc<str>, to: &Arc<str>) {
-        *self
-            .fallbacks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry((Arc::clone(from), Arc::clone(to)))
-            .or_default() += 1;
+        let hop = (Arc::clone(from), Arc::clone(to));
+        let add = |count: &std::sync::atomic::AtomicU64| {
+            count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        };
+        match self.fallbacks.get(&hop) {
+            Some(count) => add(&count),
+            None => add(&self.fallbacks.entry(hop).or_default()),
+        }
     }
 }
 

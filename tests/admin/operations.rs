@@ -264,6 +264,59 @@ async fn a_bearer_token_guards_the_admin_port_but_not_the_probes() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[tokio::test]
+async fn metrics_are_gzipped_for_a_scraper_that_asks() {
+    use std::io::Read as _;
+    let proxy = start_proxy(config_with("", &[])).await;
+    let scrape = |encoding: Option<&'static str>| {
+        let mut request = http::Request::get(format!("http://{}/metrics", proxy.admin));
+        if let Some(encoding) = encoding {
+            request = request.header("accept-encoding", encoding);
+        }
+        exchange(request.body(full("")).unwrap())
+    };
+    let (plain_head, plain) = scrape(None).await;
+    assert_eq!(plain_head.headers.get("content-encoding"), None);
+    assert!(plain.starts_with("# HELP"), "{plain}");
+    // Prometheus asks for gzip; the page is the same text, compressed.
+    let request = http::Request::get(format!("http://{}/metrics", proxy.admin))
+        .header("accept-encoding", "gzip")
+        .body(full(""))
+        .unwrap();
+    let response = client().request(request).await.expect("scrape");
+    assert_eq!(
+        response
+            .headers()
+            .get("content-encoding")
+            .map(|v| v.to_str().unwrap()),
+        Some("gzip")
+    );
+    let compressed = http_body_util::BodyExt::collect(response.into_body())
+        .await
+        .expect("body")
+        .to_bytes();
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(&compressed[..])
+        .read_to_string(&mut text)
+        .expect("valid gzip");
+    assert!(
+        compressed.len() < text.len() / 3,
+        "{} of {}",
+        compressed.len(),
+        text.len()
+    );
+    let families = |page: &str| -> Vec<String> {
+        page.lines()
+            .filter(|l| l.starts_with("# TYPE"))
+            .map(str::to_owned)
+            .collect()
+    };
+    assert_eq!(families(&text), families(&plain), "the same families");
+    let (identity, _) = scrape(Some("identity")).await;
+    assert_eq!(identity.headers.get("content-encoding"), None);
+    proxy.stop().await;
+}
+
 /// A proxy on a runtime of its own, in its own thread, as `tongs run` has one: so the runtime gauge
 /// counts tongs' tasks and not this test's clients and backends.
 struct OwnRuntimeProxy {
