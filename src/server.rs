@@ -103,6 +103,9 @@ pub async fn serve(
         }
         let router = Arc::clone(&router);
         let worker = Arc::clone(&worker);
+        // A plain hyper service, not a tower stack as on the admin port: the client port's path is
+        // measured per request against nginx, and what tower-http's layers would do here (timeouts,
+        // header limits, tracing) the request path does itself with no per-request boxing.
         let service = service_fn(move |request: hyper::Request<Incoming>| {
             let router = Arc::clone(&router);
             let worker = Arc::clone(&worker);
