@@ -127,6 +127,52 @@ fn unknown_key_and_unreadable_file_are_refused() {
     );
 }
 
+/// One run names every problem of a file: unknown keys, values of the wrong type, a list entry without
+/// its required field, a pool's section, and what only validation catches — not just the first one the
+/// parser met. A YAML syntax error is the one problem of its file (nothing past it can be read).
+#[test]
+fn check_config_names_every_problem_in_one_run() {
+    let path = write_config(
+        "many",
+        "timeouts:\n  conect: 2s\n  total: forever\nqueue:\n  max_length: -3\n  max_wiat: 10s\n\
+         discovery:\n  static:\n    - url: http://a:1\n    - uri: http://b:2\n\
+         workers: 5000\npools:\n  - name: x\n    balancer: { polcy: p2c }\n",
+    );
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    for field in [
+        "  - timeouts.conect: ",
+        "  - timeouts.total: invalid duration",
+        "  - queue.max_length: ",
+        "  - queue.max_wiat: unknown field",
+        "  - discovery.static[1].uri: unknown field",
+        "  - pools[0].balancer.polcy: unknown field",
+        "  - workers: must be at most 1024",
+    ] {
+        assert!(stderr.contains(field), "{field:?} not in:\n{stderr}");
+    }
+    assert_eq!(
+        stderr.matches("timeouts.conect").count(),
+        1,
+        "each problem once:\n{stderr}"
+    );
+
+    let path = write_config("syntax", "listen: [\nworkers: x\n");
+    let output = Command::new(TONGS)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(64));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert_eq!(stderr.matches("\n  - ").count(), 1, "{stderr}");
+}
+
 /// A running `tongs run` process whose JSON log lines arrive on a channel.
 struct Running {
     child: Child,
