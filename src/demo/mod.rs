@@ -64,7 +64,7 @@ const PROFILES: [(&str, u64, usize); 6] = [
 
 /// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
 /// the run (so every run with as many nodes as kinds shows them all), plus seeded random interruptions
-/// on every node.
+/// on every node, about two per node per run (fewer where they would overlap a fixed one).
 pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
     let run = options.duration.as_secs_f64();
     let nodes = (0..options.nodes.max(1))
@@ -91,9 +91,14 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
                     factor: 6.0,
                 });
             }
+            // About two per node in a run of any length (at most one every 90 s in a long one), so a
+            // 30 s run meets them too.
+            let scaled = |share: f64, low: f64, high: f64| {
+                HumanDuration(Duration::from_secs_f64((run * share).clamp(low, high)))
+            };
             spec.random_interruptions = Some(RandomInterruptions {
-                mean_interval: HumanDuration::from_secs(90),
-                mean_duration: HumanDuration::from_secs(6),
+                mean_interval: scaled(0.5, 5.0, 90.0),
+                mean_duration: scaled(0.1, 2.0, 6.0),
                 kinds: InterruptionKind::ALL.to_vec(),
                 slow_factor: 6.0,
             });
@@ -194,4 +199,40 @@ pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> Result<S
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy_task).await;
     drop(fleet);
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Random interruptions in a run of the demo's defaults (seeds 1 to 5): the fixed ones aside, how
+    /// many fall inside the run, over the whole fleet.
+    fn random_in_run(options: &DemoOptions) -> Vec<usize> {
+        (1..=5)
+            .map(|seed| {
+                let options = DemoOptions {
+                    seed,
+                    ..options.clone()
+                };
+                let fleet = demo_fleet(&options);
+                fleet
+                    .planned(options.duration)
+                    .iter()
+                    .zip(&fleet.nodes)
+                    .map(|(planned, spec)| planned.len() - spec.interruptions.len())
+                    .sum()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_default_run_meets_random_interruptions_too() {
+        let options = DemoOptions::default();
+        let counts = random_in_run(&options);
+        eprintln!("random interruptions in a default run, seeds 1-5: {counts:?}");
+        assert!(
+            counts.iter().all(|&n| n >= options.nodes / 2),
+            "about one per node: {counts:?}"
+        );
+    }
 }

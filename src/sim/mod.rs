@@ -244,23 +244,40 @@ pub struct Fleet {
     started: Instant,
 }
 
+/// Each node's own stream of random numbers, derived from the fleet seed and its place.
+fn node_seed(seed: u64, index: usize) -> u64 {
+    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(index as u64 + 1)
+}
+
+impl FleetConfig {
+    /// Every node's interruptions up to `horizon`, fixed and random, as a run of this fleet meets
+    /// them: a pure function of the configuration and its seed.
+    pub fn planned(&self, horizon: Duration) -> Vec<Vec<Interruption>> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(index, spec)| {
+                plan(
+                    &spec.interruptions,
+                    spec.random_interruptions.as_ref(),
+                    node_seed(self.seed, index),
+                    horizon,
+                )
+            })
+            .collect()
+    }
+}
+
 impl Fleet {
-    /// Starts every node; random interruptions are planned up to `horizon` after now.
+    /// Starts every node; random interruptions are planned up to `horizon` after now
+    /// ([`FleetConfig::planned`]).
     pub async fn start(config: &FleetConfig, horizon: Duration) -> std::io::Result<Fleet> {
         let started = Instant::now();
         let mut nodes = Vec::with_capacity(config.nodes.len());
-        for (index, spec) in config.nodes.iter().enumerate() {
-            // Each node gets its own stream of random numbers, derived from the fleet seed and its place.
-            let seed = config
-                .seed
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                .wrapping_add(index as u64 + 1);
-            let planned = plan(
-                &spec.interruptions,
-                spec.random_interruptions.as_ref(),
-                seed,
-                horizon,
-            );
+        for (index, (spec, planned)) in config.nodes.iter().zip(config.planned(horizon)).enumerate()
+        {
+            let seed = node_seed(config.seed, index);
             nodes.push(Node::start(spec.clone(), seed, planned, started).await?);
         }
         Ok(Fleet { nodes, started })
