@@ -226,13 +226,18 @@ mod tests {
     }
 
     #[test]
-    fn a_default_run_meets_random_interruptions_too() {
-        let options = DemoOptions::default();
-        let counts = random_in_run(&options);
-        eprintln!("random interruptions in a default run, seeds 1-5: {counts:?}");
-        assert!(
-            counts.iter().all(|&n| n >= options.nodes / 2),
-            "about one per node: {counts:?}"
-        );
+    fn a_run_of_20_s_or_more_meets_random_interruptions_too() {
+        for seconds in [20, 30, 60] {
+            let options = DemoOptions {
+                duration: Duration::from_secs(seconds),
+                ..DemoOptions::default()
+            };
+            let counts = random_in_run(&options);
+            eprintln!("random interruptions in a {seconds} s run, seeds 1-5: {counts:?}");
+            assert!(
+                counts.iter().all(|&n| n >= options.nodes / 2),
+                "{seconds} s: about two per node, less overlaps: {counts:?}"
+            );
+        }
     }
 }
