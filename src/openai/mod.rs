@@ -11,12 +11,16 @@
 //! - [`sse`]: the stream cut into whole events;
 //! - [`model_of`]: the `model` a request body names, and [`with_model`] the body naming another.
 
+mod head;
 mod model;
 pub mod splice;
 pub mod sse;
 
 use bytes::Bytes;
 use serde_json::Value;
+use serde_json::value::RawValue;
+
+use head::Head;
 
 pub use model::{DuplicateModel, ModelField, model_of, read_model, with_model};
 pub use splice::{AfterCut, Splicer};
@@ -96,72 +100,68 @@ const MAX_TOKEN_FIELDS: [&str; 2] = ["max_tokens", "max_completion_tokens"];
 impl Continuable {
     /// Reads a request whose whole body is `raw`.
     pub fn read(api: Api, raw: &Bytes) -> Result<Continuable, NotContinuable> {
-        // Most bodies are settled by `stream` alone: read just that (the other values skipped, not
-        // built) before building the whole body. A body this cannot read (malformed, `stream` not a
-        // bool, `stream` twice) is left to the full read, which decides as before.
-        #[derive(serde::Deserialize)]
-        struct StreamFlag {
-            #[serde(default)]
-            stream: Option<bool>,
-        }
-        if let Ok(flag) = serde_json::from_slice::<StreamFlag>(raw)
-            && flag.stream != Some(true)
-        {
-            return Err(NotContinuable::NotAStream);
-        }
-        let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(raw) else {
+        // Only the fields that decide are read (see [`head`]): the conversation is skipped, not built.
+        let Ok(head) = serde_json::from_slice::<Head>(raw) else {
             return Err(NotContinuable::NotAStream);
         };
-        if body.get("stream") != Some(&Value::Bool(true)) {
+        // A small value (a flag, a number, `response_format`) as `serde_json::Value` reads it.
+        let value = |raw: Option<&RawValue>| {
+            raw.map_or(Value::Null, |raw| {
+                serde_json::from_str(raw.get()).unwrap_or(Value::Null)
+            })
+        };
+        if value(head.stream) != Value::Bool(true) {
             return Err(NotContinuable::NotAStream);
         }
-        let above_one = |key: &str| body.get(key).and_then(Value::as_u64).is_some_and(|n| n > 1);
-        if above_one("n") || above_one("best_of") {
+        let above_one = |raw| value(raw).as_u64().is_some_and(|n| n > 1);
+        if above_one(head.n) || above_one(head.best_of) {
             return Err(NotContinuable::SeveralChoices);
         }
-        let truthy = |key: &str| {
-            body.get(key)
-                .is_some_and(|v| !matches!(v, Value::Null | Value::Bool(false)))
-        };
-        if truthy("logprobs") || truthy("top_logprobs") {
+        let truthy =
+            |raw: Option<&RawValue>| raw.is_some_and(|v| !matches!(v.get(), "null" | "false"));
+        if truthy(head.logprobs) || truthy(head.top_logprobs) {
             return Err(NotContinuable::Logprobs);
         }
-        if truthy("echo") {
+        if truthy(head.echo) {
             return Err(NotContinuable::Echo);
         }
-        let text_format = body
-            .get("response_format")
-            .is_none_or(|f| f.is_null() || f.get("type").and_then(Value::as_str) == Some("text"));
-        let guided = body
-            .iter()
-            .any(|(key, value)| key.starts_with("guided_") && !value.is_null());
-        if !text_format || guided || truthy("structured_outputs") {
+        let format = value(head.response_format);
+        let text_format =
+            format.is_null() || format.get("type").and_then(Value::as_str) == Some("text");
+        if !text_format || head.guided() || truthy(head.structured_outputs) {
             return Err(NotContinuable::Constrained);
         }
         for key in MAX_TOKEN_FIELDS {
-            if body.get(key).is_some_and(|v| !v.is_null() && !v.is_u64()) {
+            let limit = value(head.max_token_field(key));
+            if !limit.is_null() && !limit.is_u64() {
                 return Err(NotContinuable::MaxTokens);
             }
         }
+        let is_string = |raw: &RawValue| raw.get().starts_with('"');
         match api {
-            Api::Completions => match body.get("prompt") {
-                Some(Value::String(_)) => {}
-                Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {}
+            Api::Completions => match head.prompt {
+                Some(prompt) if is_string(prompt) => {}
+                Some(prompt) if prompt.get().starts_with('[') => {
+                    let items: Vec<&RawValue> =
+                        serde_json::from_str(prompt.get()).unwrap_or_default();
+                    if !(items.len() == 1 && is_string(items[0])) {
+                        return Err(NotContinuable::Prompt);
+                    }
+                }
                 _ => return Err(NotContinuable::Prompt),
             },
             Api::Chat => {
-                if !body.get("messages").is_some_and(Value::is_array) {
+                if !head.messages.is_some_and(|m| m.get().starts_with('[')) {
                     return Err(NotContinuable::Messages);
                 }
             }
         }
-        let usage_wanted = body
-            .get("stream_options")
-            .and_then(|o| o.get("include_usage"))
-            == Some(&Value::Bool(true));
+        let usage_wanted = value(head.stream_options)
+            .get("include_usage")
+            .is_some_and(|v| *v == Value::Bool(true));
         let max_tokens = MAX_TOKEN_FIELDS
             .iter()
-            .find_map(|key| body.get(*key).and_then(Value::as_u64));
+            .find_map(|key| value(head.max_token_field(key)).as_u64());
         Ok(Continuable {
             api,
             body: raw.clone(),
