@@ -43,6 +43,20 @@ impl Endpoint {
         self.publish(&breaker, now, transition);
     }
 
+    /// A committed stream here went silent past its idle limit. While heartbeats pass, that is a gray
+    /// failure's sign like any other attempt that hangs: counted as a stall (with
+    /// `breaker.consecutive_stalls` in a row the endpoint is stalled, and its other streams are cut at
+    /// once rather than each waiting out its own limit). Otherwise a plain failure. Counted in the
+    /// endpoint's failures either way.
+    pub fn record_stream_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
+        if self.is_healthy() {
+            self.failures.fetch_add(1, Ordering::Relaxed);
+            self.record_stall(settings, now, may_eject);
+        } else {
+            self.record_failure(settings, now, may_eject);
+        }
+    }
+
     /// An attempt here stalled (lost to a hedge, or waited far past the expected latency). Counted only
     /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
     /// the endpoint stalled: ejected, with its waiting attempts told to move at once.

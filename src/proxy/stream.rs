@@ -77,10 +77,10 @@ impl StreamGuard for Streamed {
                     request_id,
                     endpoint = endpoint.url(),
                     idle_ms = limit.as_millis() as u64,
-                    "stream stalled after it started; cut, and counted as the endpoint's failure"
+                    "stream stalled after it started; cut, and counted against the endpoint"
                 );
                 let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
-                endpoint.record_failure(&self.breaker, Instant::now(), may_eject);
+                endpoint.record_stream_stall(&self.breaker, Instant::now(), may_eject);
             }
             Cut::Gone => {
                 tracing::warn!(

@@ -317,3 +317,84 @@ async fn a_deep_heartbeat_finds_a_node_whose_health_endpoint_lies() {
     assert_ne!(state_of(&proxy, &urls[1]).await, "unhealthy");
     proxy.stop().await;
 }
+
+/// An SSE answer: `first`, then a chunk every `every` until `count` more went, or nothing more at all.
+fn sse(first: &'static str, then: Option<(Duration, usize)>) -> http::Response<TestBody> {
+    use http_body_util::StreamBody;
+    let first = futures::stream::once(async move {
+        Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from(first)))
+    });
+    let rest = futures::stream::unfold(0usize, move |sent| async move {
+        match then {
+            Some((every, count)) if sent < count => {
+                tokio::time::sleep(every).await;
+                Some((
+                    Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from("data: more\n\n"))),
+                    sent + 1,
+                ))
+            }
+            Some(_) => None,
+            // Silent for good: the node's worker is wedged.
+            None => std::future::pending().await,
+        }
+    });
+    let body = StreamBody::new(futures::StreamExt::chain(first, rest));
+    http::Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(BodyExt::boxed(body))
+        .unwrap()
+}
+
+/// Streams that go silent on a node whose heartbeats pass are a gray failure's sign: two in a row mark
+/// the node stalled, and a stream of it still flowing is cut at once (its request would be continued
+/// elsewhere, were it a completion), rather than the node keeping every stream until each one's own
+/// idle limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_that_stall_mark_their_node_stalled_and_its_other_streams_end_at_once() {
+    let node = backend(|request: http::Request<hyper::body::Incoming>| async move {
+        match request.uri().path() {
+            "/flow" => sse("data: first\n\n", Some((Duration::from_millis(100), 300))),
+            _ => sse("data: first\n\n", None),
+        }
+    })
+    .await;
+    // One node, which the breaker may eject (a lone node is never ejected otherwise); idle limits of
+    // 10 typical gaps (100 ms), at least 500 ms.
+    let config = config_with(
+        "breaker: { max_ejected_percent: 100 }\nstream: { idle_min: 500ms }\n",
+        &[node.url()],
+    );
+    let proxy = start_proxy(config).await;
+    let (flow_url, hang_url) = (proxy.url("/flow"), proxy.url("/hang"));
+    let flowing = tokio::spawn(async move {
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            stream_until_it_ends(&flow_url, |_| {}),
+        )
+        .await
+    });
+    let hanging: Vec<_> = (0..2)
+        .map(|_| {
+            let url = hang_url.clone();
+            tokio::spawn(async move { stream_until_it_ends(&url, |_| {}).await })
+        })
+        .collect();
+    for hung in hanging {
+        let (_, ended) = hung.await.unwrap();
+        assert!(ended.is_err(), "a silent stream ends as an error");
+    }
+    // The flowing stream would take 30 s; it is cut as soon as its node is found stalled.
+    let (_, ended) = flowing
+        .await
+        .unwrap()
+        .expect("the flowing stream was cut long before it would have ended");
+    assert!(ended.is_err(), "cut, not finished: {ended:?}");
+    assert_eq!(state_of(&proxy, &node.url()).await, "stalled");
+    let stalls = sample(
+        &proxy,
+        &format!("tongs_endpoint_stalls_total{{endpoint=\"{}\"}}", node.url()),
+    )
+    .await;
+    assert_eq!(stalls, 2.0, "the two silent streams");
+    proxy.stop().await;
+}
