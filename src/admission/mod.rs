@@ -120,8 +120,11 @@ struct State {
     next_seq: u64,
     /// The virtual clock: the finish time of the request admitted last.
     clock: u64,
-    /// Each tenant's last finish time (`""`: requests without a tenant); emptied when the queue is.
+    /// Each tenant's last finish time ([`State::nobody`] for requests without a tenant); emptied when
+    /// the queue is.
     finish: HashMap<Arc<str>, u64>,
+    /// The name requests without a tenant are queued under (made once, not per request).
+    nobody: Arc<str>,
     settings: QueueSettings,
     drain: DrainMeter,
 }
@@ -131,7 +134,7 @@ impl State {
     fn finish_time(&mut self, place: &Place, take: bool) -> u64 {
         let (name, weight) = match &place.tenant {
             Some(tenant) => (Arc::clone(tenant.name()), tenant.settings().weight),
-            None => (Arc::from(""), 1),
+            None => (Arc::clone(&self.nobody), 1),
         };
         let last = self.finish.get(&name).copied().unwrap_or(0);
         let finish = last.max(self.clock) + FAIR_UNIT / u64::from(weight.max(1));
@@ -174,6 +177,7 @@ impl Queue {
                 next_seq: 0,
                 clock: 0,
                 finish: HashMap::new(),
+                nobody: Arc::from(""),
                 settings,
                 drain: DrainMeter {
                     bucket_start: Instant::now(),
