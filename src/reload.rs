@@ -298,7 +298,17 @@ mod tests {
     };
     use notify::{Event, EventKind};
 
-    use super::is_change;
+    use super::{is_change, needs_restart};
+    use crate::config::Config;
+
+    #[test]
+    fn a_change_of_tracing_needs_a_restart() {
+        let current = Config::default();
+        let mut next = current.clone();
+        assert!(needs_restart(&current, &next).is_empty());
+        next.tracing.otlp.endpoint = "http://otel-collector:4318".into();
+        assert_eq!(needs_restart(&current, &next), vec!["tracing"]);
+    }
 
     #[test]
     fn reads_are_not_changes() {

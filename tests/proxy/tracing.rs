@@ -365,3 +365,67 @@ async fn off_by_default_the_client_traceparent_goes_on_untouched() {
         vec![(Some(traceparent), Some("vendor=abc".to_owned()))]
     );
 }
+
+#[tokio::test]
+async fn a_hedge_that_wins_is_an_attempt_span_and_the_slow_one_is_cancelled() {
+    let collector = Collector::start().await;
+    let served = Arc::new(AtomicUsize::new(0));
+    // Whichever node gets the first request never answers it; the hedge goes to the other.
+    let hanging = |served: Arc<AtomicUsize>| {
+        backend(move |_request: Request<hyper::body::Incoming>| {
+            let served = Arc::clone(&served);
+            async move {
+                if served.fetch_add(1, Ordering::SeqCst) == 0 {
+                    std::future::pending::<()>().await;
+                }
+                Response::new(full("done"))
+            }
+        })
+    };
+    let a = hanging(Arc::clone(&served)).await;
+    let b = hanging(Arc::clone(&served)).await;
+    let yaml = format!(
+        "{}hedge: {{ min_delay: 20ms, max_extra_percent: 100 }}\n",
+        traced(&collector)
+    );
+    let proxy = start_proxy(config_with(&yaml, &[a.url(), b.url()])).await;
+
+    assert_eq!(
+        send(Request::get(proxy.url("/h")).body(full("")).unwrap())
+            .await
+            .0,
+        200
+    );
+    proxy.stop().await;
+
+    let spans = collector.spans(3).await;
+    let server = &spans
+        .iter()
+        .find(|(_, s)| s.kind() == SpanKind::Server)
+        .unwrap()
+        .1;
+    let attempts: Vec<&Span> = spans
+        .iter()
+        .map(|(_, s)| s)
+        .filter(|s| s.kind() == SpanKind::Client)
+        .collect();
+    assert_eq!(attempts.len(), 2, "{spans:#?}");
+    assert!(attempts.iter().all(|s| s.parent_span_id == server.span_id));
+    let kind_of = |kind: &str| {
+        *attempts
+            .iter()
+            .find(|s| attribute(s, "tongs.attempt.kind").as_deref() == Some(kind))
+            .unwrap_or_else(|| panic!("no {kind} attempt in {attempts:#?}"))
+    };
+    let (first, hedge) = (kind_of("first"), kind_of("hedge"));
+    assert_eq!(
+        attribute(first, "tongs.attempt.outcome").as_deref(),
+        Some("cancelled")
+    );
+    assert_eq!(status(first), SpanStatus::Unset);
+    assert_eq!(attribute(hedge, "tongs.attempt").as_deref(), Some("2"));
+    assert_eq!(
+        attribute(hedge, "tongs.attempt.outcome").as_deref(),
+        Some("committed")
+    );
+}
