@@ -115,13 +115,12 @@ fn status(span: &Span) -> SpanStatus {
     span.status.as_ref().map_or(SpanStatus::Unset, |s| s.code())
 }
 
+/// The `traceparent` and `tracestate` of each request a node received.
+type Seen = Arc<Mutex<Vec<(Option<String>, Option<String>)>>>;
+
 /// A backend that records the `traceparent` and `tracestate` of each request and answers 200; its
 /// first `failing` requests (counted over every backend sharing `served`) get a 502.
-async fn node(
-    seen: Arc<Mutex<Vec<(Option<String>, Option<String>)>>>,
-    served: Arc<AtomicUsize>,
-    failing: usize,
-) -> Backend {
+async fn node(seen: Seen, served: Arc<AtomicUsize>, failing: usize) -> Backend {
     backend(move |request: Request<hyper::body::Incoming>| {
         let (seen, served) = (Arc::clone(&seen), Arc::clone(&served));
         async move {
