@@ -428,3 +428,90 @@ async fn a_hedge_that_wins_is_an_attempt_span_and_the_slow_one_is_cancelled() {
         Some("committed")
     );
 }
+
+#[tokio::test]
+async fn a_tenants_request_names_it_and_a_refusal_is_a_span_too() {
+    let collector = Collector::start().await;
+    let seen = Arc::default();
+    let node = node(Arc::clone(&seen), Arc::default(), 0).await;
+    let dir = TempDir::new("tongs-tracing-keys");
+    let keys = dir.0.join("keys.yaml");
+    std::fs::write(&keys, "team-a: [\"sk-team-a-0123456789abcdef\"]\n").unwrap();
+    let yaml = format!(
+        "{}auth: {{ keys_file: {} }}\n",
+        traced(&collector),
+        keys.display()
+    );
+    let proxy = start_proxy(config_with(&yaml, &[node.url()])).await;
+
+    let keyed = Request::get(proxy.url("/t"))
+        .header("authorization", "Bearer sk-team-a-0123456789abcdef")
+        .body(full(""))
+        .unwrap();
+    assert_eq!(send(keyed).await.0, 200);
+    // No key: tongs answers 401 itself, with no attempt.
+    assert_eq!(
+        send(Request::get(proxy.url("/t")).body(full("")).unwrap())
+            .await
+            .0,
+        401
+    );
+    proxy.stop().await;
+
+    let spans = collector.spans(3).await;
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let servers: Vec<&Span> = spans
+        .iter()
+        .map(|(_, s)| s)
+        .filter(|s| s.kind() == SpanKind::Server)
+        .collect();
+    let status_of = |span: &Span| attribute(span, "http.response.status_code");
+    let ok = servers
+        .iter()
+        .find(|s| status_of(s).as_deref() == Some("200"))
+        .expect("the keyed request's span");
+    assert_eq!(attribute(ok, "tongs.tenant").as_deref(), Some("team-a"));
+    let refused = servers
+        .iter()
+        .find(|s| status_of(s).as_deref() == Some("401"))
+        .expect("the refused request's span");
+    assert_eq!(attribute(refused, "tongs.tenant"), None);
+    assert_eq!(attribute(refused, "tongs.pool"), None);
+    assert_eq!(status(refused), SpanStatus::Unset, "a 4xx is the client's");
+}
+
+#[tokio::test]
+async fn a_trace_not_sampled_is_not_exported_but_the_node_still_gets_a_traceparent() {
+    let collector = Collector::start().await;
+    let seen: Seen = Arc::default();
+    let node = node(Arc::clone(&seen), Arc::default(), 0).await;
+    let yaml = format!("{}    sample_ratio: 0\n", traced(&collector));
+    let proxy = start_proxy(config_with(&yaml, &[node.url()])).await;
+    // One trace tongs starts (ratio 0: not recorded), one a client sampled (recorded: parent-based).
+    assert_eq!(
+        send(Request::get(proxy.url("/s")).body(full("")).unwrap())
+            .await
+            .0,
+        200
+    );
+    let sampled = Request::get(proxy.url("/s"))
+        .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
+        .body(full(""))
+        .unwrap();
+    assert_eq!(send(sampled).await.0, 200);
+    proxy.stop().await;
+
+    let spans = collector.spans(2).await;
+    assert_eq!(
+        spans.len(),
+        2,
+        "only the client's sampled trace: {spans:#?}"
+    );
+    assert!(spans.iter().all(|(_, s)| hex(&s.trace_id) == CLIENT_TRACE));
+    let seen = seen.lock().unwrap().clone();
+    let flags: Vec<String> = seen
+        .iter()
+        .map(|(traceparent, _)| traceparent.clone().expect("a traceparent")[53..].to_owned())
+        .collect();
+    assert_eq!(flags, vec!["00", "01"]);
+}
