@@ -471,6 +471,8 @@ impl App {
             let _ = reloads.await;
         }
         parts.router.stop_pools();
+        // The spans of the last requests, exported before tongs exits.
+        parts.router.flush_traces().await;
         replicas_stop.cancel();
         let _ = replicas.await;
         admin_stop.cancel();

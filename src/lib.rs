@@ -28,6 +28,7 @@ pub mod retry;
 pub mod route;
 pub mod server;
 pub mod sim;
+pub mod trace;
 pub mod upstream;
 
 pub use app::{App, AppError};

@@ -13,7 +13,7 @@
 //! heartbeat settings, static endpoints — without dropping a request (requests under way finish with
 //! what they started with, endpoints that stay keep their state), and names in the log what needs a
 //! restart (listen addresses, workers, connection-level timeouts and limits, upstream TLS and pooling,
-//! switching heartbeats on or off, the retry budget's rates).
+//! switching heartbeats on or off, the retry budget's rates, `tracing`).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -96,6 +96,8 @@ fn needs_restart(current: &Config, next: &Config) -> Vec<&'static str> {
         "retry.budget_min_per_second",
         current.retry.budget_min_per_second != next.retry.budget_min_per_second,
     );
+    // The OTLP exporter is made once, at start.
+    check("tracing", current.tracing != next.tracing);
     keys
 }
 
@@ -296,7 +298,17 @@ mod tests {
     };
     use notify::{Event, EventKind};
 
-    use super::is_change;
+    use super::{is_change, needs_restart};
+    use crate::config::Config;
+
+    #[test]
+    fn a_change_of_tracing_needs_a_restart() {
+        let current = Config::default();
+        let mut next = current.clone();
+        assert!(needs_restart(&current, &next).is_empty());
+        next.tracing.otlp.endpoint = "http://otel-collector:4318".into();
+        assert_eq!(needs_restart(&current, &next), vec!["tracing"]);
+    }
 
     #[test]
     fn reads_are_not_changes() {

@@ -12,6 +12,7 @@ mod endpoints;
 mod header;
 mod hedge;
 mod kubernetes;
+mod otlp;
 mod pools;
 mod replicas;
 mod resilience;
@@ -37,6 +38,7 @@ pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,
 };
+pub use otlp::{OtlpConfig, TracingConfig};
 pub use pools::{DEFAULT_POOL, PoolConfig, PoolDiscovery, PoolMatch, PoolSpec, model_matches};
 pub use replicas::ReplicasConfig;
 pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
@@ -84,6 +86,8 @@ pub struct Config {
     pub auth: AuthConfig,
     /// The tongs replicas that share the fleet, so fixed per-node limits hold for all of them together.
     pub replicas: ReplicasConfig,
+    /// Traces over OTLP (off unless `tracing.otlp.endpoint` is set).
+    pub tracing: TracingConfig,
     /// Several fleets behind one tongs, chosen per request (see [`PoolConfig`]).
     pub pools: Vec<PoolConfig>,
 }
@@ -111,6 +115,7 @@ impl Default for Config {
             shutdown: ShutdownConfig::default(),
             auth: AuthConfig::default(),
             replicas: ReplicasConfig::default(),
+            tracing: TracingConfig::default(),
             pools: Vec::new(),
         }
     }
@@ -284,6 +289,7 @@ impl Config {
         self.salad.validate(&mut problems);
         self.auth.validate(&mut problems);
         self.replicas.validate(&mut problems);
+        self.tracing.validate(&mut problems);
         self.validate_pools(&mut problems);
         problems
     }

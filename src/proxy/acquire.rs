@@ -287,7 +287,13 @@ impl Proxy {
             };
             // The pick saw room; another worker may have taken the last slot since.
             match endpoint.try_start_request() {
-                Some(outstanding) => return Some(Slot { outstanding, probe }),
+                Some(outstanding) => {
+                    return Some(Slot {
+                        outstanding,
+                        probe,
+                        span: None,
+                    });
+                }
                 None => {
                     if probe {
                         endpoint.release_probe(ctx.now);

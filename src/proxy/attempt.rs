@@ -18,6 +18,7 @@ use crate::endpoint::{Endpoint, Outstanding};
 use crate::http::headers::is_upgrade_request;
 use crate::http::{ProxyError, describe};
 use crate::retry::{BodyError, FailureKind, ReplayBody, classify_status, retry_after};
+use crate::trace::AttemptSpan;
 use crate::upstream::{UpstreamBody, UpstreamClient, connect_cause};
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
@@ -40,6 +41,8 @@ pub(super) struct Sending {
 pub(super) struct Slot {
     pub outstanding: Outstanding,
     pub probe: bool,
+    /// The attempt's span, when tracing is on (see [`super::request::Template::build`]).
+    pub span: Option<AttemptSpan>,
 }
 
 /// A failed attempt: why, what the client would be told, and the endpoint's own answer if it gave one.
@@ -58,6 +61,8 @@ pub(super) struct Committed {
     pub outstanding: Outstanding,
     /// How long the answer took to start (headers and first bytes).
     pub first_byte: Option<Duration>,
+    /// The attempt's span, ended with the answer's body.
+    pub span: Option<AttemptSpan>,
 }
 
 /// What one attempt came to.
@@ -85,7 +90,36 @@ impl Proxy {
     /// Sends one attempt and waits for the endpoint's headers and first body bytes.
     ///
     /// The future owns all it needs, so an attempt beaten by a hedge can go on by itself (see `hedge`).
+    /// Its span (tracing on) learns the outcome; dropped before one, it is `cancelled`.
     pub(super) async fn attempt(
+        self: Arc<Self>,
+        sending: Sending,
+        request: Request<UpstreamBody>,
+        mut slot: Slot,
+    ) -> Attempt {
+        let span = slot.span.take();
+        let mut outcome = self.send(sending, request, slot).await;
+        if let Some(mut span) = span {
+            match &mut outcome {
+                Attempt::Committed(committed) => {
+                    span.committed(committed.response.status().as_u16());
+                    committed.span = Some(span);
+                }
+                Attempt::Failed(failure) => span.failed(
+                    // `retry.on`'s name of the cause, and an endpoint's status as its code.
+                    match failure.kind {
+                        FailureKind::Status(code) => code.to_string(),
+                        kind => kind.as_str().to_owned(),
+                    },
+                    failure.response.as_ref().map(|(r, _)| r.status().as_u16()),
+                    failure.error.to_string(),
+                ),
+            }
+        }
+        outcome
+    }
+
+    async fn send(
         self: Arc<Self>,
         sending: Sending,
         request: Request<UpstreamBody>,
@@ -99,7 +133,9 @@ impl Proxy {
         } = sending;
         let settings = &*settings;
         let body = &body;
-        let Slot { outstanding, probe } = slot;
+        let Slot {
+            outstanding, probe, ..
+        } = slot;
         let endpoint = &Arc::clone(outstanding.endpoint());
         // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
         let _probe_guard = ProbeGuard {
@@ -255,6 +291,7 @@ impl Proxy {
             first,
             outstanding,
             first_byte: Some(first_byte),
+            span: None,
         })
     }
 

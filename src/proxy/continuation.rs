@@ -28,6 +28,7 @@ use crate::http::{BoxError, ProxyBody};
 use crate::metrics::Continuation;
 use crate::openai::{Continuable, Splicer};
 use crate::retry::ReplayBody;
+use crate::trace::AttemptKind;
 
 /// Why a broken stream was not continued; the client's stream ends with this error.
 #[derive(Debug, thiserror::Error)]
@@ -260,8 +261,11 @@ impl Continuer {
             self.tried.push(endpoint.id());
             drop(last_failure.take());
             self.proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let mut slot = slot;
             let race = Race {
-                request: self.template.build(&endpoint, attempt_body),
+                request: self
+                    .template
+                    .build(&mut slot, attempt_body, AttemptKind::Continuation),
                 slot,
                 template: &self.template,
                 hedgeable: true,
@@ -288,9 +292,13 @@ impl Continuer {
                         // Continued again if it breaks, unless this was the last continuation allowed.
                         continuable: self.taken < self.settings.max_continuations,
                     };
-                    let piece =
+                    let mut piece =
                         self.proxy
                             .streamed(&settings, piece, self.deadline, &self.request_id);
+                    if let Some(span) = committed.span {
+                        // The continuation's span ends with its piece of the stream.
+                        let _ = piece.on_end(Box::new(span));
+                    }
                     return Ok((piece, url));
                 }
                 Attempt::Failed(failure) => {

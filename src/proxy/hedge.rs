@@ -23,6 +23,7 @@ use super::request::Template;
 use super::{Proxy, ProxySettings, WorkerPath};
 use crate::endpoint::Endpoint;
 use crate::retry::{FailureKind, ReplayBody};
+use crate::trace::AttemptKind;
 use crate::upstream::UpstreamBody;
 
 /// One worker's allowance of hedges: every request deposits `hedge.max_extra_percent` hundredths of a
@@ -287,7 +288,7 @@ impl Proxy {
                 worker.hedges.refund();
             }
         };
-        let Pick::Slot(slot) = self.pick(settings, tried) else {
+        let Pick::Slot(mut slot) = self.pick(settings, tried) else {
             refund();
             return None;
         };
@@ -312,7 +313,13 @@ impl Proxy {
                 "a stalled attempt gets a second one"
             );
         }
-        Some((slot, template.build(&endpoint, attempt_body)))
+        let kind = if hedge {
+            AttemptKind::Hedge
+        } else {
+            AttemptKind::Stalled
+        };
+        let request = template.build(&mut slot, attempt_body, kind);
+        Some((slot, request))
     }
 }
 

@@ -49,6 +49,7 @@ use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::openai::Continuable;
 use crate::registry::Registry;
 use crate::retry::{FailureKind, ReplayBudget, RetryBudget, RetryPolicy};
+use crate::trace::AttemptKind;
 use crate::upstream::UpstreamClient;
 
 /// Everything the request path reads from the configuration, replaced whole by a reload.
@@ -352,8 +353,9 @@ impl Proxy {
             // really under way; until then it is the answer.
             drop(last_failure.take());
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
+            let mut slot = slot;
             let race = Race {
-                request: template.build(&endpoint, attempt_body),
+                request: template.build(&mut slot, attempt_body, AttemptKind::Next),
                 slot,
                 template: &template,
                 hedgeable: retries_wanted,

@@ -11,6 +11,7 @@ use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::ProxySettings;
+use super::attempt::Slot;
 use std::sync::Arc;
 
 use crate::admission::{Place, Priority, Tenant};
@@ -18,6 +19,7 @@ use crate::endpoint::Endpoint;
 use crate::http::ProxyError;
 use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
 use crate::openai::Api;
+use crate::trace::{AttemptKind, RequestTrace};
 use crate::upstream::UpstreamBody;
 
 /// The client's request, read once.
@@ -66,6 +68,8 @@ impl ClientRequest {
             None => Priority::from_header(request.headers().get(&settings.priority_header)),
         };
         let place = Place { priority, tenant };
+        // The request's span, when tracing is on (the router put it there).
+        let trace = request.extensions().get::<Arc<RequestTrace>>().cloned();
 
         // Only an HTTP/1.1 client can switch protocols; its half of the upgrade must be claimed before the
         // request is taken apart.
@@ -94,6 +98,7 @@ impl ClientRequest {
                 .cloned()
                 .unwrap_or_else(|| PathAndQuery::from_static("/")),
             headers: template_headers,
+            trace,
         };
         let read = ClientRequest {
             request_id,
@@ -113,6 +118,9 @@ pub(super) struct Template {
     method: Method,
     path_and_query: PathAndQuery,
     headers: HeaderMap,
+    /// What each attempt's span is a child of (`None`: tracing is off, and the client's
+    /// `traceparent` goes on untouched).
+    trace: Option<Arc<RequestTrace>>,
 }
 
 impl Template {
@@ -148,7 +156,28 @@ impl Template {
         template
     }
 
-    pub fn build(&self, endpoint: &Endpoint, body: UpstreamBody) -> Request<UpstreamBody> {
+    /// The request of an attempt on `slot`'s endpoint; with tracing on, the attempt's span starts
+    /// (the slot carries it) and the request's `traceparent` names it.
+    pub fn build(
+        &self,
+        slot: &mut Slot,
+        body: UpstreamBody,
+        kind: AttemptKind,
+    ) -> Request<UpstreamBody> {
+        let mut request = self.request_to(slot.outstanding.endpoint(), body);
+        if let Some(trace) = &self.trace {
+            let endpoint = slot.outstanding.endpoint();
+            slot.span = Some(trace.attempt(
+                kind,
+                endpoint.url(),
+                endpoint.authority(),
+                request.headers_mut(),
+            ));
+        }
+        request
+    }
+
+    fn request_to(&self, endpoint: &Endpoint, body: UpstreamBody) -> Request<UpstreamBody> {
         let mut request = Request::new(body);
         *request.method_mut() = self.method.clone();
         *request.uri_mut() = upstream_uri(endpoint, &self.path_and_query);

@@ -44,6 +44,7 @@ impl Proxy {
             first,
             outstanding,
             first_byte,
+            span,
         } = committed;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
@@ -65,7 +66,11 @@ impl Proxy {
             first_byte,
             continuable,
         };
-        let body = self.streamed(settings, piece, deadline, request_id);
+        let mut body = self.streamed(settings, piece, deadline, request_id);
+        if let Some(span) = span {
+            // The attempt's span ends with its answer's body.
+            let _ = body.on_end(Box::new(span));
+        }
         Response::from_parts(parts, body)
     }
 
@@ -139,6 +144,7 @@ impl Proxy {
                     first: None,
                     outstanding,
                     first_byte: None,
+                    span: None,
                 };
                 self.commit(settings, committed, None, (request_id, deadline, false))
             }

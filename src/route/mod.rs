@@ -36,6 +36,7 @@ use crate::http::{ProxyBody, ProxyError, openai_shape};
 use crate::metrics::{Metrics, Outcome};
 use crate::openai::{ModelField, read_model, with_model};
 use crate::proxy::{Intake, ProxySettings, Received, WorkerPath};
+use crate::trace::{RequestSpan, Traces};
 use crate::upstream::UpstreamClient;
 
 /// A hand-over from one pool to another: (from, to).
@@ -61,6 +62,8 @@ pub struct Router {
     replicas: std::sync::atomic::AtomicU32,
     /// Inbound API keys and the tenants they name.
     tenants: Tenants,
+    /// The OTLP exporter, if tracing is on.
+    traces: Traces,
 }
 
 impl Router {
@@ -74,6 +77,7 @@ impl Router {
             starter: Mutex::new(None),
             replicas: std::sync::atomic::AtomicU32::new(1),
             tenants: Tenants::default(),
+            traces: Traces::default(),
         }
     }
 
@@ -86,6 +90,10 @@ impl Router {
         let mut errors = Vec::new();
         if let Err(error) = self.tenants.apply(&config.auth) {
             errors.push(PoolError::Keys(error));
+        }
+        // The first configuration only: a change of `tracing` needs a restart.
+        if let Err(error) = self.traces.configure(&config.tracing.otlp) {
+            errors.push(PoolError::Traces(error));
         }
         let mut pools = Vec::new();
         for spec in config.pool_specs() {
@@ -211,6 +219,11 @@ impl Router {
             .collect()
     }
 
+    /// Exports the spans not sent yet (when tongs stops).
+    pub async fn flush_traces(&self) {
+        self.traces.shutdown().await;
+    }
+
     /// Handles one client request; always produces a response.
     pub async fn handle(
         self: &Arc<Self>,
@@ -219,13 +232,28 @@ impl Router {
         client: SocketAddr,
     ) -> Response<ProxyBody> {
         let openai = request.uri().path().starts_with("/v1/");
+        // `None`, at the cost of one branch, unless tracing is on.
+        let mut span =
+            self.traces
+                .request(request.method(), request.uri().path(), request.headers());
         let response = match self.admit(request) {
-            Ok((request, None)) => self.route(worker, request, client).await,
-            Ok((request, Some(mut in_flight))) => {
-                let span = tracing::info_span!("request", tenant = %in_flight.tenant().name());
-                let mut response =
-                    tracing::Instrument::instrument(self.route(worker, request, client), span)
-                        .await;
+            Ok((mut request, None)) => {
+                if let Some(span) = &span {
+                    request.extensions_mut().insert(span.trace());
+                }
+                self.route(worker, request, client, &mut span).await
+            }
+            Ok((mut request, Some(mut in_flight))) => {
+                if let Some(span) = &mut span {
+                    span.set_tenant(in_flight.tenant().name());
+                    request.extensions_mut().insert(span.trace());
+                }
+                let log_span = tracing::info_span!("request", tenant = %in_flight.tenant().name());
+                let mut response = tracing::Instrument::instrument(
+                    self.route(worker, request, client, &mut span),
+                    log_span,
+                )
+                .await;
                 in_flight.answered(response.status().as_u16());
                 // Counted in flight until the answer ends: a stream until its last byte.
                 if let Err(done) = response.body_mut().on_end(Box::new(in_flight)) {
@@ -235,11 +263,21 @@ impl Router {
             }
             Err(refused) => refused,
         };
-        if openai {
+        let mut response = if openai {
             openai_shape(response)
         } else {
             response
+        };
+        if let Some(span) = span {
+            let status = response.status().as_u16();
+            let request_id = response.headers().get(&crate::http::headers::X_REQUEST_ID);
+            // Ended with the answer's body (a stream at its last byte), after its other guards.
+            let end = span.end(status, request_id);
+            if let Err(end) = response.body_mut().on_end(end) {
+                drop(end);
+            }
         }
+        response
     }
 
     /// Lets the request in as its key's tenant (its key taken off), or answers it: 401 without a
@@ -294,6 +332,7 @@ impl Router {
         worker: &Arc<WorkerPath>,
         request: Request<Incoming>,
         client: SocketAddr,
+        span: &mut Option<RequestSpan>,
     ) -> Response<ProxyBody> {
         let pools = self.pools.load_full();
         if request.method() == Method::GET
@@ -372,7 +411,12 @@ impl Router {
                 }
             };
             match pool.proxy().forward(worker, received, !last).await {
-                Ok(response) => return response,
+                Ok(response) => {
+                    if let Some(span) = span {
+                        span.set_pool(pool.name());
+                    }
+                    return response;
+                }
                 Err(back) => {
                     received = back;
                     if let Some(next) = chain.get(i + 1) {

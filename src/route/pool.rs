@@ -45,6 +45,9 @@ pub enum PoolError {
     /// Not a pool's, but applied with them: the inbound keys (the keys in force stay).
     #[error(transparent)]
     Keys(#[from] super::auth::KeysError),
+    /// Not a pool's either: the OTLP exporter (made once, at start).
+    #[error(transparent)]
+    Traces(#[from] crate::trace::ExporterError),
     #[error("pool {pool}: cannot read discovery.kubernetes.registration.token_file: {source}")]
     RegistrationToken {
         pool: String,

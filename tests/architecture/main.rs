@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, &[&str])] = &[
     ("ground", &["config", "breaker", "readiness", "openai"]),
     ("rules", &["limit", "admission"]),
-    ("vocabulary", &["http", "endpoint"]),
+    ("vocabulary", &["http", "endpoint", "trace"]),
     (
         "fleet",
         &["registry", "balance", "metrics", "upstream", "sim"],

@@ -24,3 +24,4 @@ mod pools;
 mod resilience;
 mod streaming;
 mod tenants;
+mod tracing;
