@@ -6,6 +6,13 @@
 //! figure between the first sample after warm-up and the last, and its least-squares slope per minute
 //! over the second half of the run. Flat means no leak; the figures are printed, not asserted.
 //!
+//! RSS rises at an outage surge (requests and their connections pile up while nodes are out) and should
+//! fall back within a few MiB of "before the load" once the pooled connections have idled out: tongs runs
+//! on jemalloc, which returns freed pages to the OS. With glibc's malloc it stayed at the surge's peak
+//! (freed buffers kept in its arenas; benches/RESULTS.md, "soak"). To tell live heap from what the
+//! allocator keeps, build tongs with `--features dhat-heap`: it logs its live heap every 10 s (set
+//! `TONGS_LOG=warn` to keep tongs' log in target/) and writes dhat-heap.json when it exits.
+//!
 //!     cargo bench --bench soak                   # 10 minutes of load, then 200 s idle
 //!     DURATION=90s cargo bench --bench soak
 //!

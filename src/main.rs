@@ -18,6 +18,29 @@ use tracing_subscriber::EnvFilter;
 /// Exit code for a configuration that cannot be used (EX_USAGE-like, as sysexits' EX_USAGE is 64).
 const EXIT_BAD_CONFIG: u8 = 64;
 
+/// jemalloc, not glibc's malloc: after a surge (hundreds of connections held while nodes are out, each
+/// with hyper's read and write buffers) glibc keeps the freed memory in its arenas' free lists — only
+/// `malloc_trim` gives it back — so RSS stayed at the surge's high-water mark for good (the soak: 14.5 →
+/// 30.2 MiB, still 29.5 MiB 200 s later while dhat counted 0.45 MB live). jemalloc returns unused pages
+/// to the OS after `dirty_decay_ms` (10 s): 14.9 → 32.6 → 17.3 MiB in the same run (benches/RESULTS.md,
+/// "soak"). See [`return_memory_when_idle`].
+#[cfg(not(feature = "dhat-heap"))]
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc purges its unused pages as its arenas allocate; an idle proxy hardly allocates, so one
+/// background thread (not jemalloc's default of one per CPU) does it on time instead.
+#[cfg(not(feature = "dhat-heap"))]
+fn return_memory_when_idle() -> Result<(), tikv_jemalloc_ctl::Error> {
+    tikv_jemalloc_ctl::max_background_threads::write(1)?;
+    tikv_jemalloc_ctl::background_thread::write(true)
+}
+
+/// With `--features dhat-heap`, every allocation goes through dhat's profiler (see [`heap_profile`]).
+#[cfg(feature = "dhat-heap")]
+#[global_allocator]
+static ALLOC: dhat::Alloc = dhat::Alloc;
+
 #[derive(Parser)]
 #[command(
     name = "tongs",
@@ -119,6 +142,14 @@ fn parse_rps(text: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
+    #[cfg(feature = "dhat-heap")]
+    let _profile = heap_profile::start();
+    #[cfg(not(feature = "dhat-heap"))]
+    if let Err(err) = return_memory_when_idle() {
+        eprintln!(
+            "tongs: jemalloc's background thread did not start ({err}); memory is returned on allocation only"
+        );
+    }
     let cli = Cli::parse();
     // The demo draws a table on the terminal: only errors may interrupt it unless RUST_LOG says otherwise.
     let default_level = match cli.command {
@@ -286,4 +317,62 @@ async fn stop_on_signal(shutdown: CancellationToken) {
     };
     tracing::info!(signal = name, "shutting down");
     shutdown.cancel();
+}
+
+/// The heap profile of a `--features dhat-heap` build: dhat's live heap (bytes and blocks, and the peak so
+/// far) on stderr every 10 s, and `dhat-heap.json` in the working directory when the process exits
+/// normally (`tongs run` does on SIGTERM), with the allocation sites live at the peak and at the end.
+#[cfg(feature = "dhat-heap")]
+mod heap_profile {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    pub struct Profile {
+        stop: Arc<AtomicBool>,
+        _profiler: dhat::Profiler,
+    }
+
+    pub fn start() -> Profile {
+        let profiler = dhat::Profiler::new_heap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            while !flag.load(Ordering::Acquire) {
+                let stats = dhat::HeapStats::get();
+                eprintln!(
+                    "dhat: {:.0} s live {} bytes in {} blocks, peak {} bytes",
+                    started.elapsed().as_secs_f64(),
+                    stats.curr_bytes,
+                    stats.curr_blocks,
+                    stats.max_bytes,
+                );
+                std::thread::sleep(Duration::from_secs(10));
+            }
+        });
+        Profile {
+            stop,
+            _profiler: profiler,
+        }
+    }
+
+    impl Drop for Profile {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(all(test, not(feature = "dhat-heap")))]
+mod tests {
+    #[test]
+    fn jemalloc_returns_memory_from_one_background_thread() {
+        super::return_memory_when_idle().unwrap();
+        assert!(tikv_jemalloc_ctl::background_thread::read().unwrap());
+        assert_eq!(
+            tikv_jemalloc_ctl::max_background_threads::read().unwrap(),
+            1
+        );
+    }
 }
