@@ -4,13 +4,17 @@
 //! `read_model` reads every top-level key either way (a second `model` must be caught), so the two
 //! time alike. Then counts the heap allocations per read: the name, and serde_json's scratch buffer.
 //!
+//! Beside it, what deciding whether a streamed body can be continued costs (`Continuable::read`, which
+//! reads only the fields that decide), against building the whole body as a `serde_json::Value` (what
+//! that check did before), on the same bodies, in the same run.
+//!
 //! Run with `cargo bench --bench model`.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use tongs::openai::model_of;
+use tongs::openai::{Api, Continuable, model_of};
 
 #[path = "support/chat.rs"]
 mod chat;
@@ -60,6 +64,19 @@ fn bench_model(c: &mut Criterion) {
         group.throughput(Throughput::Bytes(body.len() as u64));
         group.bench_with_input(BenchmarkId::from_parameter(name), &body, |b, body| {
             b.iter(|| model_of(black_box(body)).map(|found| found.span.start))
+        });
+    }
+    group.finish();
+    // Deciding whether a streamed chat request can be continued, against the whole body built.
+    let mut group = c.benchmark_group("continuable");
+    for (name, size) in SIZES {
+        let body = bytes::Bytes::from(chat_body(size, true));
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::new("fields_read", name), &body, |b, body| {
+            b.iter(|| Continuable::read(Api::Chat, black_box(body)).is_ok())
+        });
+        group.bench_with_input(BenchmarkId::new("whole_value", name), &body, |b, body| {
+            b.iter(|| serde_json::from_slice::<serde_json::Value>(black_box(body)).is_ok())
         });
     }
     group.finish();
