@@ -619,28 +619,16 @@ mod tests {
     async fn wakes_in_priority_order_then_fifo() {
         let q = queue(10);
         let mut tickets = vec![
-            ("low", q.join(Priority::Low).unwrap()),
-            ("normal-1", q.join(Priority::Normal).unwrap()),
-            ("normal-2", q.join(Priority::Normal).unwrap()),
-            ("high", q.join(Priority::High).unwrap()),
+            ("low".to_owned(), q.join(Priority::Low).unwrap()),
+            ("normal-1".to_owned(), q.join(Priority::Normal).unwrap()),
+            ("normal-2".to_owned(), q.join(Priority::Normal).unwrap()),
+            ("high".to_owned(), q.join(Priority::High).unwrap()),
         ];
         assert_eq!(q.len(), 4);
-        let mut order = Vec::new();
-        for _ in 0..4 {
-            q.wake_one();
-            let woken = tickets.iter_mut().position(|(_, ticket)| {
-                ticket
-                    .woken
-                    .as_mut()
-                    .is_some_and(|woken| matches!(woken.try_recv(), Ok(Wake::Go)))
-            });
-            let (name, mut ticket) = tickets.remove(woken.expect("one woken"));
-            order.push(name);
-            // It took the slot: it leaves without passing a wake on.
-            ticket.leave();
-            ticket.go = false;
-        }
-        assert_eq!(order, ["high", "normal-1", "normal-2", "low"]);
+        assert_eq!(
+            admit_in_order(&q, &mut tickets, 4),
+            ["high", "normal-1", "normal-2", "low"]
+        );
         assert_eq!(q.len(), 0);
     }
 

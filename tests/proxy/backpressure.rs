@@ -49,8 +49,8 @@ async fn ask(url: &str, headers: &[(&str, &str)]) -> Answer {
 }
 
 /// A backend that answers only when the test adds a permit, recording each request's `x-tag` as it
-/// arrives.
-async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
+/// arrives (with `+key` after it when an `Authorization` header came along).
+pub(crate) async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
     let gate = Gate::default();
     let arrivals = Arc::new(Mutex::new(Vec::new()));
     let (g, a) = (gate.clone(), Arc::clone(&arrivals));
@@ -62,7 +62,12 @@ async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
                 .get("x-tag")
                 .map(|v| v.to_str().unwrap().to_owned())
                 .unwrap_or_default();
-            arrivals.lock().unwrap().push(tag.clone());
+            let key = if request.headers().contains_key("authorization") {
+                "+key"
+            } else {
+                ""
+            };
+            arrivals.lock().unwrap().push(format!("{tag}{key}"));
             gate.pass().await;
             Response::new(full(tag))
         }
@@ -72,7 +77,7 @@ async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
 }
 
 /// Waits until `n` requests wait in the proxy's queue.
-async fn queued(proxy: &TestProxy, n: usize) {
+pub(crate) async fn queued(proxy: &TestProxy, n: usize) {
     let queue = Arc::clone(&proxy.app_queue);
     eventually(
         &format!("{n} requests queued"),

@@ -8,10 +8,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::{Request, Response};
-use hyper::body::Incoming;
+use http::Request;
 use serde_json::Value;
 
+use crate::backpressure::{gated, queued};
 use crate::support::*;
 
 const KEY_A: &str = "sk-team-a-0123456789abcdef";
@@ -63,46 +63,6 @@ fn keys_file(dir: &TempDir) -> std::path::PathBuf {
     )
     .unwrap();
     path
-}
-
-/// A backend that holds each request until the gate lets one go, recording each `x-tag` as it arrives
-/// and whether an `Authorization` header came with it.
-async fn gated() -> (Backend, Gate, Arc<Mutex<Vec<String>>>) {
-    let gate = Gate::default();
-    let arrivals = Arc::new(Mutex::new(Vec::new()));
-    let (g, a) = (gate.clone(), Arc::clone(&arrivals));
-    let backend = backend(move |request: Request<Incoming>| {
-        let (gate, arrivals) = (g.clone(), Arc::clone(&a));
-        async move {
-            let header = |name| {
-                request
-                    .headers()
-                    .get(name)
-                    .map(|v: &http::HeaderValue| v.to_str().unwrap().to_owned())
-            };
-            let tag = header("x-tag").unwrap_or_default();
-            let authorization = header("authorization");
-            arrivals
-                .lock()
-                .unwrap()
-                .push(format!("{tag}{}", authorization.map_or("", |_| "+key")));
-            gate.pass().await;
-            Response::new(full(tag))
-        }
-    })
-    .await;
-    (backend, gate, arrivals)
-}
-
-/// Waits until `n` requests wait in the proxy's queue.
-async fn queued(proxy: &TestProxy, n: usize) {
-    let queue = Arc::clone(&proxy.app_queue);
-    eventually(
-        &format!("{n} requests queued"),
-        Duration::from_secs(10),
-        || queue.len() == n,
-    )
-    .await;
 }
 
 async fn arrived(arrivals: &Arc<Mutex<Vec<String>>>, n: usize) {

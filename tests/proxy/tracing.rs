@@ -153,6 +153,21 @@ fn traced(collector: &Collector) -> String {
 const CLIENT_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
+/// The one server span among `spans`.
+fn server_span(spans: &[(String, Span)]) -> &Span {
+    &spans
+        .iter()
+        .find(|(_, s)| s.kind() == SpanKind::Server)
+        .expect("a server span")
+        .1
+}
+
+/// GETs `path` through `proxy`, which must answer 200.
+async fn get_ok(proxy: &TestProxy, path: &str) {
+    let (status, body) = send(Request::get(proxy.url(path)).body(full("")).unwrap()).await;
+    assert_eq!(status, 200, "{body}");
+}
+
 #[tokio::test]
 async fn a_request_is_a_server_span_with_an_attempt_child_whose_traceparent_the_node_gets() {
     let collector = Collector::start().await;
@@ -170,11 +185,7 @@ async fn a_request_is_a_server_span_with_an_attempt_child_whose_traceparent_the_
 
     let spans = collector.spans(2).await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
-    let server = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Server)
-        .expect("a server span")
-        .1;
+    let server = server_span(&spans);
     let client = &spans
         .iter()
         .find(|(_, s)| s.kind() == SpanKind::Client)
@@ -249,11 +260,7 @@ async fn a_client_traceparent_makes_the_request_span_its_child() {
 
     let spans = collector.spans(2).await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
-    let server = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Server)
-        .unwrap()
-        .1;
+    let server = server_span(&spans);
     let client = &spans
         .iter()
         .find(|(_, s)| s.kind() == SpanKind::Client)
@@ -284,21 +291,12 @@ async fn a_retry_after_a_failing_node_is_a_second_attempt_span() {
     );
     let proxy = start_proxy(config_with(&yaml, &[a.url(), b.url()])).await;
 
-    assert_eq!(
-        send(Request::get(proxy.url("/r")).body(full("")).unwrap())
-            .await
-            .0,
-        200
-    );
+    get_ok(&proxy, "/r").await;
     proxy.stop().await;
 
     let spans = collector.spans(3).await;
     assert_eq!(spans.len(), 3, "{spans:#?}");
-    let server = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Server)
-        .unwrap()
-        .1;
+    let server = server_span(&spans);
     let mut attempts: Vec<&Span> = spans
         .iter()
         .map(|(_, s)| s)
@@ -389,20 +387,11 @@ async fn a_hedge_that_wins_is_an_attempt_span_and_the_slow_one_is_cancelled() {
     );
     let proxy = start_proxy(config_with(&yaml, &[a.url(), b.url()])).await;
 
-    assert_eq!(
-        send(Request::get(proxy.url("/h")).body(full("")).unwrap())
-            .await
-            .0,
-        200
-    );
+    get_ok(&proxy, "/h").await;
     proxy.stop().await;
 
     let spans = collector.spans(3).await;
-    let server = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Server)
-        .unwrap()
-        .1;
+    let server = server_span(&spans);
     let attempts: Vec<&Span> = spans
         .iter()
         .map(|(_, s)| s)
@@ -488,12 +477,7 @@ async fn a_trace_not_sampled_is_not_exported_but_the_node_still_gets_a_tracepare
     let yaml = format!("{}    sample_ratio: 0\n", traced(&collector));
     let proxy = start_proxy(config_with(&yaml, &[node.url()])).await;
     // One trace tongs starts (ratio 0: not recorded), one a client sampled (recorded: parent-based).
-    assert_eq!(
-        send(Request::get(proxy.url("/s")).body(full("")).unwrap())
-            .await
-            .0,
-        200
-    );
+    get_ok(&proxy, "/s").await;
     let sampled = Request::get(proxy.url("/s"))
         .header("traceparent", format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"))
         .body(full(""))
