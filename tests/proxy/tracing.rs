@@ -162,6 +162,15 @@ fn server_span(spans: &[(String, Span)]) -> &Span {
         .1
 }
 
+/// The client (attempt) spans among `spans`.
+fn client_spans(spans: &[(String, Span)]) -> Vec<&Span> {
+    spans
+        .iter()
+        .map(|(_, s)| s)
+        .filter(|s| s.kind() == SpanKind::Client)
+        .collect()
+}
+
 /// GETs `path` through `proxy`, which must answer 200.
 async fn get_ok(proxy: &TestProxy, path: &str) {
     let (status, body) = send(Request::get(proxy.url(path)).body(full("")).unwrap()).await;
@@ -186,11 +195,7 @@ async fn a_request_is_a_server_span_with_an_attempt_child_whose_traceparent_the_
     let spans = collector.spans(2).await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
     let server = server_span(&spans);
-    let client = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Client)
-        .expect("a client span")
-        .1;
+    let client = client_spans(&spans)[0];
     assert!(spans.iter().all(|(service, _)| service == "tongs-test"));
     assert!(
         server.parent_span_id.is_empty(),
@@ -261,11 +266,7 @@ async fn a_client_traceparent_makes_the_request_span_its_child() {
     let spans = collector.spans(2).await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
     let server = server_span(&spans);
-    let client = &spans
-        .iter()
-        .find(|(_, s)| s.kind() == SpanKind::Client)
-        .unwrap()
-        .1;
+    let client = client_spans(&spans)[0];
     assert_eq!(hex(&server.trace_id), CLIENT_TRACE);
     assert_eq!(hex(&server.parent_span_id), CLIENT_SPAN);
     assert_eq!(client.parent_span_id, server.span_id);
@@ -297,11 +298,7 @@ async fn a_retry_after_a_failing_node_is_a_second_attempt_span() {
     let spans = collector.spans(3).await;
     assert_eq!(spans.len(), 3, "{spans:#?}");
     let server = server_span(&spans);
-    let mut attempts: Vec<&Span> = spans
-        .iter()
-        .map(|(_, s)| s)
-        .filter(|s| s.kind() == SpanKind::Client)
-        .collect();
+    let mut attempts = client_spans(&spans);
     attempts.sort_by_key(|s| attribute(s, "tongs.attempt"));
     assert_eq!(attempts.len(), 2);
     assert!(attempts.iter().all(|s| s.parent_span_id == server.span_id));
@@ -392,11 +389,7 @@ async fn a_hedge_that_wins_is_an_attempt_span_and_the_slow_one_is_cancelled() {
 
     let spans = collector.spans(3).await;
     let server = server_span(&spans);
-    let attempts: Vec<&Span> = spans
-        .iter()
-        .map(|(_, s)| s)
-        .filter(|s| s.kind() == SpanKind::Client)
-        .collect();
+    let attempts = client_spans(&spans);
     assert_eq!(attempts.len(), 2, "{spans:#?}");
     assert!(attempts.iter().all(|s| s.parent_span_id == server.span_id));
     let kind_of = |kind: &str| {
