@@ -46,6 +46,9 @@ pub struct Tally {
     pub longest_gaps: Vec<Duration>,
     /// When the last success completed, from the start of the measured window.
     pub last_success: Duration,
+    /// Each success as (sent, from the start of the measured window; took), both µs: where in the
+    /// run a tail sits (written out with `SAMPLES`).
+    pub samples: Vec<(u64, u64)>,
 }
 
 impl Tally {
@@ -61,6 +64,7 @@ impl Tally {
             stall_end: latency_histogram(),
             longest_gaps: Vec::new(),
             last_success: Duration::ZERO,
+            samples: Vec::new(),
         }
     }
 
@@ -142,6 +146,7 @@ pub async fn offer(
                     tally.longest_gaps.extend(longest_gap);
                     tally.last_success = tally.last_success.max(window_start.elapsed());
                     tally.latency.saturating_record(took);
+                    tally.samples.push((micros(since - warmup), took));
                     tally.first_byte.saturating_record(micros(first_byte));
                 }
                 Outcome::Rejected => tally.rejected.saturating_record(took),

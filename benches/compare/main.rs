@@ -307,6 +307,27 @@ impl Scenario {
     }
 }
 
+/// With `SAMPLES=DIR`, writes each success of a run to `DIR/SCENARIO-PROXY.tsv` as its start (ms from
+/// the measured window's start) and its latency (ms): where in the run a tail sits, next to the
+/// schedule of interruptions.
+fn write_samples(scenario: Scenario, label: &str, samples: &[(u64, u64)]) {
+    let Ok(dir) = std::env::var("SAMPLES") else {
+        return;
+    };
+    let name: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    let path = std::path::Path::new(&dir).join(format!("{}-{name}.tsv", scenario.name()));
+    let mut text = String::from("start_ms\tlatency_ms\n");
+    for (start, took) in samples {
+        text += &format!("{:.1}\t{:.1}\n", *start as f64 / 1e3, *took as f64 / 1e3);
+    }
+    if let Err(error) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {
+        eprintln!("SAMPLES: cannot write {}: {error}", path.display());
+    }
+}
+
 /// Drives `schedule` from `begin` (the start of the measured window) over `window`.
 async fn churn(
     fleet: Arc<Fleet>,
@@ -426,6 +447,7 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     )
     .await;
     let received: u64 = fleet.requests_received() - received_before;
+    write_samples(scenario, &running.label, &tally.samples);
     let usage = running.usage();
     let cpu_before = cpu_before.await.unwrap_or_default();
     if let Some(schedule) = schedule {
