@@ -40,6 +40,10 @@ pub trait StreamGuard: Send {
     /// tongs is ending the stream with an error: it was silent past its limit, or its endpoint was
     /// declared gone.
     fn cut(&mut self, why: Cut);
+    /// The endpoint's body ended by itself: whole (`complete`), or broken by an error.
+    fn end(&mut self, complete: bool) {
+        let _ = complete;
+    }
 }
 
 /// Why tongs ended a committed stream.
@@ -203,7 +207,7 @@ impl Body for ProxyBody {
         match self.project().kind.project() {
             KindProj::Upstream {
                 first,
-                body,
+                mut body,
                 deadline,
                 total,
                 mut idle,
@@ -224,7 +228,7 @@ impl Body for ProxyBody {
                     *held = None;
                     *finish = None;
                 };
-                match body.poll_frame(cx) {
+                match body.as_mut().poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
                         // A frame that was there when asked for says nothing of the endpoint's pace.
                         if let Some(since) = waiting.take()
@@ -232,13 +236,19 @@ impl Body for ProxyBody {
                         {
                             *idle_limit = guard.chunk(since.elapsed());
                         }
+                        // hyper stops polling a body that says it has ended, so its end is told here.
+                        if body.is_end_stream() {
+                            guard.end(true);
+                        }
                         return Poll::Ready(Some(Ok(frame)));
                     }
                     Poll::Ready(Some(Err(err))) => {
+                        guard.end(false);
                         ended(held, finish);
                         return Poll::Ready(Some(Err(err.into())));
                     }
                     Poll::Ready(None) => {
+                        guard.end(true);
                         ended(held, finish);
                         return Poll::Ready(None);
                     }

@@ -63,6 +63,9 @@ pub(super) struct Committed {
     pub first_byte: Option<Duration>,
     /// The attempt's span, ended with the answer's body.
     pub span: Option<AttemptSpan>,
+    /// The breaker's half-open probe, when this attempt is it and its answer still streams: judged
+    /// by the stream, not by its headers (see [`Probe`]).
+    pub probe: Option<Probe>,
 }
 
 /// What one attempt came to.
@@ -82,6 +85,47 @@ impl Drop for ProbeGuard<'_> {
     fn drop(&mut self) {
         if self.pending {
             self.endpoint.release_probe(Instant::now());
+        }
+    }
+}
+
+/// A half-open probe whose verdict waits for its answer's body. A gray node's headers and first
+/// chunk come back while what follows hangs, so a probe that closed the breaker on its headers would
+/// let the next requests onto a node that still stalls them. The probe succeeds when its body ends
+/// whole or has streamed past its idle limit without stalling (a stall would have shown by then),
+/// fails when it breaks, and, dropped without a verdict (its client left, its deadline passed), frees
+/// the probe slot for another request.
+pub struct Probe {
+    endpoint: Option<Arc<Endpoint>>,
+}
+
+impl Probe {
+    pub(super) fn new(endpoint: Arc<Endpoint>) -> Probe {
+        Probe {
+            endpoint: Some(endpoint),
+        }
+    }
+
+    /// The probe's answer came through: the breaker closes.
+    pub fn succeeded(mut self, now: Instant) {
+        if let Some(endpoint) = self.endpoint.take() {
+            endpoint.record_success(now);
+        }
+    }
+
+    /// The probe's answer broke after its headers: the breaker opens again.
+    pub fn failed(mut self, settings: &crate::breaker::BreakerSettings, now: Instant) {
+        if let Some(endpoint) = self.endpoint.take() {
+            // A half-open breaker reopens whatever the rest of the fleet looks like.
+            endpoint.record_failure(settings, now, true);
+        }
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        if let Some(endpoint) = self.endpoint.take() {
+            endpoint.release_probe(Instant::now());
         }
     }
 }
@@ -138,7 +182,7 @@ impl Proxy {
         } = slot;
         let endpoint = &Arc::clone(outstanding.endpoint());
         // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
-        let _probe_guard = ProbeGuard {
+        let mut probe_guard = ProbeGuard {
             endpoint,
             pending: probe,
         };
@@ -274,7 +318,15 @@ impl Proxy {
             }
         };
         let now = Instant::now();
-        endpoint.record_success(now);
+        // A probe whose answer still streams is judged by its body; any other answer by its start.
+        let streams_on = first.is_some() && !response.body().is_end_stream();
+        let probe = (probe && streams_on).then(|| {
+            probe_guard.pending = false;
+            Probe::new(Arc::clone(endpoint))
+        });
+        if probe.is_none() {
+            endpoint.record_success(now);
+        }
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
@@ -292,6 +344,7 @@ impl Proxy {
             outstanding,
             first_byte: Some(first_byte),
             span: None,
+            probe,
         })
     }
 

@@ -291,6 +291,7 @@ impl Continuer {
                         first_byte: committed.first_byte,
                         // Continued again if it breaks, unless this was the last continuation allowed.
                         continuable: self.taken < self.settings.max_continuations,
+                        probe: committed.probe,
                     };
                     let mut piece =
                         self.proxy

@@ -12,7 +12,7 @@ use hyper_util::rt::TokioIo;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
-use super::attempt::{Committed, Failure};
+use super::attempt::{Committed, Failure, Probe};
 use super::{Proxy, ProxySettings};
 use crate::admission::Refusal;
 use crate::endpoint::Outstanding;
@@ -28,6 +28,8 @@ pub(super) struct Piece {
     pub first_byte: Option<Duration>,
     /// A cut would be continued elsewhere (its idle floor is `continuation.idle_min`).
     pub continuable: bool,
+    /// The breaker's half-open probe, judged by this body.
+    pub probe: Option<Probe>,
 }
 
 impl Proxy {
@@ -45,6 +47,7 @@ impl Proxy {
             outstanding,
             first_byte,
             span,
+            probe,
         } = committed;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
@@ -65,6 +68,7 @@ impl Proxy {
             outstanding,
             first_byte,
             continuable,
+            probe,
         };
         let mut body = self.streamed(settings, piece, deadline, request_id);
         if let Some(span) = span {
@@ -89,6 +93,7 @@ impl Proxy {
             outstanding,
             first_byte,
             continuable,
+            probe,
         } = piece;
         ProxyBody::upstream(
             first,
@@ -96,7 +101,7 @@ impl Proxy {
             super::stream::watch(
                 settings,
                 outstanding,
-                (first_byte, continuable),
+                (first_byte, continuable, probe),
                 &self.registry,
                 &self.stats,
                 request_id,
@@ -145,6 +150,7 @@ impl Proxy {
                     outstanding,
                     first_byte: None,
                     span: None,
+                    probe: None,
                 };
                 self.commit(settings, committed, None, (request_id, deadline, false))
             }

@@ -9,6 +9,7 @@ use http::HeaderValue;
 use tokio::time::Instant;
 
 use super::ProxySettings;
+use super::attempt::Probe;
 use crate::breaker::BreakerSettings;
 use crate::endpoint::{Endpoint, Outstanding};
 use crate::http::body::{Cut, GoneSignal, StreamGuard, Watch};
@@ -56,13 +57,39 @@ struct Streamed {
     max_ejected_percent: u32,
     /// The request's id, so the cut can be matched with what became of the stream.
     request_id: HeaderValue,
+    /// The breaker's half-open probe, when this stream is it, and when the stream was committed.
+    probe: Option<(Probe, Instant)>,
+}
+
+impl Streamed {
+    /// A probe that has streamed past its idle limit without stalling has shown the node works.
+    fn judge_probe(&mut self, limit: Duration) {
+        if let Some((_, since)) = &self.probe
+            && since.elapsed() >= limit
+            && let Some((probe, _)) = self.probe.take()
+        {
+            probe.succeeded(Instant::now());
+        }
+    }
 }
 
 impl StreamGuard for Streamed {
     fn chunk(&mut self, gap: Duration) -> Option<Duration> {
         let endpoint = self.outstanding.endpoint();
         endpoint.observe_chunk_gap(gap);
-        Some(idle_limit(&self.idle, endpoint.chunk_gap()))
+        let limit = idle_limit(&self.idle, endpoint.chunk_gap());
+        self.judge_probe(limit);
+        Some(limit)
+    }
+
+    fn end(&mut self, complete: bool) {
+        if let Some((probe, _)) = self.probe.take() {
+            if complete {
+                probe.succeeded(Instant::now());
+            } else {
+                probe.failed(&self.breaker, Instant::now());
+            }
+        }
     }
 
     fn cut(&mut self, why: Cut) {
@@ -95,15 +122,17 @@ impl StreamGuard for Streamed {
 
 /// Resolves when `endpoint` is stalled, or declared unhealthy by heartbeats while some other endpoint
 /// of `registry` is healthy: when none is, tongs' own network or the health path is more likely broken
-/// than every node at once (panic mode), and streams that still flow are left alone.
-fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>) -> GoneSignal {
+/// than every node at once (panic mode), and streams that still flow are left alone. The half-open
+/// probe of a stalled endpoint (`probe`) is the one stream that runs there while it is stalled: only
+/// heartbeats end it early.
+fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, probe: bool) -> GoneSignal {
     let mut signal = endpoint.gone_signal();
     let endpoint = Arc::clone(endpoint);
     let registry = Arc::clone(registry);
     Box::pin(async move {
         loop {
             let unhealthy = !endpoint.is_healthy() && registry.counts().healthy() > 0;
-            if unhealthy || endpoint.is_stalled() {
+            if unhealthy || (endpoint.is_stalled() && !probe) {
                 return;
             }
             if signal.changed().await.is_err() {
@@ -115,11 +144,11 @@ fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>) -> GoneSignal {
 
 /// How the stream of a committed answer on `outstanding`'s endpoint is watched; `first_byte` is how long
 /// that answer took to start (none for a failure's own answer); `continuable`, whether a cut would be
-/// continued elsewhere.
+/// continued elsewhere; `probe`, the breaker's half-open probe when this answer is it.
 pub fn watch(
     settings: &ProxySettings,
     outstanding: Outstanding,
-    (first_byte, continuable): (Option<Duration>, bool),
+    (first_byte, continuable, probe): (Option<Duration>, bool, Option<Probe>),
     registry: &Arc<Registry>,
     stats: &Arc<ProxyStats>,
     request_id: &HeaderValue,
@@ -127,6 +156,7 @@ pub fn watch(
     let endpoint = Arc::clone(outstanding.endpoint());
     let idle = IdleSettings::from(settings, continuable);
     let limit = idle_limit(&idle, endpoint.chunk_gap().or(first_byte));
+    let is_probe = probe.is_some();
     Watch {
         guard: Box::new(Streamed {
             outstanding,
@@ -136,9 +166,10 @@ pub fn watch(
             breaker: settings.breaker.clone(),
             max_ejected_percent: settings.max_ejected_percent,
             request_id: request_id.clone(),
+            probe: probe.map(|probe| (probe, Instant::now())),
         }),
         idle: Some(limit),
-        gone: Some(gone(&endpoint, registry)),
+        gone: Some(gone(&endpoint, registry, is_probe)),
     }
 }
 

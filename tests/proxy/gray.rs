@@ -398,3 +398,122 @@ async fn streams_that_stall_mark_their_node_stalled_and_its_other_streams_end_at
     assert_eq!(stalls, 2.0, "the two silent streams");
     proxy.stop().await;
 }
+
+/// A stalled node's half-open probe is judged by its stream, not by its headers: a gray node answers
+/// headers and a first chunk while what follows hangs, so a probe that closed the breaker on its
+/// headers would let the next requests onto a node that still stalls them. While the probe streams,
+/// no other request goes there; its stall reopens the breaker; a probe that streams to its end closes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_nodes_probe_is_judged_by_its_stream_not_its_headers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let wedged = Arc::new(AtomicBool::new(true));
+    let node = backend({
+        let (arrived, wedged) = (Arc::clone(&arrived), Arc::clone(&wedged));
+        move |_request: http::Request<hyper::body::Incoming>| {
+            arrived.fetch_add(1, Ordering::SeqCst);
+            let wedged = wedged.load(Ordering::SeqCst);
+            async move {
+                if wedged {
+                    sse("data: first\n\n", None)
+                } else {
+                    sse("data: first\n\n", Some((Duration::from_millis(50), 12)))
+                }
+            }
+        }
+    })
+    .await;
+    let config = config_with(
+        "breaker: { max_ejected_percent: 100, base_ejection: 300ms, max_ejection: 2s }\n\
+         stream: { idle_min: 500ms }\n",
+        &[node.url()],
+    );
+    let proxy = start_proxy(config).await;
+    let url = proxy.url("/v1/stream");
+    // Two silent streams mark the node stalled.
+    let hanging: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { stream_until_it_ends(&url, |_| {}).await })
+        })
+        .collect();
+    for hung in hanging {
+        assert!(
+            hung.await.unwrap().1.is_err(),
+            "a silent stream ends as an error"
+        );
+    }
+    assert_eq!(state_of(&proxy, &node.url()).await, "stalled");
+    assert_eq!(arrived.load(Ordering::SeqCst), 2);
+
+    // After the ejection, the probe: headers and a first chunk, then silence, as before.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (first_chunk_tx, first_chunk) = tokio::sync::oneshot::channel();
+    let probe = tokio::spawn({
+        let url = url.clone();
+        async move {
+            stream_until_it_ends(&url, move |_| {
+                let _ = first_chunk_tx.send(());
+            })
+            .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), first_chunk)
+        .await
+        .expect("the probe's first chunk")
+        .unwrap();
+    assert_eq!(
+        arrived.load(Ordering::SeqCst),
+        3,
+        "the probe reached the node"
+    );
+    // While the probe streams, another request waits rather than going to the node (its deadline
+    // ends its wait with a refusal).
+    let request = http::Request::get(&url)
+        .header("accept", "text/event-stream")
+        .header("x-tongs-timeout-ms", "200")
+        .body(full(Bytes::new()))
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), client().request(request))
+        .await
+        .expect("an answer within the request's deadline")
+        .expect("response headers");
+    assert_eq!(
+        response.status(),
+        503,
+        "the probe's headers did not close the breaker"
+    );
+    drop(response);
+    assert_eq!(
+        arrived.load(Ordering::SeqCst),
+        3,
+        "nothing else reached the node"
+    );
+    let (_, ended) = tokio::time::timeout(Duration::from_secs(10), probe)
+        .await
+        .expect("the probe's stall ends it")
+        .unwrap();
+    assert!(ended.is_err(), "the probe stalled: {ended:?}");
+    assert_eq!(state_of(&proxy, &node.url()).await, "stalled", "reopened");
+
+    // The worker recovers: the next probe streams to its end, and the breaker closes.
+    wedged.store(false, Ordering::SeqCst);
+    eventually_async(
+        "a probe that streams to its end closes the breaker",
+        Duration::from_secs(15),
+        || {
+            let (url, proxy, node) = (url.clone(), &proxy, node.url());
+            async move {
+                let (_, ended) = stream_until_it_ends(&url, |_| {}).await;
+                ended.is_ok()
+                    && matches!(
+                        state_of(proxy, &node).await.as_str(),
+                        "healthy" | "slow-start"
+                    )
+            }
+        },
+    )
+    .await;
+    proxy.stop().await;
+}
