@@ -47,11 +47,9 @@ impl EndpointSpec {
             .filter_map(|endpoint| {
                 // Validation already refused bad URLs; skipping keeps this total for unvalidated input.
                 let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
-                Some(EndpointSpec::new(
-                    endpoint.url.clone(),
-                    parsed,
-                    endpoint.weight,
-                ))
+                let mut spec = EndpointSpec::new(endpoint.url.clone(), parsed, endpoint.weight);
+                spec.origin.max_outstanding = endpoint.max_outstanding;
+                Some(spec)
             })
             .collect()
     }

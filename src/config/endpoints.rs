@@ -25,6 +25,11 @@ pub struct StaticEndpoint {
     /// Share of concurrent load relative to the other endpoints (1 ..= 10000).
     #[serde(default = "default_weight")]
     pub weight: u32,
+    /// The most requests the endpoint takes at once (its batch size, HAProxy's `maxconn`), as a pod's
+    /// `tongs.dev/max-outstanding` gives it: beyond it, requests wait in tongs' queue for the first
+    /// slot free anywhere rather than in this endpoint's own queue. Unset: no cap of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_outstanding: Option<u64>,
 }
 
 fn default_weight() -> u32 {
@@ -147,6 +152,12 @@ impl DiscoveryConfig {
                     format!("must be between 1 and 10000, got {}", endpoint.weight),
                 );
             }
+            if endpoint.max_outstanding == Some(0) {
+                problem(
+                    format!("discovery.static[{index}].max_outstanding"),
+                    "must be at least 1 (leave it out for no cap)".into(),
+                );
+            }
         }
         self.kubernetes.validate(problems);
     }
@@ -195,6 +206,7 @@ mod tests {
         let endpoint = |url: &str| StaticEndpoint {
             url: url.into(),
             weight: 1,
+            max_outstanding: None,
         };
         let config = DiscoveryConfig {
             static_endpoints: vec![

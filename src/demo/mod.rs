@@ -129,7 +129,11 @@ pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
     config.discovery.static_endpoints = fleet
         .urls()
         .into_iter()
-        .map(|url| StaticEndpoint { url, weight: 1 })
+        .map(|url| StaticEndpoint {
+            url,
+            weight: 1,
+            max_outstanding: None,
+        })
         .collect();
     config
 }

@@ -167,6 +167,7 @@ mod tests {
             .map(|url| crate::config::StaticEndpoint {
                 url: (*url).to_owned(),
                 weight: 1,
+                max_outstanding: None,
             })
             .collect();
         config

@@ -129,6 +129,53 @@ async fn a_static_limit_is_never_exceeded_at_the_node() {
     proxy.stop().await;
 }
 
+/// A static endpoint's own `max_outstanding` (its batch size, as HAProxy's `maxconn` or a pod's
+/// `tongs.dev/max-outstanding` gives it) caps what it is sent even with no limit configured: the rest
+/// waits in tongs' queue for the first free slot, not in one node's own queue.
+#[tokio::test]
+async fn a_static_endpoints_own_cap_holds_without_a_configured_limit() {
+    let fleet = sim_fleet(6, json_nodes(2, Duration::from_millis(40), 4, 36)).await;
+    let urls = fleet.urls();
+    let text = format!(
+        "listen: 127.0.0.1:0\nadmin: {{ listen: 127.0.0.1:0 }}\nhealth: {{ enabled: false }}\n\
+         discovery:\n  static:\n    - url: {}\n      max_outstanding: 3\n    - url: {}\n      \
+         max_outstanding: 1\n",
+        urls[0], urls[1]
+    );
+    let proxy = start_proxy(tongs::config::Config::parse(&text, "test").unwrap()).await;
+    let url = proxy.url("/v1/generate");
+    let tasks: Vec<_> = (0..60)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { ask(&url, &[]).await })
+        })
+        .collect();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    for (node, cap) in fleet.nodes().iter().zip([3, 1]) {
+        let stats = node.stats();
+        assert!(
+            stats.peak_in_flight <= cap,
+            "{}: {} at once, cap {cap}",
+            node.url(),
+            stats.peak_in_flight
+        );
+        assert!(stats.served > 0, "{}: served nothing", node.url());
+    }
+    assert!(
+        proxy.app_queue.stats().enqueued.load(Ordering::Relaxed) > 0,
+        "60 requests for 4 slots: most waited in tongs' queue"
+    );
+    let zero = "discovery:\n  static:\n    - url: http://127.0.0.1:9\n      max_outstanding: 0\n";
+    let err = tongs::config::Config::parse(zero, "test")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("discovery.static[0].max_outstanding"), "{err}");
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn the_queue_releases_by_priority_then_in_order_of_arrival() {
     let (backend, gate, arrivals) = gated().await;
