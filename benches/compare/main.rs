@@ -24,7 +24,9 @@
 //!   loop), as many requests per second as each proxy takes; the origin alone is the baseline.
 //!
 //! tongs runs its release binary with its defaults (only the endpoints configured), and again as
-//! `tongs-adaptive` with `concurrency.limit: adaptive`, the one setting that changes overload. The peers are
+//! `tongs-adaptive` with `concurrency.limit: adaptive`, the one setting that changes overload, and as
+//! `tongs-capacity` told each node's capacity (`discovery.static[].max_outstanding`), as HAProxy's
+//! `maxconn` tells it HAProxy. The peers are
 //! configured as well as each allows for the job: least connections; active health checks where the
 //! open-source build has them; retries on connect errors, timeouts and 502/503/504, POST included, on
 //! another server; 1 s connect timeout; 10 s per-try timeout; a queue where there is one. Their
@@ -78,7 +80,7 @@ const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
 const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts throughput";
-const ALL_PROXIES: &str = "tongs tongs-adaptive nginx haproxy caddy";
+const ALL_PROXIES: &str = "tongs tongs-adaptive tongs-capacity nginx haproxy caddy";
 
 fn main() -> Result<()> {
     let smoke = !support::benchmarking();
@@ -142,6 +144,9 @@ enum Proxy {
     Tongs,
     /// tongs with one setting changed: `concurrency.limit: adaptive`.
     TongsAdaptive,
+    /// tongs told each node's capacity (`discovery.static[].max_outstanding`), as HAProxy is told it
+    /// (`maxconn`).
+    TongsCapacity,
     Nginx,
     Haproxy,
     Caddy,
@@ -152,6 +157,7 @@ impl Proxy {
         Ok(match name {
             "tongs" => Proxy::Tongs,
             "tongs-adaptive" => Proxy::TongsAdaptive,
+            "tongs-capacity" => Proxy::TongsCapacity,
             "nginx" => Proxy::Nginx,
             "haproxy" => Proxy::Haproxy,
             "caddy" => Proxy::Caddy,
@@ -160,12 +166,15 @@ impl Proxy {
     }
 
     fn is_tongs(self) -> bool {
-        matches!(self, Proxy::Tongs | Proxy::TongsAdaptive)
+        matches!(
+            self,
+            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity
+        )
     }
 
     fn program(self) -> &'static str {
         match self {
-            Proxy::Tongs | Proxy::TongsAdaptive => "tongs",
+            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity => "tongs",
             Proxy::Nginx => "nginx",
             Proxy::Haproxy => "haproxy",
             Proxy::Caddy => "caddy",
@@ -574,11 +583,12 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     };
     let direct = format!("http://127.0.0.1:{}", ports[0]);
     rows.push(measure("origin alone (baseline)".into(), None, direct, Vec::new()).await?);
-    // The adaptive limit changes nothing against an origin that answers at once.
+    // The adaptive limit and the nodes' capacities change nothing against an origin that answers at
+    // once.
     for &proxy in settings
         .proxies
         .iter()
-        .filter(|&&proxy| proxy != Proxy::TongsAdaptive)
+        .filter(|&&proxy| !matches!(proxy, Proxy::TongsAdaptive | Proxy::TongsCapacity))
     {
         let running = start_proxy(proxy, &upstreams, settings).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -60,11 +60,22 @@ pub async fn start_proxy(
             config.push_str("concurrency: { limit: adaptive }\n");
             label.push_str(", limit: adaptive");
         }
-        config.push_str(&support::static_discovery(
-            upstreams
-                .iter()
-                .map(|upstream| format!("http://{}", upstream.addr)),
-        ));
+        if proxy == Proxy::TongsCapacity {
+            config.push_str("discovery:\n  static:\n");
+            for upstream in upstreams {
+                config.push_str(&format!(
+                    "    - url: http://{}\n      max_outstanding: {}\n",
+                    upstream.addr, upstream.capacity
+                ));
+            }
+            label.push_str(", capacities given");
+        } else {
+            config.push_str(&support::static_discovery(
+                upstreams
+                    .iter()
+                    .map(|upstream| format!("http://{}", upstream.addr)),
+            ));
+        }
         let tongs = TongsProcess::start(&config).await?;
         if settings.show_configs {
             println!("tongs configuration:\n```yaml\n{config}```");
@@ -117,7 +128,9 @@ pub async fn start_proxy(
                 support::program_version(&binary, "version"),
             )
         }
-        Proxy::Tongs | Proxy::TongsAdaptive => unreachable!("tongs is started above"),
+        Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity => {
+            unreachable!("tongs is started above")
+        }
     };
     let path = dir.path().join(config_name);
     std::fs::write(&path, &config).with_context(|| format!("writing {}", path.display()))?;
