@@ -44,6 +44,11 @@ pub trait StreamGuard: Send {
     fn end(&mut self, complete: bool) {
         let _ = complete;
     }
+    /// The signal that the endpoint is gone, asked for once, when the stream first has to wait for
+    /// its endpoint: most answers arrive whole, and never need it (`None`: no such signal).
+    fn gone(&mut self) -> Option<GoneSignal> {
+        None
+    }
 }
 
 /// Why tongs ended a committed stream.
@@ -58,11 +63,10 @@ pub enum Cut {
 /// Resolves when the stream's endpoint is declared gone.
 pub type GoneSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// How a committed stream is watched: its idle limit so far, and the signal that its endpoint is gone.
+/// How a committed stream is watched: its guard, and its idle limit so far.
 pub struct Watch {
     pub guard: Box<dyn StreamGuard>,
     pub idle: Option<Duration>,
-    pub gone: Option<GoneSignal>,
 }
 
 /// The error a client's stream ends with when tongs cuts it.
@@ -102,8 +106,10 @@ pin_project! {
             // last one). Only tongs' own wait counts: while a slow client is not reading, hyper does not
             // poll the body, and that time is not the endpoint's silence.
             waiting: Option<Instant>,
-            // Resolves when the endpoint is declared gone.
+            // Resolves when the endpoint is declared gone; asked of the guard the first time the
+            // stream waits (`armed`).
             gone: Option<GoneSignal>,
+            armed: bool,
             // `None` once the stream has ended: what it holds (the endpoint's in-flight count) goes right there.
             held: Option<Box<dyn StreamGuard>>,
             // Counts the request in the metrics when the body goes.
@@ -143,7 +149,8 @@ impl ProxyBody {
                 idle: tokio::time::sleep_until(idle_until(Instant::now(), watch.idle)),
                 idle_limit: watch.idle,
                 waiting: None,
-                gone: watch.gone,
+                gone: None,
+                armed: false,
                 held: Some(watch.guard),
                 finish: None,
             },
@@ -214,6 +221,7 @@ impl Body for ProxyBody {
                 idle_limit,
                 waiting,
                 gone,
+                armed,
                 held,
                 finish,
             } => {
@@ -257,6 +265,10 @@ impl Body for ProxyBody {
                             let now = Instant::now();
                             *waiting = Some(now);
                             idle.as_mut().reset(idle_until(now, *idle_limit));
+                        }
+                        if !*armed {
+                            *armed = true;
+                            *gone = guard.gone();
                         }
                     }
                 }
@@ -386,7 +398,6 @@ mod tests {
         let watch = Watch {
             guard: Box::new(Gaps(Arc::clone(&gaps))),
             idle: Some(Duration::from_secs(2)),
-            gone: None,
         };
         let deadline = tokio::time::sleep(Duration::from_secs(3600));
         let mut body = std::pin::pin!(ProxyBody::upstream(

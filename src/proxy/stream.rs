@@ -82,6 +82,14 @@ impl StreamGuard for Streamed {
         Some(limit)
     }
 
+    fn gone(&mut self) -> Option<GoneSignal> {
+        Some(gone(
+            self.outstanding.endpoint(),
+            &self.registry,
+            self.probe.is_some(),
+        ))
+    }
+
     fn end(&mut self, complete: bool) {
         if let Some((probe, _)) = self.probe.take() {
             if complete {
@@ -156,7 +164,6 @@ pub fn watch(
     let endpoint = Arc::clone(outstanding.endpoint());
     let idle = IdleSettings::from(settings, continuable);
     let limit = idle_limit(&idle, endpoint.chunk_gap().or(first_byte));
-    let is_probe = probe.is_some();
     Watch {
         guard: Box::new(Streamed {
             outstanding,
@@ -169,7 +176,6 @@ pub fn watch(
             probe: probe.map(|probe| (probe, Instant::now())),
         }),
         idle: Some(limit),
-        gone: Some(gone(&endpoint, registry, is_probe)),
     }
 }
 
