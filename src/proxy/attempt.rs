@@ -30,7 +30,7 @@ pub(super) struct Sending {
     /// The request's settings snapshot.
     pub settings: Arc<ProxySettings>,
     /// The worker's pooled client.
-    pub upstream: UpstreamClient,
+    pub upstream: Arc<UpstreamClient>,
     /// The request's overall deadline.
     pub deadline: Instant,
     /// The request body (a handle on it: attempts take their own copy to send).

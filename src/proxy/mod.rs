@@ -154,7 +154,9 @@ pub struct Proxy {
 /// What one worker thread owns on the request path: its pooled connections, its retry budget and its
 /// hedge budget.
 pub struct WorkerPath {
-    upstream: UpstreamClient,
+    // Shared by the worker's requests (and their hedges, which own what they send with): a clone is
+    // one reference count, where a client's clone is several.
+    upstream: Arc<UpstreamClient>,
     budget: RetryBudget,
     hedges: HedgeBudget,
 }

@@ -82,7 +82,7 @@ impl Intake {
     /// The request path of one of `workers` worker threads, sending through `upstream`.
     pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
         WorkerPath {
-            upstream,
+            upstream: Arc::new(upstream),
             budget: self.settings().retry.budget(workers),
             hedges: super::HedgeBudget::default(),
         }
