@@ -42,17 +42,16 @@ pub async fn run(
     }
     let mut changes = registry.subscribe();
     let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
+    let mut known: Arc<Vec<Arc<Endpoint>>> = Arc::default();
     loop {
         let snapshot = registry.snapshot_full();
-        let live: HashSet<EndpointId> = snapshot.iter().map(|e| e.id()).collect();
-        loops.retain(|id, stop| {
-            let keep = live.contains(id);
-            if !keep {
+        let (left, joined) = difference(&known, &snapshot);
+        for id in left {
+            if let Some(stop) = loops.remove(&id) {
                 stop.cancel();
             }
-            keep
-        });
-        for endpoint in snapshot.iter() {
+        }
+        for endpoint in joined {
             if loops.contains_key(&endpoint.id()) {
                 continue;
             }
@@ -65,11 +64,37 @@ pub async fn run(
                 stop,
             ));
         }
+        known = snapshot;
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
     }
+}
+
+/// The endpoints that left between two snapshots of one registry (by id) and those that joined. The
+/// registry changes a snapshot in place, so only the places whose endpoint differs are looked at: a
+/// pod event among thousands costs a comparison of pointers per endpoint, not a hash of each. One
+/// that moved into another's place is on both sides and counts as neither.
+fn difference<'a>(
+    before: &[Arc<Endpoint>],
+    after: &'a [Arc<Endpoint>],
+) -> (Vec<EndpointId>, Vec<&'a Arc<Endpoint>>) {
+    let (mut left, mut joined) = (Vec::new(), Vec::new());
+    for at in 0..before.len().max(after.len()) {
+        match (before.get(at), after.get(at)) {
+            (Some(was), Some(is)) if Arc::ptr_eq(was, is) => {}
+            (was, is) => {
+                left.extend(was.map(|e| e.id()));
+                joined.extend(is);
+            }
+        }
+    }
+    let joined_ids: HashSet<EndpointId> = joined.iter().map(|e| e.id()).collect();
+    let left_ids: HashSet<EndpointId> = left.iter().copied().collect();
+    left.retain(|id| !joined_ids.contains(id));
+    joined.retain(|e| !left_ids.contains(&e.id()));
+    (left, joined)
 }
 
 /// `base` lengthened or shortened at random by up to `jitter` of itself.
@@ -247,6 +272,40 @@ fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Reque
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_difference_of_two_snapshots_is_who_left_and_who_joined() {
+        let registry = Registry::default();
+        let spec = |url: &str| {
+            crate::registry::EndpointSpec::new(
+                url,
+                crate::config::EndpointUrl::parse(url).unwrap(),
+                1,
+            )
+        };
+        let urls: Vec<String> = (0..6).map(|i| format!("http://10.0.0.{i}:80")).collect();
+        registry.replace(urls.iter().map(|url| spec(url)).collect());
+        let before = registry.snapshot_full();
+        let (left, joined) = difference(&[], &before);
+        assert!(left.is_empty());
+        assert_eq!(joined.len(), 6);
+        // One leaves from the middle (the last takes its place), one joins at the end.
+        registry.update_source(
+            "static",
+            &[urls[1].clone()],
+            vec![spec("http://10.0.0.9:80")],
+        );
+        let after = registry.snapshot_full();
+        let (left, joined) = difference(&before, &after);
+        assert_eq!(left, [before[1].id()]);
+        let joined: Vec<&str> = joined.iter().map(|e| e.url()).collect();
+        assert_eq!(joined, ["http://10.0.0.9:80"]);
+        // The same endpoints in another order: nothing changed.
+        let reversed: Vec<_> = after.iter().rev().cloned().collect();
+        let (left, joined) = difference(&after, &reversed);
+        assert!(left.is_empty() && joined.is_empty());
+        assert_eq!(difference(&after, &[]).0.len(), 6);
+    }
 
     #[test]
     fn thresholds_decide_the_verdict() {
