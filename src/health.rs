@@ -25,7 +25,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::HealthConfig;
-use crate::endpoint::{Endpoint, EndpointId};
+use crate::endpoint::Endpoint;
 use crate::registry::Registry;
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
@@ -41,22 +41,26 @@ pub async fn run(
         return;
     }
     let mut changes = registry.subscribe();
-    let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
-    let mut known: Arc<Vec<Arc<Endpoint>>> = Arc::default();
+    // Endpoints by address. Every endpoint of `known` has a loop, which holds it, so no other
+    // endpoint can have its address while it is known.
+    let mut loops: HashMap<usize, CancellationToken> = HashMap::new();
+    // The endpoints of the snapshot last followed, in its order. Addresses rather than the snapshot
+    // itself: holding it would keep the registry from reusing it for the next one.
+    let mut known: Vec<usize> = Vec::new();
     loop {
         let snapshot = registry.snapshot_full();
         let (left, joined) = difference(&known, &snapshot);
-        for id in left {
-            if let Some(stop) = loops.remove(&id) {
+        for address in left {
+            if let Some(stop) = loops.remove(&address) {
                 stop.cancel();
             }
         }
         for endpoint in joined {
-            if loops.contains_key(&endpoint.id()) {
+            if loops.contains_key(&address(endpoint)) {
                 continue;
             }
             let stop = shutdown.child_token();
-            loops.insert(endpoint.id(), stop.clone());
+            loops.insert(address(endpoint), stop.clone());
             tokio::spawn(probe_loop(
                 Arc::clone(endpoint),
                 Arc::clone(&config),
@@ -64,7 +68,8 @@ pub async fn run(
                 stop,
             ));
         }
-        known = snapshot;
+        known = snapshot.iter().map(address).collect();
+        drop(snapshot);
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
@@ -72,28 +77,34 @@ pub async fn run(
     }
 }
 
-/// The endpoints that left between two snapshots of one registry (by id) and those that joined. The
-/// registry changes a snapshot in place, so only the places whose endpoint differs are looked at: a
-/// pod event among thousands costs a comparison of pointers per endpoint, not a hash of each. One
-/// that moved into another's place is on both sides and counts as neither.
+/// Who an endpoint is, for as long as it lives.
+fn address(endpoint: &Arc<Endpoint>) -> usize {
+    Arc::as_ptr(endpoint).addr()
+}
+
+/// The endpoints that left between two snapshots of one registry (by address) and those that
+/// joined. The registry changes a snapshot in place, so only the places whose endpoint differs are
+/// looked at: a pod event among thousands costs a comparison of addresses per endpoint, without
+/// reading the endpoints themselves. One that moved into another's place is on both sides and counts
+/// as neither.
 fn difference<'a>(
-    before: &[Arc<Endpoint>],
+    before: &[usize],
     after: &'a [Arc<Endpoint>],
-) -> (Vec<EndpointId>, Vec<&'a Arc<Endpoint>>) {
+) -> (Vec<usize>, Vec<&'a Arc<Endpoint>>) {
     let (mut left, mut joined) = (Vec::new(), Vec::new());
     for at in 0..before.len().max(after.len()) {
         match (before.get(at), after.get(at)) {
-            (Some(was), Some(is)) if Arc::ptr_eq(was, is) => {}
+            (Some(was), Some(is)) if *was == address(is) => {}
             (was, is) => {
-                left.extend(was.map(|e| e.id()));
+                left.extend(was);
                 joined.extend(is);
             }
         }
     }
-    let joined_ids: HashSet<EndpointId> = joined.iter().map(|e| e.id()).collect();
-    let left_ids: HashSet<EndpointId> = left.iter().copied().collect();
-    left.retain(|id| !joined_ids.contains(id));
-    joined.retain(|e| !left_ids.contains(&e.id()));
+    let joined_at: HashSet<usize> = joined.iter().map(|e| address(e)).collect();
+    let left_at: HashSet<usize> = left.iter().copied().collect();
+    left.retain(|at| !joined_at.contains(at));
+    joined.retain(|e| !left_at.contains(&address(e)));
     (left, joined)
 }
 
@@ -286,6 +297,8 @@ mod tests {
         let urls: Vec<String> = (0..6).map(|i| format!("http://10.0.0.{i}:80")).collect();
         registry.replace(urls.iter().map(|url| spec(url)).collect());
         let before = registry.snapshot_full();
+        let addresses =
+            |snapshot: &[Arc<Endpoint>]| snapshot.iter().map(address).collect::<Vec<_>>();
         let (left, joined) = difference(&[], &before);
         assert!(left.is_empty());
         assert_eq!(joined.len(), 6);
@@ -296,15 +309,15 @@ mod tests {
             vec![spec("http://10.0.0.9:80")],
         );
         let after = registry.snapshot_full();
-        let (left, joined) = difference(&before, &after);
-        assert_eq!(left, [before[1].id()]);
+        let (left, joined) = difference(&addresses(&before), &after);
+        assert_eq!(left, [address(&before[1])]);
         let joined: Vec<&str> = joined.iter().map(|e| e.url()).collect();
         assert_eq!(joined, ["http://10.0.0.9:80"]);
         // The same endpoints in another order: nothing changed.
         let reversed: Vec<_> = after.iter().rev().cloned().collect();
-        let (left, joined) = difference(&after, &reversed);
+        let (left, joined) = difference(&addresses(&after), &reversed);
         assert!(left.is_empty() && joined.is_empty());
-        assert_eq!(difference(&after, &[]).0.len(), 6);
+        assert_eq!(difference(&addresses(&after), &[]).0.len(), 6);
     }
 
     #[test]
