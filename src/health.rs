@@ -25,7 +25,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::HealthConfig;
-use crate::endpoint::{Endpoint, EndpointId};
+use crate::endpoint::Endpoint;
 use crate::registry::Registry;
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
@@ -41,23 +41,26 @@ pub async fn run(
         return;
     }
     let mut changes = registry.subscribe();
-    let mut loops: HashMap<EndpointId, CancellationToken> = HashMap::new();
+    // Endpoints by address. Every endpoint of `known` has a loop, which holds it, so no other
+    // endpoint can have its address while it is known.
+    let mut loops: HashMap<usize, CancellationToken> = HashMap::new();
+    // The endpoints of the snapshot last followed, in its order. Addresses rather than the snapshot
+    // itself: holding it would keep the registry from reusing it for the next one.
+    let mut known: Vec<usize> = Vec::new();
     loop {
         let snapshot = registry.snapshot_full();
-        let live: HashSet<EndpointId> = snapshot.iter().map(|e| e.id()).collect();
-        loops.retain(|id, stop| {
-            let keep = live.contains(id);
-            if !keep {
+        let (left, joined) = difference(&known, &snapshot);
+        for address in left {
+            if let Some(stop) = loops.remove(&address) {
                 stop.cancel();
             }
-            keep
-        });
-        for endpoint in snapshot.iter() {
-            if loops.contains_key(&endpoint.id()) {
+        }
+        for endpoint in joined {
+            if loops.contains_key(&address(endpoint)) {
                 continue;
             }
             let stop = shutdown.child_token();
-            loops.insert(endpoint.id(), stop.clone());
+            loops.insert(address(endpoint), stop.clone());
             tokio::spawn(probe_loop(
                 Arc::clone(endpoint),
                 Arc::clone(&config),
@@ -65,11 +68,44 @@ pub async fn run(
                 stop,
             ));
         }
+        known = snapshot.iter().map(address).collect();
+        drop(snapshot);
         tokio::select! {
             () = shutdown.cancelled() => return,
             changed = changes.changed() => if changed.is_err() { return },
         }
     }
+}
+
+/// Who an endpoint is, for as long as it lives.
+fn address(endpoint: &Arc<Endpoint>) -> usize {
+    Arc::as_ptr(endpoint).addr()
+}
+
+/// The endpoints that left between two snapshots of one registry (by address) and those that
+/// joined. The registry changes a snapshot in place, so only the places whose endpoint differs are
+/// looked at: a pod event among thousands costs a comparison of addresses per endpoint, without
+/// reading the endpoints themselves. One that moved into another's place is on both sides and counts
+/// as neither.
+fn difference<'a>(
+    before: &[usize],
+    after: &'a [Arc<Endpoint>],
+) -> (Vec<usize>, Vec<&'a Arc<Endpoint>>) {
+    let (mut left, mut joined) = (Vec::new(), Vec::new());
+    for at in 0..before.len().max(after.len()) {
+        match (before.get(at), after.get(at)) {
+            (Some(was), Some(is)) if *was == address(is) => {}
+            (was, is) => {
+                left.extend(was);
+                joined.extend(is);
+            }
+        }
+    }
+    let joined_at: HashSet<usize> = joined.iter().map(|e| address(e)).collect();
+    let left_at: HashSet<usize> = left.iter().copied().collect();
+    left.retain(|at| !joined_at.contains(at));
+    joined.retain(|e| !left_at.contains(&address(e)));
+    (left, joined)
 }
 
 /// `base` lengthened or shortened at random by up to `jitter` of itself.
@@ -247,6 +283,42 @@ fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Reque
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_difference_of_two_snapshots_is_who_left_and_who_joined() {
+        let registry = Registry::default();
+        let spec = |url: &str| {
+            crate::registry::EndpointSpec::new(
+                url,
+                crate::config::EndpointUrl::parse(url).unwrap(),
+                1,
+            )
+        };
+        let urls: Vec<String> = (0..6).map(|i| format!("http://10.0.0.{i}:80")).collect();
+        registry.replace(urls.iter().map(|url| spec(url)).collect());
+        let before = registry.snapshot_full();
+        let addresses =
+            |snapshot: &[Arc<Endpoint>]| snapshot.iter().map(address).collect::<Vec<_>>();
+        let (left, joined) = difference(&[], &before);
+        assert!(left.is_empty());
+        assert_eq!(joined.len(), 6);
+        // One leaves from the middle (the last takes its place), one joins at the end.
+        registry.update_source(
+            "static",
+            &[urls[1].clone()],
+            vec![spec("http://10.0.0.9:80")],
+        );
+        let after = registry.snapshot_full();
+        let (left, joined) = difference(&addresses(&before), &after);
+        assert_eq!(left, [address(&before[1])]);
+        let joined: Vec<&str> = joined.iter().map(|e| e.url()).collect();
+        assert_eq!(joined, ["http://10.0.0.9:80"]);
+        // The same endpoints in another order: nothing changed.
+        let reversed: Vec<_> = after.iter().rev().cloned().collect();
+        let (left, joined) = difference(&addresses(&after), &reversed);
+        assert!(left.is_empty() && joined.is_empty());
+        assert_eq!(difference(&addresses(&after), &[]).0.len(), 6);
+    }
 
     #[test]
     fn thresholds_decide_the_verdict() {

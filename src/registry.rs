@@ -6,7 +6,7 @@
 //! whose URL and weight did not change. An endpoint that leaves is marked draining; requests already on it
 //! hold their own reference and finish normally.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -76,9 +76,9 @@ pub struct Registry {
     /// Bumped on every update, for the heartbeat loops that follow the set.
     changes: tokio::sync::watch::Sender<u64>,
     next_id: AtomicU64,
-    /// What each discovery source wants, merged into the snapshot on every update. The lock also
-    /// serialises writers so two updates cannot interleave their read-modify-publish.
-    writer: Mutex<BTreeMap<&'static str, Vec<EndpointSpec>>>,
+    /// What each discovery source wants and where each URL's endpoint sits in the snapshot. The lock
+    /// also serialises writers so two updates cannot interleave their read-modify-publish.
+    writer: Mutex<Wanted>,
     /// Concurrency limits every endpoint gets.
     limits: Mutex<LimitSettings>,
     /// Handed to every endpoint: wakes whoever waits for this registry's slots.
@@ -99,7 +99,7 @@ impl Registry {
             snapshot: ArcSwap::from_pointee(Vec::new()),
             changes: tokio::sync::watch::channel(0).0,
             next_id: AtomicU64::new(1),
-            writer: Mutex::new(BTreeMap::new()),
+            writer: Mutex::new(Wanted::default()),
             limits: Mutex::new(LimitSettings::none()),
             slot_freed,
             counts: Arc::default(),
@@ -202,95 +202,232 @@ impl Registry {
     /// The snapshot is the union of every source's endpoints; one URL wanted twice (say, by the static
     /// list and by a pod) is one endpoint, the first source's in name order.
     pub fn set_source(&self, source: &'static str, desired: Vec<EndpointSpec>) {
-        let mut sources = self
-            .writer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        sources.insert(source, desired);
-        self.rebuild(&sources);
+        let mut wanted = self.lock_writer();
+        let mut touched = wanted.drop_source(source);
+        touched.extend(desired.iter().map(|spec| spec.url.clone()));
+        for spec in desired {
+            wanted.claim(source, spec);
+        }
+        self.publish(&mut wanted, &touched);
     }
 
-    /// Changes one source by a few endpoints: those with the `removed` URLs leave it, the `added` join
-    /// it (replacing one with the same URL). For a pod event among thousands of pods: no spec is
-    /// cloned or dropped but the changed ones.
+    /// Changes one source by a few endpoints: those with the `removed` URLs leave it, then the `added`
+    /// join it in order (replacing one with the same URL). Only the URLs named are looked at, so a pod
+    /// event among thousands of pods costs the same as among ten.
     pub fn update_source(
         &self,
         source: &'static str,
         removed: &[String],
         added: Vec<EndpointSpec>,
     ) {
-        let mut sources = self
-            .writer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let specs = sources.entry(source).or_default();
-        let leaving: HashSet<String, foldhash::fast::RandomState> = removed
-            .iter()
-            .cloned()
-            .chain(added.iter().map(|spec| spec.url.clone()))
-            .collect();
-        specs.retain(|spec| !leaving.contains(&spec.url));
-        specs.extend(added);
-        self.rebuild(&sources);
+        let mut wanted = self.lock_writer();
+        let mut touched: Vec<String> = removed.to_vec();
+        for url in removed {
+            wanted.unclaim(source, url);
+        }
+        touched.extend(added.iter().map(|spec| spec.url.clone()));
+        for spec in added {
+            wanted.claim(source, spec);
+        }
+        self.publish(&mut wanted, &touched);
     }
 
-    /// Makes the snapshot the union of `sources`, keeping the endpoints that did not change.
-    fn rebuild(&self, sources: &BTreeMap<&'static str, Vec<EndpointSpec>>) {
+    fn lock_writer(&self) -> std::sync::MutexGuard<'_, Wanted> {
+        self.writer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Brings the endpoints of the `touched` URLs in line with what the sources now want and publishes
+    /// the result: the current snapshot with only those places changed. An endpoint that leaves gives
+    /// its place to the last one, so no other endpoint moves far or is looked at.
+    ///
+    /// The new snapshot is built in the spare copy of the current one when there is one, so an update
+    /// neither copies the set nor drops a copy of it: both touch every endpoint's reference count,
+    /// which at 10,000 endpoints was most of what was left of a pod event's cost.
+    fn publish(&self, wanted: &mut Wanted, touched: &[String]) {
         let current = self.snapshot.load_full();
-        // Keyed by URL alone, with a fast hash: with thousands of pods this runs on every pod event,
-        // and hashing each endpoint's whole identity with SipHash was most of an event's cost.
-        let hasher = foldhash::fast::RandomState::default();
-        let mut unchanged: HashMap<&str, &Arc<Endpoint>, _> =
-            HashMap::with_capacity_and_hasher(current.len(), hasher.clone());
-        unchanged.extend(current.iter().map(|endpoint| (endpoint.url(), endpoint)));
-        let wanted: usize = sources.values().map(Vec::len).sum();
-        let mut next = Vec::with_capacity(wanted);
-        let mut urls: HashSet<&str, _> = HashSet::with_capacity_and_hasher(wanted, hasher);
-        for spec in sources.values().flatten() {
-            if !urls.insert(&spec.url) {
+        let mut next: Option<Vec<Arc<Endpoint>>> = None;
+        let mut edits = Vec::new();
+        let settings = self.limits();
+        let now = tokio::time::Instant::now();
+        for url in touched {
+            let Some(claim) = wanted.by_url.get(url.as_str()) else {
                 continue;
-            }
-            let same = unchanged.get(spec.url.as_str()).filter(|existing| {
-                (existing.weight(), existing.origin()) == (spec.weight, &spec.origin)
+            };
+            let place = claim.place;
+            let existing = place.map(|at| &next.as_deref().unwrap_or(current.as_slice())[at]);
+            let fresh = match (existing, claim.specs.first()) {
+                (Some(existing), Some((_, spec)))
+                    if (existing.weight(), existing.origin()) == (spec.weight, &spec.origin) =>
+                {
+                    continue;
+                }
+                (None, None) => {
+                    wanted.by_url.remove(url.as_str());
+                    continue;
+                }
+                (_, served) => {
+                    served.map(|(_, spec)| self.endpoint(spec, &settings, now, !current.is_empty()))
+                }
+            };
+            let endpoints = next.get_or_insert_with(|| {
+                wanted
+                    .spare
+                    .take()
+                    .unwrap_or_else(|| current.as_ref().clone())
             });
-            match same {
-                Some(&existing) => {
-                    unchanged.remove(spec.url.as_str());
-                    next.push(Arc::clone(existing));
+            match (place, fresh) {
+                (Some(at), Some(fresh)) => {
+                    edits.push(Edit::Set(at, Arc::clone(&fresh)));
+                    let gone = std::mem::replace(&mut endpoints[at], fresh);
+                    drained(&gone);
                 }
-                None => {
-                    let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-                    let endpoint = Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
-                        .with_origin(&spec.origin);
-                    let now = tokio::time::Instant::now();
-                    endpoint.apply_limit(&self.limits(), now);
-                    // The first set starts together; an endpoint joining a serving set ramps in.
-                    if !current.is_empty() {
-                        endpoint.start_slow_start(now);
+                (None, Some(fresh)) => {
+                    if let Some(claim) = wanted.by_url.get_mut(url.as_str()) {
+                        claim.place = Some(endpoints.len());
                     }
-                    endpoint.set_slot_freed(self.slot_freed.clone());
-                    endpoint.count_in(Arc::clone(&self.counts));
-                    tracing::debug!(
-                        endpoint = endpoint.url(),
-                        weight = endpoint.weight(),
-                        "endpoint in service"
-                    );
-                    next.push(Arc::new(endpoint));
+                    edits.push(Edit::Push(Arc::clone(&fresh)));
+                    endpoints.push(fresh);
                 }
+                (Some(at), None) => {
+                    wanted.by_url.remove(url.as_str());
+                    edits.push(Edit::SwapRemove(at));
+                    drained(&endpoints.swap_remove(at));
+                    if let Some(moved) = endpoints.get(at)
+                        && let Some(claim) = wanted.by_url.get_mut(moved.url())
+                    {
+                        claim.place = Some(at);
+                    }
+                }
+                (None, None) => {}
             }
         }
-        for gone in unchanged.values() {
-            gone.set_draining(true);
-            tracing::info!(
-                endpoint = gone.url(),
-                outstanding = gone.outstanding(),
-                "endpoint removed; draining"
-            );
-        }
-        self.snapshot.store(Arc::new(next));
+        let Some(next) = next else {
+            return;
+        };
+        let published = self.snapshot.swap(Arc::new(next));
+        drop(current);
+        // The snapshot just replaced becomes the spare once it has caught up, unless a reader still
+        // holds it (then it is theirs to drop, and the next update copies).
+        wanted.spare = Arc::try_unwrap(published).ok().map(|mut spare| {
+            for edit in edits {
+                edit.apply(&mut spare);
+            }
+            spare
+        });
         self.changes.send_modify(|version| *version += 1);
         // New endpoints may have room for whoever waits.
         self.slot_freed.call();
+    }
+
+    /// A new endpoint for `spec`, counted in this registry and limited as its endpoints are.
+    fn endpoint(
+        &self,
+        spec: &EndpointSpec,
+        settings: &LimitSettings,
+        now: tokio::time::Instant,
+        serving: bool,
+    ) -> Arc<Endpoint> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let endpoint = Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
+            .with_origin(&spec.origin);
+        endpoint.apply_limit(settings, now);
+        // The first set starts together; an endpoint joining a serving set ramps in.
+        if serving {
+            endpoint.start_slow_start(now);
+        }
+        endpoint.set_slot_freed(self.slot_freed.clone());
+        endpoint.count_in(Arc::clone(&self.counts));
+        tracing::debug!(
+            endpoint = endpoint.url(),
+            weight = endpoint.weight(),
+            "endpoint in service"
+        );
+        Arc::new(endpoint)
+    }
+}
+
+/// One change made to the snapshot, made again to the spare copy.
+enum Edit {
+    Set(usize, Arc<Endpoint>),
+    Push(Arc<Endpoint>),
+    SwapRemove(usize),
+}
+
+impl Edit {
+    fn apply(self, endpoints: &mut Vec<Arc<Endpoint>>) {
+        match self {
+            Edit::Set(at, endpoint) => endpoints[at] = endpoint,
+            Edit::Push(endpoint) => endpoints.push(endpoint),
+            Edit::SwapRemove(at) => {
+                endpoints.swap_remove(at);
+            }
+        }
+    }
+}
+
+/// Marks an endpoint that left the set; requests on it finish.
+fn drained(gone: &Endpoint) {
+    gone.set_draining(true);
+    tracing::info!(
+        endpoint = gone.url(),
+        outstanding = gone.outstanding(),
+        "endpoint removed; draining"
+    );
+}
+
+/// What the sources want, indexed by URL (who wants it, where its endpoint is) so that an update finds
+/// what it changes without a scan. URLs are hashed with a fast hash: with thousands of pods every pod
+/// event looks a few of them up.
+#[derive(Default)]
+struct Wanted {
+    by_url: HashMap<String, Claim, foldhash::fast::RandomState>,
+    /// A copy of the published snapshot that no reader holds, to build the next one in.
+    spare: Option<Vec<Arc<Endpoint>>>,
+}
+
+/// One URL: the sources that want it and where its endpoint is in the snapshot.
+#[derive(Default)]
+struct Claim {
+    /// Each source wanting the URL with its spec, in source name order: the first one's is served.
+    specs: Vec<(&'static str, EndpointSpec)>,
+    /// The endpoint's index in the snapshot, once it has one.
+    place: Option<usize>,
+}
+
+impl Wanted {
+    /// `source` wants `spec` (in place of what it wanted at that URL).
+    fn claim(&mut self, source: &'static str, spec: EndpointSpec) {
+        let specs = &mut self.by_url.entry(spec.url.clone()).or_default().specs;
+        // Almost every URL has one source: room for one, not the four a first push makes.
+        specs.reserve_exact(1);
+        match specs.binary_search_by(|(name, _)| name.cmp(&source)) {
+            Ok(at) => specs[at].1 = spec,
+            Err(at) => specs.insert(at, (source, spec)),
+        }
+    }
+
+    /// `source` no longer wants `url`. The URL's entry stays until [`Registry::publish`] has taken
+    /// its endpoint out.
+    fn unclaim(&mut self, source: &'static str, url: &str) {
+        if let Some(claim) = self.by_url.get_mut(url) {
+            claim.specs.retain(|(name, _)| *name != source);
+        }
+    }
+
+    /// `source` wants nothing any more; the URLs it wanted. A scan, as replacing a source whole (a
+    /// list, a reload) is one anyway.
+    fn drop_source(&mut self, source: &'static str) -> Vec<String> {
+        let mut urls = Vec::new();
+        for (url, claim) in &mut self.by_url {
+            let before = claim.specs.len();
+            claim.specs.retain(|(name, _)| *name != source);
+            if claim.specs.len() != before {
+                urls.push(url.clone());
+            }
+        }
+        urls
     }
 }
 
@@ -317,41 +454,185 @@ mod tests {
         assert_eq!(a.outstanding(), 0);
     }
 
+    /// The endpoint serving `url` now, if any.
+    fn serving(registry: &Registry, url: &str) -> Option<Arc<Endpoint>> {
+        registry
+            .snapshot()
+            .iter()
+            .find(|endpoint| endpoint.url() == url)
+            .cloned()
+    }
+
+    fn urls(registry: &Registry) -> Vec<String> {
+        let mut urls: Vec<_> = registry
+            .snapshot()
+            .iter()
+            .map(|e| e.url().to_owned())
+            .collect();
+        urls.sort();
+        urls
+    }
+
     #[test]
     fn updates_change_one_source_by_a_few_endpoints() {
         let registry = Registry::default();
         registry.replace(vec![spec("http://shared:1", 1)]);
         registry.set_source("pods", vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
-        // Sources in name order: "pods" before "static".
-        let a = Arc::clone(&registry.snapshot()[0]);
-        assert_eq!(a.url(), "http://a:1");
+        let a = serving(&registry, "http://a:1").unwrap();
+        let shared = serving(&registry, "http://shared:1").unwrap();
         registry.update_source(
             "pods",
             &["http://b:1".to_owned()],
             vec![
                 spec("http://c:1", 1),
                 spec("http://a:1", 1),
-                spec("http://shared:1", 1),
+                spec("http://shared:1", 2),
             ],
         );
-        let urls: Vec<_> = registry
-            .snapshot()
-            .iter()
-            .map(|e| e.url().to_owned())
-            .collect();
         // A URL two sources want is one endpoint; a was replaced by an equal spec, so it is the same
         // endpoint with its state.
-        assert_eq!(urls, ["http://c:1", "http://a:1", "http://shared:1"]);
-        assert!(Arc::ptr_eq(&registry.snapshot()[1], &a));
+        assert_eq!(
+            urls(&registry),
+            ["http://a:1", "http://c:1", "http://shared:1"]
+        );
+        assert!(Arc::ptr_eq(&serving(&registry, "http://a:1").unwrap(), &a));
+        // Both sources want `shared`: the first in name order ("pods") is served.
+        assert_eq!(serving(&registry, "http://shared:1").unwrap().weight(), 2);
+        assert!(!shared.is_available());
         registry.update_source(
             "pods",
-            &["http://a:1".to_owned()],
+            &["http://a:1".to_owned(), "http://shared:1".to_owned()],
             vec![spec("http://c:1", 4)],
         );
-        let snapshot = registry.snapshot();
         assert!(!a.is_available(), "a left and drains");
-        assert_eq!(snapshot.len(), 2);
-        assert_eq!((snapshot[1].url(), snapshot[1].weight()), ("http://c:1", 4));
+        assert_eq!(urls(&registry), ["http://c:1", "http://shared:1"]);
+        assert_eq!(serving(&registry, "http://c:1").unwrap().weight(), 4);
+        // The pods no longer want `shared`; the static list still does.
+        assert_eq!(serving(&registry, "http://shared:1").unwrap().weight(), 1);
+    }
+
+    #[test]
+    fn an_update_touches_only_the_endpoints_it_names() {
+        let registry = Registry::default();
+        let all: Vec<String> = (0..50).map(|i| format!("http://10.0.0.{i}:8000")).collect();
+        registry.set_source("pods", all.iter().map(|url| spec(url, 1)).collect());
+        let before: Vec<Arc<Endpoint>> = registry.snapshot().iter().cloned().collect();
+        let held: Vec<_> = before.iter().map(|e| e.start_request()).collect();
+        // Leaving from the middle, the front and the back, one joining, one changing its weight.
+        let leaving = [&all[0], &all[17], &all[49]].map(|url| url.to_owned());
+        registry.update_source(
+            "pods",
+            &leaving,
+            vec![spec("http://10.0.0.99:8000", 1), spec(&all[30], 2)],
+        );
+        let snapshot = registry.snapshot();
+        assert_eq!(snapshot.len(), 48);
+        for endpoint in &before {
+            let now = serving(&registry, endpoint.url());
+            if leaving.iter().any(|url| url == endpoint.url()) {
+                assert!(
+                    now.is_none() && !endpoint.is_available(),
+                    "{}",
+                    endpoint.url()
+                );
+            } else if endpoint.url() == all[30] {
+                let now = now.unwrap();
+                assert_eq!(now.weight(), 2);
+                assert_ne!(now.id(), endpoint.id());
+            } else {
+                let now = now.unwrap();
+                assert!(Arc::ptr_eq(&now, endpoint), "{} kept", endpoint.url());
+                assert_eq!(now.outstanding(), 1);
+            }
+        }
+        // Endpoints that moved into a leaver's place are still found by later updates.
+        for url in &all[40..49] {
+            registry.update_source("pods", std::slice::from_ref(url), Vec::new());
+        }
+        registry.update_source("pods", &[], vec![spec(&all[48], 3)]);
+        assert_eq!(snapshot.len(), 48, "a snapshot once loaded never changes");
+        assert_eq!(registry.snapshot().len(), 40);
+        assert_eq!(serving(&registry, &all[48]).unwrap().weight(), 3);
+        let counts = registry.counts();
+        assert_eq!((counts.healthy(), counts.up()), (40, 40));
+        // Replacing the source whole takes out what it no longer names, and only that.
+        let kept = serving(&registry, &all[5]).unwrap();
+        registry.set_source("pods", vec![spec(&all[5], 1)]);
+        assert_eq!(urls(&registry), [all[5].clone()]);
+        assert!(Arc::ptr_eq(&registry.snapshot()[0], &kept));
+        assert_eq!((counts.healthy(), counts.up()), (1, 1));
+        drop(held);
+    }
+
+    #[test]
+    fn snapshots_built_in_the_spare_copy_match_what_the_sources_want() {
+        let registry = Registry::default();
+        let url = |i: usize| format!("http://10.0.1.{i}:8000");
+        let mut model: HashMap<String, u32> = HashMap::new();
+        let mut rng = fastrand::Rng::with_seed(21);
+        let mut held = Vec::new();
+        for round in 0..300 {
+            let removed: Vec<String> = (0..rng.usize(0..3))
+                .map(|_| url(rng.usize(0..40)))
+                .collect();
+            let added: Vec<EndpointSpec> = (0..rng.usize(0..3))
+                .map(|_| spec(&url(rng.usize(0..40)), rng.u32(1..3)))
+                .collect();
+            for gone in &removed {
+                model.remove(gone);
+            }
+            for spec in &added {
+                model.insert(spec.url.clone(), spec.weight);
+            }
+            // Now and then a reader holds a snapshot across updates: the next one is a copy.
+            if round % 7 == 0 {
+                held.push(registry.snapshot_full());
+            }
+            if round % 11 == 0 {
+                held.clear();
+            }
+            registry.update_source("pods", &removed, added);
+            let mut now: Vec<(String, u32)> = registry
+                .snapshot()
+                .iter()
+                .map(|e| (e.url().to_owned(), e.weight()))
+                .collect();
+            now.sort();
+            let mut wanted: Vec<(String, u32)> = model.clone().into_iter().collect();
+            wanted.sort();
+            assert_eq!(now, wanted, "round {round}");
+            let counts = registry.counts();
+            assert_eq!(counts.up(), model.len(), "round {round}");
+        }
+    }
+
+    #[test]
+    fn an_endpoint_that_leaves_is_let_go_at_once_when_no_reader_holds_it() {
+        let registry = Registry::default();
+        registry.replace(vec![spec("http://a:1", 1), spec("http://b:1", 1)]);
+        registry.update_source("static", &[], vec![spec("http://c:1", 1)]);
+        let a = serving(&registry, "http://a:1").unwrap();
+        registry.update_source("static", &["http://a:1".to_owned()], Vec::new());
+        assert_eq!(
+            Arc::strong_count(&a),
+            1,
+            "neither the snapshot nor its spare holds it"
+        );
+        assert_eq!(urls(&registry), ["http://b:1", "http://c:1"]);
+    }
+
+    #[test]
+    fn an_update_that_changes_nothing_publishes_nothing() {
+        let registry = Registry::default();
+        registry.replace(vec![spec("http://a:1", 1)]);
+        let changes = registry.subscribe();
+        let version = *changes.borrow();
+        registry.update_source("static", &[], vec![spec("http://a:1", 1)]);
+        registry.update_source("static", &["http://gone:1".to_owned()], Vec::new());
+        assert_eq!(*changes.borrow(), version);
+        registry.update_source("static", &["http://a:1".to_owned()], Vec::new());
+        assert_eq!(*changes.borrow(), version + 1);
+        assert!(registry.snapshot().is_empty());
     }
 
     #[test]

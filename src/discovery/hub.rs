@@ -416,6 +416,34 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_that_comes_and_goes_in_one_batch_leaves_no_endpoint() {
+        let status = Status::default();
+        let rules = Arc::new(crate::discovery::pods::Rules::new(
+            &KubernetesConfig::default(),
+            false,
+        ));
+        let mut tracker = Tracker::new(rules);
+        let selector = parse_label_selector("app=llm").unwrap();
+        let listed = vec![Event::Init, Event::InitDone];
+        take_picked(&mut tracker, &selector, &listed, &status);
+        tracker.take_changes();
+        let batch = vec![Event::Apply(pod("a", "a")), Event::Delete(pod("a", "a"))];
+        take_picked(&mut tracker, &selector, &batch, &status);
+        let changes = tracker.take_changes();
+        assert!(changes.added.is_empty(), "{changes:?}");
+        assert_eq!(changes.removed, ["http://10.0.0.1:8000"]);
+        // And one that goes and comes back is served.
+        let batch = vec![
+            Event::Apply(pod("a", "a")),
+            Event::Delete(pod("a", "a")),
+            Event::Apply(pod("a", "a")),
+        ];
+        take_picked(&mut tracker, &selector, &batch, &status);
+        let changes = tracker.take_changes();
+        assert_eq!(changes.added.len(), 1);
+    }
+
+    #[test]
     fn the_watch_asks_for_what_every_pool_asks_for() {
         assert_eq!(common_of(&["app=llm,tier=a"]), "app=llm,tier=a");
         assert_eq!(

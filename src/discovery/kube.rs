@@ -85,6 +85,15 @@ pub struct Changes {
     pub added: Vec<EndpointSpec>,
 }
 
+impl Changes {
+    /// The endpoint at `url` left. The registry takes removals before additions, so one added earlier
+    /// in the same batch (a pod created and deleted between two publications) is taken back here.
+    fn leave(&mut self, url: String) {
+        self.added.retain(|spec| spec.url != url);
+        self.removed.push(url);
+    }
+}
+
 impl Tracker {
     pub fn new(rules: Arc<Rules>) -> Tracker {
         Tracker::with_gateways(rules, HashMap::new())
@@ -202,7 +211,7 @@ impl Tracker {
                 self.count(gone.derived.state, -1);
                 self.gateways_changed |= self.gateways.remove(&gone.facts.uid).is_some();
                 if let Some(spec) = gone.derived.spec {
-                    self.changes.removed.push(spec.url);
+                    self.changes.leave(spec.url);
                 }
                 tracing::info!(pod = %gone.facts.key, "{why}");
                 true
@@ -250,7 +259,7 @@ impl Tracker {
         let old_spec = before.and_then(|b| b.derived.spec.as_ref());
         if old_spec != derived.spec.as_ref() && !self.changes.full {
             if let Some(old) = old_spec {
-                self.changes.removed.push(old.url.clone());
+                self.changes.leave(old.url.clone());
             }
             if let Some(new) = &derived.spec {
                 self.changes.added.push(new.clone());
