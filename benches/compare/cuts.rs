@@ -133,15 +133,28 @@ impl Figures {
 /// tongs' `tongs_continuations_total` by outcome, the outcomes that happened.
 async fn continuations(metrics: &str) -> Option<BTreeMap<String, u64>> {
     let (_, text) = super::support::get(metrics).await.ok()?;
-    let prefix = "tongs_continuations_total{outcome=\"";
-    let counts = text
-        .lines()
-        .filter_map(|line| {
-            let (outcome, value) = line.strip_prefix(prefix)?.split_once("\"} ")?;
-            Some((outcome.to_owned(), value.trim().parse::<f64>().ok()? as u64))
-        })
-        .filter(|(_, count)| *count > 0)
-        .collect();
+    // Summed over pools: each series carries `pool` besides `outcome`, in any order.
+    let mut counts = BTreeMap::new();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix("tongs_continuations_total{") else {
+            continue;
+        };
+        let Some((labels, value)) = rest.split_once("} ") else {
+            continue;
+        };
+        let Some(outcome) = labels
+            .split(',')
+            .find_map(|label| label.strip_prefix("outcome=\""))
+            .and_then(|quoted| quoted.strip_suffix('"'))
+        else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        *counts.entry(outcome.to_owned()).or_insert(0) += value as u64;
+    }
+    counts.retain(|_, count| *count > 0);
     Some(counts)
 }
 
