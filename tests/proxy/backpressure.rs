@@ -87,6 +87,20 @@ pub(crate) async fn queued(proxy: &TestProxy, n: usize) {
     .await;
 }
 
+/// Sends `count` requests at once to `url`; every one must be served.
+async fn all_served(url: &str, count: usize) {
+    let tasks: Vec<_> = (0..count)
+        .map(|_| {
+            let url = url.to_owned();
+            tokio::spawn(async move { ask(&url, &[]).await })
+        })
+        .collect();
+    for task in tasks {
+        let answer = task.await.unwrap();
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_static_limit_is_never_exceeded_at_the_node() {
     // Nodes that would take 40 requests at once (4 served, 36 waiting inside): only tongs' limit of 2
@@ -96,16 +110,7 @@ async fn a_static_limit_is_never_exceeded_at_the_node() {
     let proxy = start_proxy(config_with(config, &fleet.urls())).await;
 
     let url = proxy.url("/v1/generate");
-    let tasks: Vec<_> = (0..80)
-        .map(|_| {
-            let url = url.clone();
-            tokio::spawn(async move { ask(&url, &[]).await })
-        })
-        .collect();
-    for task in tasks {
-        let answer = task.await.unwrap();
-        assert_eq!(answer.status, 200, "{answer:?}");
-    }
+    all_served(&url, 80).await;
     let queue = &proxy.app_queue;
     let enqueued = queue.stats().enqueued.load(Ordering::Relaxed);
     for node in fleet.nodes() {
@@ -144,16 +149,7 @@ async fn a_static_endpoints_own_cap_holds_without_a_configured_limit() {
     );
     let proxy = start_proxy(tongs::config::Config::parse(&text, "test").unwrap()).await;
     let url = proxy.url("/v1/generate");
-    let tasks: Vec<_> = (0..60)
-        .map(|_| {
-            let url = url.clone();
-            tokio::spawn(async move { ask(&url, &[]).await })
-        })
-        .collect();
-    for task in tasks {
-        let answer = task.await.unwrap();
-        assert_eq!(answer.status, 200, "{answer:?}");
-    }
+    all_served(&url, 60).await;
     for (node, cap) in fleet.nodes().iter().zip([3, 1]) {
         let stats = node.stats();
         assert!(
