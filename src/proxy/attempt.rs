@@ -89,9 +89,9 @@ impl Drop for ProbeGuard<'_> {
     }
 }
 
-/// A half-open probe whose verdict waits for its answer's body. A gray node's headers and first
-/// chunk come back while what follows hangs, so a probe that closed the breaker on its headers would
-/// let the next requests onto a node that still stalls them. The probe succeeds when its body ends
+/// A stalled endpoint's half-open probe, whose verdict waits for its answer's body. A gray node's
+/// headers and first chunk come back while what follows hangs, so a probe that closed the breaker on its
+/// headers would let the next requests onto a node that still stalls them. The probe succeeds when its body ends
 /// whole or has streamed past its idle limit without stalling (a stall would have shown by then),
 /// fails when it breaks, and, dropped without a verdict (its client left, its deadline passed), frees
 /// the probe slot for another request.
@@ -318,9 +318,11 @@ impl Proxy {
             }
         };
         let now = Instant::now();
-        // A probe whose answer still streams is judged by its body; any other answer by its start.
+        // The probe of a stalled endpoint, whose answer still streams, is judged by its body; any other
+        // answer by its start. An endpoint ejected for failures failed before its answers started, and
+        // holding it out for a whole stream longer would only cost the fleet its capacity.
         let streams_on = first.is_some() && !response.body().is_end_stream();
-        let probe = (probe && streams_on).then(|| {
+        let probe = (probe && streams_on && endpoint.is_stalled()).then(|| {
             probe_guard.pending = false;
             Probe::new(Arc::clone(endpoint))
         });
