@@ -15,7 +15,7 @@
 //!   (10 s) after `PICK_WARMUP` (5 s) not counted: req/s, latency, tongs' CPU per request, upstream
 //!   connections opened per request, fds.
 //!
-//! tongs keeps a connection per endpoint for heartbeats and, under traffic, one per endpoint per worker:
+//! tongs keeps a connection per endpoint per worker under traffic (heartbeats go through one of them):
 //! if that runs it out of file descriptors at `ENDPOINTS`, the run says so and is repeated at the
 //! largest round size that fits. Last, `ENDPOINTS` once more with heartbeats off, to tell the endpoints'
 //! own memory from their connections'. The pick alone, in process, is `cargo bench --bench pick`.
@@ -1329,12 +1329,12 @@ async fn run(settings: Settings) -> Result<()> {
         fleet_run(&settings, &fake, settings.endpoints, true).await?,
     ];
     // Out of file descriptors, the figures at N describe the limit rather than tongs: measure again at
-    // the largest round size whose connections fit (one for heartbeats and one per worker, each).
+    // the largest round size whose connections fit (one per worker each; heartbeats share them).
     if let Some(limit) = runs[1].fd_limit
         && runs[1].reached_fd_limit()
     {
         let cpus = support::cpus() as u64;
-        let fits = (limit.saturating_sub(500) / (cpus + 1) / 1000 * 1000) as usize;
+        let fits = (limit.saturating_sub(500) / cpus / 1000 * 1000) as usize;
         if fits > settings.baseline && fits < settings.endpoints {
             runs.push(fleet_run(&settings, &fake, fits, true).await?);
         }

@@ -18,7 +18,7 @@ use crate::readiness::Readiness;
 use crate::registry::Registry;
 use crate::route::{Pool, PoolError, Router};
 use crate::server::{BindError, ServerSettings};
-use crate::upstream::{GatewayKey, UpstreamError};
+use crate::upstream::{GatewayKey, UpstreamClient, UpstreamError};
 use crate::{admin, discovery, health, reload, server, upstream};
 
 /// Why tongs could not start.
@@ -177,30 +177,54 @@ fn worker_count(config: &Config) -> usize {
 /// Thread per core, like nginx's worker processes: a request, its upstream connection and the tasks
 /// that drive them stay on one thread, so handing a response from the connection task to the request
 /// task costs no cross-thread wake-up. Endpoint state is shared (atomics in the registry's endpoints).
+/// The runtime and pool are made before the thread starts, so heartbeats can be sent through them
+/// (see [`health::Senders`]).
 struct Worker {
     listener: std::net::TcpListener,
+    runtime: WorkerRuntime,
+    upstream: Arc<UpstreamClient>,
     router: Arc<Router>,
     metrics: Arc<Metrics>,
     settings: ServerSettings,
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
-    config: Config,
-    gateway_key: Arc<GatewayKey>,
     /// How many workers there are (each takes a share of the retry budget's floor).
     workers: usize,
 }
 
-impl Worker {
-    fn run(self) {
-        let runtime = match tokio::runtime::Builder::new_current_thread()
+/// A worker's runtime, made on the main thread and run on the worker's.
+///
+/// Dropping a runtime blocks until its tasks are gone, which tokio refuses within an async context: a
+/// worker whose thread never started is dropped where it was made, so it is shut down in the
+/// background then.
+struct WorkerRuntime(Option<tokio::runtime::Runtime>);
+
+impl WorkerRuntime {
+    fn new() -> std::io::Result<WorkerRuntime> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
-            .build()
-        {
-            Ok(runtime) => runtime,
-            Err(err) => {
-                tracing::error!(error = %err, "cannot start a worker runtime");
-                return;
-            }
+            .build()?;
+        Ok(WorkerRuntime(Some(runtime)))
+    }
+
+    fn handle(&self) -> Option<&tokio::runtime::Handle> {
+        self.0.as_ref().map(tokio::runtime::Runtime::handle)
+    }
+}
+
+impl Drop for WorkerRuntime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Worker {
+    /// Runs on the worker's thread until it has drained; the runtime goes with it.
+    fn run(mut self) {
+        let Some(runtime) = self.runtime.0.take() else {
+            return;
         };
         // Counted until the worker has drained; declared after the runtime, so dropped before it.
         let _watch = self.metrics.watch_runtime(runtime.handle().clone());
@@ -212,14 +236,7 @@ impl Worker {
                     return;
                 }
             };
-            let upstream = match upstream::build_client(&self.config, self.gateway_key) {
-                Ok(client) => client,
-                Err(err) => {
-                    tracing::error!(error = %err, "cannot build the upstream client");
-                    return;
-                }
-            };
-            let worker = self.router.worker_path(upstream, self.workers);
+            let worker = self.router.worker_path(self.upstream, self.workers);
             server::serve(
                 listener,
                 self.router,
@@ -339,8 +356,35 @@ impl App {
         ))
     }
 
+    /// One of `count` workers, serving `listener`: its runtime and upstream pool made here, its thread
+    /// started by [`App::run`]. `None` (logged) when either cannot be made.
+    fn worker(
+        &self,
+        listener: std::net::TcpListener,
+        count: usize,
+        shutdown: &CancellationToken,
+    ) -> Option<Worker> {
+        let runtime = WorkerRuntime::new()
+            .map_err(|err| tracing::error!(error = %err, "cannot start a worker runtime"))
+            .ok()?;
+        let upstream = upstream::build_client(&self.config, Arc::clone(&self.parts.gateway_key))
+            .map_err(|err| tracing::error!(error = %err, "cannot build the upstream client"))
+            .ok()?;
+        Some(Worker {
+            listener,
+            runtime,
+            upstream: Arc::new(upstream),
+            router: Arc::clone(&self.parts.router),
+            metrics: Arc::clone(&self.parts.metrics),
+            settings: self.server_settings.clone(),
+            readiness: Arc::clone(&self.parts.readiness),
+            shutdown: shutdown.clone(),
+            workers: count,
+        })
+    }
+
     /// Serves until `shutdown` is cancelled, then drains and returns.
-    pub async fn run(self, shutdown: CancellationToken) {
+    pub async fn run(mut self, shutdown: CancellationToken) {
         let parts = &self.parts;
         // The runtime this runs on holds the admin port, heartbeats, discovery and reloads; each worker
         // adds its own below.
@@ -356,6 +400,11 @@ impl App {
             "tongs serving"
         );
         let salad = self.salad_api();
+        let count = self.proxy_listeners.len();
+        let workers: Vec<Worker> = std::mem::take(&mut self.proxy_listeners)
+            .into_iter()
+            .filter_map(|listener| self.worker(listener, count, &shutdown))
+            .collect();
         let admin_stop = CancellationToken::new();
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
@@ -364,10 +413,19 @@ impl App {
             admin::Limits::from_config(&self.config),
             admin_stop.clone(),
         ));
-        // Each pool's heartbeats and pod watch run on this runtime (heartbeats with their own client),
-        // until the workers have drained; pools a reload adds get theirs then.
+        // Each pool's heartbeat loops and pod watch run on this runtime until the workers have drained
+        // (heartbeats are sent through the workers' pools); pools a reload adds get theirs then.
         match upstream::build_client(&self.config, Arc::clone(&parts.gateway_key)) {
             Ok(client) => {
+                let senders = health::Senders::new(
+                    client,
+                    workers
+                        .iter()
+                        .filter_map(|w| {
+                            Some((w.runtime.handle()?.clone(), Arc::clone(&w.upstream)))
+                        })
+                        .collect(),
+                );
                 let (readiness, gateway_key) =
                     (Arc::clone(&parts.readiness), Arc::clone(&parts.gateway_key));
                 // One pod watch serves every pool that can share it (see `discovery::hub`).
@@ -377,7 +435,7 @@ impl App {
                     tokio::spawn(health::run(
                         Arc::clone(pool.registry()),
                         Arc::clone(pool.health()),
-                        client.clone(),
+                        senders.clone(),
                         stop.clone(),
                     ));
                     tokio::spawn(
@@ -437,21 +495,9 @@ impl App {
                 reload_stop.clone(),
             ))
         });
-        let mut workers = Vec::new();
-        let count = self.proxy_listeners.len();
-        for (index, listener) in self.proxy_listeners.into_iter().enumerate() {
+        let mut finishing = Vec::new();
+        for (index, worker) in workers.into_iter().enumerate() {
             let (done, finished) = tokio::sync::oneshot::channel::<()>();
-            let worker = Worker {
-                listener,
-                router: Arc::clone(&parts.router),
-                metrics: Arc::clone(&parts.metrics),
-                settings: self.server_settings.clone(),
-                readiness: Arc::clone(&parts.readiness),
-                shutdown: shutdown.clone(),
-                config: self.config.clone(),
-                gateway_key: Arc::clone(&parts.gateway_key),
-                workers: count,
-            };
             let spawned = std::thread::Builder::new()
                 .name(format!("tongs-worker-{index}"))
                 .spawn(move || {
@@ -459,11 +505,11 @@ impl App {
                     let _ = done.send(());
                 });
             match spawned {
-                Ok(_) => workers.push(finished),
+                Ok(_) => finishing.push(finished),
                 Err(err) => tracing::error!(error = %err, "cannot start a worker thread"),
             }
         }
-        for finished in workers {
+        for finished in finishing {
             let _ = finished.await;
         }
         reload_stop.cancel();

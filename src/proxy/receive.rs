@@ -80,9 +80,9 @@ impl Intake {
     }
 
     /// The request path of one of `workers` worker threads, sending through `upstream`.
-    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
+    pub fn worker_path(&self, upstream: Arc<UpstreamClient>, workers: usize) -> WorkerPath {
         WorkerPath {
-            upstream: Arc::new(upstream),
+            upstream,
             budget: self.settings().retry.budget(workers),
             hedges: super::HedgeBudget::default(),
         }

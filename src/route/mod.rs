@@ -191,7 +191,7 @@ impl Router {
         self.intake.upgrades()
     }
 
-    pub fn worker_path(&self, upstream: UpstreamClient, workers: usize) -> WorkerPath {
+    pub fn worker_path(&self, upstream: Arc<UpstreamClient>, workers: usize) -> WorkerPath {
         self.intake.worker_path(upstream, workers)
     }
 

@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -74,12 +74,26 @@ struct Seen {
 struct TlsBackend {
     port: u16,
     seen: Arc<Mutex<Vec<Seen>>>,
+    /// TLS handshakes completed: one per session.
+    handshakes: Arc<AtomicUsize>,
     stop: CancellationToken,
 }
 
 impl TlsBackend {
     fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
+    }
+
+    fn handshakes(&self) -> usize {
+        self.handshakes.load(Ordering::SeqCst)
+    }
+
+    /// Requests seen on `path` (and query).
+    fn seen_on(&self, path: &str) -> usize {
+        self.seen()
+            .iter()
+            .filter(|seen| seen.path_and_query == path)
+            .count()
     }
 }
 
@@ -104,22 +118,40 @@ async fn tls_backend(pki: &TestPki, alpn: &[&[u8]]) -> TlsBackend {
         .ok();
 
     let seen = Arc::new(Mutex::new(Vec::new()));
+    let handshakes = Arc::new(AtomicUsize::new(0));
     let stop = CancellationToken::new();
     for listener in std::iter::once(v4).chain(v6) {
-        let (acceptor, seen) = (acceptor.clone(), Arc::clone(&seen));
+        let (acceptor, seen, handshakes) =
+            (acceptor.clone(), Arc::clone(&seen), Arc::clone(&handshakes));
         serve_connections(listener, stop.clone(), move |stream, _peer| {
-            serve_tls(stream, acceptor.clone(), Arc::clone(&seen))
+            serve_tls(
+                stream,
+                acceptor.clone(),
+                Arc::clone(&seen),
+                Arc::clone(&handshakes),
+            )
         });
     }
-    TlsBackend { port, seen, stop }
+    TlsBackend {
+        port,
+        seen,
+        handshakes,
+        stop,
+    }
 }
 
 /// One connection: the TLS handshake, then HTTP/2 if ALPN chose it, HTTP/1.1 otherwise.
-async fn serve_tls(stream: TcpStream, acceptor: TlsAcceptor, seen: Arc<Mutex<Vec<Seen>>>) {
+async fn serve_tls(
+    stream: TcpStream,
+    acceptor: TlsAcceptor,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    handshakes: Arc<AtomicUsize>,
+) {
     // A refused handshake (the proxy distrusting the certificate) just ends the connection.
     let Ok(tls) = acceptor.accept(stream).await else {
         return;
     };
+    handshakes.fetch_add(1, Ordering::SeqCst);
     let connection = tls.get_ref().1;
     let sni = connection.server_name().map(str::to_owned);
     let alpn = connection.alpn_protocol().map(<[u8]>::to_vec);
@@ -229,6 +261,55 @@ async fn https_endpoint_offering_only_http1_gets_http1_with_its_own_host() {
         assert_eq!(seen.path_and_query, path);
         assert_eq!(seen.forwarded_host.as_deref(), Some("api.internal"));
     }
+    proxy.stop().await;
+}
+
+/// An endpoint's heartbeats are sent through the connection pool its requests use (a worker's), so a
+/// SaladCloud-like gateway offering HTTP/2 holds one TLS session for both: heartbeats, then requests,
+/// then heartbeats again, all over the first handshake. Heartbeats through a client of their own
+/// opened a second session (and a second connection) to every endpoint.
+#[tokio::test]
+async fn heartbeats_and_requests_share_one_tls_session() {
+    let pki = pki(&["gpu-node.test", "localhost"]);
+    let ca = TempPem::new(&pki.ca_pem);
+    let backend = tls_backend(&pki, &[b"h2", b"http/1.1"]).await;
+    let endpoint = format!("https://localhost:{}", backend.port);
+    let yaml = format!(
+        "{}workers: 1\nhealth: {{ interval: 200ms, timeout: 2s }}\n",
+        ca.upstream_yaml()
+    );
+    let proxy = start_proxy(config_with(&yaml, &[endpoint])).await;
+
+    eventually("two heartbeats", Duration::from_secs(10), || {
+        backend.seen_on("/health") >= 2
+    })
+    .await;
+    for _ in 0..3 {
+        let (status, body) = get_as_api_internal(&proxy, "/v1/chat").await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let heartbeats = backend.seen_on("/health");
+    eventually(
+        "heartbeats go on after the requests",
+        Duration::from_secs(10),
+        || backend.seen_on("/health") >= heartbeats + 2,
+    )
+    .await;
+
+    assert_eq!(backend.seen_on("/v1/chat"), 3);
+    assert!(
+        backend
+            .seen()
+            .iter()
+            .all(|seen| seen.version == Version::HTTP_2),
+        "{:?}",
+        backend.seen()
+    );
+    assert_eq!(
+        backend.handshakes(),
+        1,
+        "heartbeats and requests went over one TLS session"
+    );
     proxy.stop().await;
 }
 
