@@ -405,6 +405,29 @@ impl App {
             .into_iter()
             .filter_map(|listener| self.worker(listener, count, &shutdown))
             .collect();
+        // Started before the pools' heartbeats, which go to the workers that did start.
+        let mut senders = Vec::new();
+        let mut finishing = Vec::new();
+        for (index, worker) in workers.into_iter().enumerate() {
+            let sender = worker
+                .runtime
+                .handle()
+                .map(|runtime| (runtime.clone(), Arc::clone(&worker.upstream)));
+            let (done, finished) = tokio::sync::oneshot::channel::<()>();
+            let spawned = std::thread::Builder::new()
+                .name(format!("tongs-worker-{index}"))
+                .spawn(move || {
+                    worker.run();
+                    let _ = done.send(());
+                });
+            match spawned {
+                Ok(_) => {
+                    finishing.push(finished);
+                    senders.extend(sender);
+                }
+                Err(err) => tracing::error!(error = %err, "cannot start a worker thread"),
+            }
+        }
         let admin_stop = CancellationToken::new();
         let admin = tokio::spawn(admin::serve(
             self.admin_listener,
@@ -413,19 +436,11 @@ impl App {
             admin::Limits::from_config(&self.config),
             admin_stop.clone(),
         ));
-        // Each pool's heartbeat loops and pod watch run on this runtime until the workers have drained
-        // (heartbeats are sent through the workers' pools); pools a reload adds get theirs then.
+        // Each pool's heartbeats (their loops on the workers, see `health::Senders`) and pod watch run
+        // until the workers have drained; pools a reload adds get theirs then.
         match upstream::build_client(&self.config, Arc::clone(&parts.gateway_key)) {
             Ok(client) => {
-                let senders = health::Senders::new(
-                    client,
-                    workers
-                        .iter()
-                        .filter_map(|w| {
-                            Some((w.runtime.handle()?.clone(), Arc::clone(&w.upstream)))
-                        })
-                        .collect(),
-                );
+                let senders = health::Senders::new(client, senders);
                 let (readiness, gateway_key) =
                     (Arc::clone(&parts.readiness), Arc::clone(&parts.gateway_key));
                 // One pod watch serves every pool that can share it (see `discovery::hub`).
@@ -495,20 +510,6 @@ impl App {
                 reload_stop.clone(),
             ))
         });
-        let mut finishing = Vec::new();
-        for (index, worker) in workers.into_iter().enumerate() {
-            let (done, finished) = tokio::sync::oneshot::channel::<()>();
-            let spawned = std::thread::Builder::new()
-                .name(format!("tongs-worker-{index}"))
-                .spawn(move || {
-                    worker.run();
-                    let _ = done.send(());
-                });
-            match spawned {
-                Ok(_) => finishing.push(finished),
-                Err(err) => tracing::error!(error = %err, "cannot start a worker thread"),
-            }
-        }
         for finished in finishing {
             let _ = finished.await;
         }
