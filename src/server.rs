@@ -1,6 +1,6 @@
 //! The client-facing listener: accept loop, per-connection tasks, graceful drain.
 //!
-//! HTTP/1.1 and HTTP/2 cleartext share one port (hyper-util's auto server sniffs the preface). The
+//! HTTP/1.1 and HTTP/2 cleartext share one port ([`sniff`] reads the preface). The
 //! server refuses oversized request heads with 431 and closes connections whose headers do not arrive
 //! within `timeouts.header_read` (slowloris). On shutdown it stops accepting at once, lets every
 //! in-flight request — streams and upgraded connections included — finish within the grace period, then
@@ -14,13 +14,13 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
 use crate::proxy::WorkerPath;
@@ -54,22 +54,75 @@ impl ServerSettings {
     }
 }
 
-fn builder(settings: &ServerSettings) -> auto::Builder<TokioExecutor> {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+/// The client port's connection builders, one per HTTP version.
+///
+/// hyper's own, not hyper-util's auto server: [`sniff`] has already read enough of the preface to
+/// tell the versions apart, and the auto server would read it again and hand it to hyper in a short
+/// first read, after which hyper wants another full 8 KiB free behind those bytes and doubles its
+/// read buffer to 16 KiB: 8 KiB more for every client connection, idle keep-alive ones included
+/// (`benches/RESULTS.md`, where an SSE stream's memory goes).
+#[derive(Clone)]
+struct Builders {
+    http1: http1::Builder,
+    http2: http2::Builder<TokioExecutor>,
+}
+
+fn builders(settings: &ServerSettings) -> Builders {
+    let mut http1 = http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(settings.header_read_timeout)
         // The read buffer bounds the request head: a larger head is answered with 431.
         .max_buf_size(settings.max_header_bytes)
         .keep_alive(true);
-    builder
-        .http2()
+    let mut http2 = http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
         .keep_alive_interval(Some(Duration::from_secs(30)))
         .keep_alive_timeout(Duration::from_secs(10));
-    builder
+    Builders { http1, http2 }
+}
+
+impl Builders {
+    /// Serves one sniffed connection with the HTTP version its preface named (upgrades allowed on
+    /// HTTP/1) until it ends; once `closing` is cancelled, in-flight requests finish and no new one
+    /// is read.
+    async fn serve<S, B>(
+        &self,
+        stream: Prefixed<tokio::net::TcpStream>,
+        service: S,
+        closing: &CancellationToken,
+    ) -> Result<(), hyper::Error>
+    where
+        S: hyper::service::HttpService<Incoming, ResBody = B> + Send + 'static,
+        S::Future: Send + 'static,
+        S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        if stream.is_http2() {
+            let connection = self.http2.serve_connection(TokioIo::new(stream), service);
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                ended = connection.as_mut() => return ended,
+                () = closing.cancelled() => connection.as_mut().graceful_shutdown(),
+            }
+            connection.await
+        } else {
+            let connection = self
+                .http1
+                .serve_connection(TokioIo::new(stream), service)
+                .with_upgrades();
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                ended = connection.as_mut() => return ended,
+                () = closing.cancelled() => connection.as_mut().graceful_shutdown(),
+            }
+            connection.await
+        }
+    }
 }
 
 /// Serves client connections until `shutdown` is cancelled, then drains within the grace period.
@@ -81,9 +134,11 @@ pub async fn serve(
     readiness: Arc<Readiness>,
     shutdown: CancellationToken,
 ) {
-    let builder = builder(&settings);
+    let builders = builders(&settings);
     let worker = Arc::new(worker);
-    let graceful = GracefulShutdown::new();
+    // Cancelled when the drain starts; every connection task is tracked until it ends.
+    let closing = CancellationToken::new();
+    let connections = TaskTracker::new();
     loop {
         let accepted = tokio::select! {
             () = shutdown.cancelled() => break,
@@ -111,19 +166,23 @@ pub async fn serve(
             let worker = Arc::clone(&worker);
             async move { Ok::<_, Infallible>(router.handle(&worker, request, client).await) }
         });
-        let builder = builder.clone();
-        let watcher = graceful.watcher();
+        let builders = builders.clone();
+        let closing = closing.clone();
         let header_read_timeout = settings.header_read_timeout;
-        tokio::spawn(async move {
-            let stream = match sniff(stream, header_read_timeout).await {
+        connections.spawn(async move {
+            // A connection still silent when the drain starts has no request to finish.
+            let sniffed = tokio::select! {
+                sniffed = sniff(stream, header_read_timeout) => sniffed,
+                () = closing.cancelled() => Err("closed by the drain before its first request"),
+            };
+            let stream = match sniffed {
                 Ok(stream) => stream,
                 Err(why) => {
                     tracing::debug!(client = %client, why, "client connection closed before its first request");
                     return;
                 }
             };
-            let connection = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-            if let Err(err) = watcher.watch(connection).await {
+            if let Err(err) = builders.serve(stream, service, &closing).await {
                 tracing::debug!(client = %client, error = %err, "client connection ended with an error");
             }
         });
@@ -131,18 +190,20 @@ pub async fn serve(
     // Unready first, so the Service stops sending new clients while the drain runs.
     readiness.set_draining();
     drop(listener);
-    drain(graceful, &router, settings.grace).await;
+    closing.cancel();
+    connections.close();
+    drain(&connections, &router, settings.grace).await;
 }
 
 /// The HTTP/2 connection preface; anything else is taken for HTTP/1.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// Reads, within `limit`, until the client has sent enough to tell HTTP/1 from HTTP/2, and returns the
-/// connection with those bytes put back in front, for hyper-util's auto server to read again.
+/// connection with those bytes put back in front ([`Prefixed::is_http2`] says which it was).
 ///
-/// hyper-util's auto server reads up to 24 bytes to make that choice and puts no deadline on it, and
-/// hyper's own header-read timeout only starts after it; without this bound a client that connects and
-/// sends nothing (or half a preface) would hold a socket and a task forever. The bytes are read out,
+/// hyper's own header-read timeout only starts once hyper reads (and hyper-util's auto server, on the
+/// admin port, reads up to 24 bytes to choose with no deadline); without this bound a client that
+/// connects and sends nothing (or half a preface) would hold a socket and a task forever. The bytes are read out,
 /// not peeked at: a peek returns at once while they sit unread, so waiting for the rest of a partial
 /// preface would be a polling loop; a read sleeps until more arrives.
 pub async fn sniff<I>(mut io: I, limit: Duration) -> Result<Prefixed<I>, &'static str>
@@ -191,6 +252,13 @@ pub struct Prefixed<I> {
     io: I,
 }
 
+impl<I> Prefixed<I> {
+    /// Whether the client sent the whole HTTP/2 preface (anything else is HTTP/1).
+    pub fn is_http2(&self) -> bool {
+        self.head[..self.end] == *H2_PREFACE
+    }
+}
+
 impl<I: AsyncRead + Unpin> AsyncRead for Prefixed<I> {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -202,6 +270,12 @@ impl<I: AsyncRead + Unpin> AsyncRead for Prefixed<I> {
             let n = (this.end - this.start).min(buf.remaining());
             buf.put_slice(&this.head[this.start..this.start + n]);
             this.start += n;
+            // And what follows, if it has arrived: the first read handing over only these bytes
+            // would make hyper grow its read buffer (see `Builders`). Nothing yet, or an error, is
+            // for the next read to find.
+            if this.start == this.end && buf.remaining() > 0 {
+                let _ = Pin::new(&mut this.io).poll_read(cx, buf);
+            }
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut this.io).poll_read(cx, buf)
@@ -238,7 +312,7 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Prefixed<I> {
     }
 }
 
-async fn drain(graceful: GracefulShutdown, router: &Router, grace: Duration) {
+async fn drain(connections: &TaskTracker, router: &Router, grace: Duration) {
     let upgrades = router.upgrades();
     upgrades.close();
     tracing::info!(
@@ -247,7 +321,7 @@ async fn drain(graceful: GracefulShutdown, router: &Router, grace: Duration) {
         "stopped accepting; draining in-flight requests"
     );
     let everything = async {
-        graceful.shutdown().await;
+        connections.wait().await;
         upgrades.wait().await;
     };
     match tokio::time::timeout(grace, everything).await {
@@ -419,8 +493,8 @@ mod tests {
             let version = format!("{:?}", request.version());
             Ok::<_, Infallible>(hyper::Response::new(Full::new(Bytes::from(version))))
         });
-        let _ = builder(&settings)
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+        let _ = builders(&settings)
+            .serve(stream, service, &CancellationToken::new())
             .await;
     }
 
@@ -471,6 +545,32 @@ mod tests {
         client.write_all(&bytes[..at]).await.unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         client.write_all(&bytes[at..]).await.unwrap();
+    }
+
+    /// The first read after [`sniff`] hands over the sniffed bytes and what has arrived behind them in
+    /// one go: hyper, given only the sniffed bytes first, grows its read buffer from 8 to 16 KiB.
+    #[tokio::test]
+    async fn the_first_read_after_the_sniff_carries_what_follows() {
+        let (mut client, server) = tokio::io::duplex(4096);
+        let request =
+            b"POST /v1/completions HTTP/1.1\r\nhost: tongs\r\ncontent-length: 2\r\n\r\n{}";
+        client.write_all(request).await.unwrap();
+        let mut sniffed = sniff(server, Duration::from_secs(3)).await.unwrap();
+        assert!(!sniffed.is_http2());
+        let mut buf = vec![0u8; 1024];
+        let n = sniffed.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], request.as_slice(), "one read, the whole request");
+
+        // With nothing behind the sniffed bytes yet, they come alone and the rest follows later.
+        let (mut client, server) = tokio::io::duplex(4096);
+        client.write_all(H2_PREFACE).await.unwrap();
+        let mut sniffed = sniff(server, Duration::from_secs(3)).await.unwrap();
+        assert!(sniffed.is_http2());
+        let n = sniffed.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], H2_PREFACE);
+        client.write_all(b"rest").await.unwrap();
+        let n = sniffed.read(&mut buf).await.unwrap();
+        assert_eq!(&buf[..n], b"rest");
     }
 
     #[tokio::test]

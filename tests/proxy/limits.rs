@@ -412,6 +412,49 @@ async fn silent_connection_is_closed_after_header_read_timeout() {
     proxy.stop().await;
 }
 
+/// The drain waits for requests in flight, not for connections without one: a client that connected
+/// and sent nothing, and a kept-alive connection between requests, are closed when the drain starts,
+/// so shutdown ends long before `shutdown.grace` or `timeouts.header_read` (a minute each here).
+#[tokio::test]
+async fn silent_and_idle_connections_do_not_hold_the_drain() {
+    let backend = text_backend("served").await;
+    let proxy = start_proxy(config_with(
+        "timeouts: { header_read: 60s }\nshutdown: { grace: 60s }\n",
+        &[backend.url()],
+    ))
+    .await;
+
+    let mut silent = TcpStream::connect(proxy.addr).await.unwrap();
+    let mut idle = TcpStream::connect(proxy.addr).await.unwrap();
+    idle.write_all(b"GET / HTTP/1.1\r\nhost: tongs\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(HANG, async {
+        while !answer.ends_with(b"served") {
+            let mut chunk = [0u8; 1024];
+            let n = idle.read(&mut chunk).await.unwrap();
+            assert!(n > 0, "closed before the answer: {answer:?}");
+            answer.extend_from_slice(&chunk[..n]);
+        }
+    })
+    .await
+    .expect("the first request is answered");
+    assert!(answer.starts_with(b"HTTP/1.1 200"), "{answer:?}");
+
+    proxy.shutdown.cancel();
+    tokio::time::timeout(HANG, proxy.task)
+        .await
+        .expect("the drain ended without waiting for the silent and idle connections")
+        .unwrap();
+    for (what, stream) in [("silent", &mut silent), ("idle", &mut idle)] {
+        let received = read_until_closed(stream, HANG)
+            .await
+            .unwrap_or_else(|| panic!("the {what} connection was left open"));
+        assert!(received.is_empty(), "{what}: {received:?}");
+    }
+}
+
 #[tokio::test]
 async fn no_endpoint_gets_503_with_a_json_error() {
     // The queue is off, so the refusal is immediate (with the queue on, the request would first wait
