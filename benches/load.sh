@@ -106,10 +106,18 @@ NPROC=$(nproc)
 # --- helpers ---------------------------------------------------------------------------------------
 
 USED_PORTS=" "
+# Ports are picked below the kernel's ephemeral range: one inside it can be taken by an outgoing
+# connection (wrk's, the proxies' upstream ones) between the check here and the server's bind, which
+# failed runs with "Address already in use".
+EPHEMERAL_LOW=32768
+if [[ -r /proc/sys/net/ipv4/ip_local_port_range ]]; then
+    read -r EPHEMERAL_LOW _ </proc/sys/net/ipv4/ip_local_port_range
+fi
+(( EPHEMERAL_LOW > 11000 )) || EPHEMERAL_LOW=32768
 free_port() {
     local port i
     for ((i = 0; i < 200; i++)); do
-        port=$((20000 + RANDOM % 40000))
+        port=$((10000 + RANDOM % (EPHEMERAL_LOW - 10000)))
         [[ $USED_PORTS == *" $port "* ]] && continue
         if ! (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
             USED_PORTS+="$port "
