@@ -104,25 +104,30 @@ impl Builders {
     {
         if stream.is_http2() {
             let connection = self.http2.serve_connection(TokioIo::new(stream), service);
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                ended = connection.as_mut() => return ended,
-                () = closing.cancelled() => connection.as_mut().graceful_shutdown(),
-            }
-            connection.await
+            until_drained(connection, closing, |c| c.graceful_shutdown()).await
         } else {
             let connection = self
                 .http1
                 .serve_connection(TokioIo::new(stream), service)
                 .with_upgrades();
-            let mut connection = std::pin::pin!(connection);
-            tokio::select! {
-                ended = connection.as_mut() => return ended,
-                () = closing.cancelled() => connection.as_mut().graceful_shutdown(),
-            }
-            connection.await
+            until_drained(connection, closing, |c| c.graceful_shutdown()).await
         }
     }
+}
+
+/// Runs `connection` to its end; once `closing` is cancelled, `shut_down` tells it to finish what is in
+/// flight and read nothing new (hyper's two connection types each have their own `graceful_shutdown`).
+async fn until_drained<C: Future>(
+    connection: C,
+    closing: &CancellationToken,
+    shut_down: fn(Pin<&mut C>),
+) -> C::Output {
+    let mut connection = std::pin::pin!(connection);
+    tokio::select! {
+        ended = connection.as_mut() => return ended,
+        () = closing.cancelled() => shut_down(connection.as_mut()),
+    }
+    connection.await
 }
 
 /// Serves client connections until `shutdown` is cancelled, then drains within the grace period.
