@@ -352,7 +352,7 @@ impl App {
             &salad.api.organization,
             &salad.api.project,
             key,
-            client,
+            Arc::new(client),
         ))
     }
 

@@ -5,6 +5,7 @@
 //! `Salad-Api-Key` header answers the container group, whose `networking.dns` is the gateway's host
 //! (`https://` is implied). The key is sent only to `api_url`, never logged.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -26,7 +27,7 @@ pub struct SaladApi {
     project: String,
     /// Marked sensitive: `Debug` shows no key.
     key: http::HeaderValue,
-    client: UpstreamClient,
+    client: Arc<UpstreamClient>,
 }
 
 impl std::fmt::Debug for SaladApi {
@@ -71,7 +72,7 @@ impl SaladApi {
         organization: &str,
         project: &str,
         mut key: http::HeaderValue,
-        client: UpstreamClient,
+        client: Arc<UpstreamClient>,
     ) -> SaladApi {
         key.set_sensitive(true);
         SaladApi {
@@ -109,8 +110,7 @@ impl SaladApi {
         let exchange = async {
             let response = self
                 .client
-                .pooled()
-                .request(request)
+                .request_as_is(request)
                 .await
                 .map_err(|err| transport(err.to_string()))?;
             let status = response.status();

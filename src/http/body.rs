@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use pin_project_lite::pin_project;
 use tokio::time::{Instant, Sleep};
 
+use super::pool::ResponseBody;
 use super::relay::Relay;
 
 /// Any error a body or a connection can carry.
@@ -93,7 +93,7 @@ pin_project! {
             // The first frame, read before the response was committed to the client.
             first: Option<Frame<Bytes>>,
             #[pin]
-            body: Incoming,
+            body: ResponseBody,
             // Fires at the request's overall deadline.
             #[pin]
             deadline: Sleep,
@@ -135,7 +135,7 @@ impl ProxyBody {
     /// ends.
     pub fn upstream(
         first: Option<Frame<Bytes>>,
-        body: Incoming,
+        body: ResponseBody,
         watch: Watch,
         deadline: Sleep,
         total: Duration,
@@ -340,6 +340,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use http_body_util::channel::{Channel, Sender};
+    use hyper::body::Incoming;
     use hyper::service::service_fn;
     use hyper_util::rt::TokioIo;
 
@@ -364,7 +365,7 @@ mod tests {
 
     /// An endpoint's streamed body over a real HTTP/1.1 connection (in memory), and the sender that
     /// feeds it.
-    async fn upstream() -> (Incoming, Sender<Bytes, BoxError>) {
+    async fn upstream() -> (ResponseBody, Sender<Bytes, BoxError>) {
         let (client, server) = tokio::io::duplex(64 * 1024);
         let (sender, body) = Channel::<Bytes, BoxError>::new(1);
         let body = Mutex::new(Some(body));
@@ -388,7 +389,7 @@ mod tests {
             .send_request(http::Request::new(http_body_util::Empty::new()))
             .await
             .unwrap();
-        (response.into_body(), sender)
+        (response.into_body().into(), sender)
     }
 
     #[tokio::test(start_paused = true)]

@@ -10,7 +10,6 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::time::Instant;
 
 use super::{Proxy, ProxySettings, millis_of};
@@ -19,7 +18,7 @@ use crate::http::headers::is_upgrade_request;
 use crate::http::{ProxyError, describe};
 use crate::retry::{BodyError, FailureKind, ReplayBody, classify_status, retry_after};
 use crate::trace::AttemptSpan;
-use crate::upstream::{UpstreamBody, UpstreamClient, connect_cause};
+use crate::upstream::{ResponseBody, SendError, UpstreamBody, UpstreamClient, connect_cause};
 
 /// Longest back-off an endpoint's `Retry-After` can impose on it.
 const MAX_COOLDOWN: Duration = Duration::from_secs(30);
@@ -49,14 +48,14 @@ pub(super) struct Slot {
 pub(super) struct Failure {
     pub kind: FailureKind,
     pub error: ProxyError,
-    pub response: Option<(Response<Incoming>, Outstanding)>,
+    pub response: Option<(Response<ResponseBody>, Outstanding)>,
     pub endpoint: Arc<Endpoint>,
 }
 
 /// An endpoint's answer, ready for the client: its headers, the first body frame read before commit
 /// (none when the body ended or the protocol switched), and the slot it holds until its body ends.
 pub(super) struct Committed {
-    pub response: Response<Incoming>,
+    pub response: Response<ResponseBody>,
     pub first: Option<Frame<Bytes>>,
     pub outstanding: Outstanding,
     /// How long the answer took to start (headers and first bytes).
@@ -426,11 +425,7 @@ impl Proxy {
         super::may_eject(&self.registry, settings.max_ejected_percent)
     }
 
-    fn classify(
-        &self,
-        endpoint: &Endpoint,
-        err: &hyper_util::client::legacy::Error,
-    ) -> (FailureKind, ProxyError) {
+    fn classify(&self, endpoint: &Endpoint, err: &SendError) -> (FailureKind, ProxyError) {
         let detail = describe(err);
         if err.is_connect() {
             (

@@ -7,7 +7,6 @@ use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Response, StatusCode};
 use http_body::Frame;
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use std::sync::atomic::Ordering;
 use tokio::time::Instant;
@@ -18,12 +17,13 @@ use crate::admission::Refusal;
 use crate::endpoint::Outstanding;
 use crate::http::headers::{self, X_REQUEST_ID};
 use crate::http::{ProxyBody, ProxyError};
+use crate::upstream::ResponseBody;
 
 /// An endpoint's body and what came with it: the first frame (read before commit), the endpoint's slot,
 /// and how long the answer took to start.
 pub(super) struct Piece {
     pub first: Option<Frame<Bytes>>,
-    pub body: Incoming,
+    pub body: ResponseBody,
     pub outstanding: Outstanding,
     pub first_byte: Option<Duration>,
     /// A cut would be continued elsewhere (its idle floor is `continuation.idle_min`).

@@ -1,8 +1,8 @@
 //! The client side: pooled connections to endpoints over plain TCP or TLS (rustls), directly or
 //! through tailscaled's proxy.
 //!
-//! One hyper-util client serves every endpoint; its pool is keyed by scheme and authority, so each
-//! endpoint gets its own pool of kept-alive connections. The transport is chosen per endpoint:
+//! Each worker has its own client, and the client its own kept-alive connections to every endpoint
+//! ([`pool`]). The transport is chosen per endpoint:
 //! - `https://` endpoints (the SaladCloud Container Gateway) are verified against the webpki roots plus
 //!   an optional extra CA file, with SNI taken from the endpoint's host and HTTP/2 used when the server
 //!   offers it by ALPN; those that match `salad.gateways` and that static config or the SaladCloud API
@@ -20,50 +20,45 @@ pub mod route;
 use std::path::Path;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::Request;
-use http_body_util::combinators::UnsyncBoxBody;
+use http::{Request, Response};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::{Client, ResponseFuture};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use rustls::RootCertStore;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use crate::config::{Config, parse_proxy};
+use crate::http::Pool;
+pub use crate::http::{ResponseBody, SendError, UpstreamBody};
 pub use cause::connect_cause;
 pub use gateway_key::{GatewayKey, SALAD_API_KEY};
 pub use route::Route;
 
-use crate::http::BoxError;
-
-/// The request body sent to an endpoint (the client's body, possibly wrapped in a size limit).
-pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
-
-/// The pooled hyper client underneath.
-pub type PooledClient = Client<HttpsConnector<Route>, UpstreamBody>;
-
 /// The pooled client every request to an endpoint goes through, and the key it attaches.
-#[derive(Clone)]
 pub struct UpstreamClient {
-    client: PooledClient,
+    pool: Pool<HttpsConnector<Route>>,
     key: Arc<GatewayKey>,
 }
 
 impl UpstreamClient {
     /// Sends `request` to the endpoint its URI names, with `Salad-Api-Key` as [`GatewayKey`] decides.
-    pub fn request(&self, mut request: Request<UpstreamBody>) -> ResponseFuture {
+    pub async fn request(
+        &self,
+        mut request: Request<UpstreamBody>,
+    ) -> Result<Response<ResponseBody>, SendError> {
         let mut headers = std::mem::take(request.headers_mut());
         self.key.apply(request.uri(), &mut headers);
         *request.headers_mut() = headers;
-        self.client.request(request)
+        self.pool.send(request).await
     }
 
-    /// The client without the key handling, for callers that authenticate themselves (the SaladCloud
-    /// API client sends the key to the API, which is no gateway).
-    pub fn pooled(&self) -> &PooledClient {
-        &self.client
+    /// Sends `request` without the key handling, for callers that authenticate themselves (the
+    /// SaladCloud API client sends the key to the API, which is no gateway).
+    pub async fn request_as_is(
+        &self,
+        request: Request<UpstreamBody>,
+    ) -> Result<Response<ResponseBody>, SendError> {
+        self.pool.send(request).await
     }
 }
 
@@ -105,13 +100,12 @@ pub fn build_client(
         .enable_all_versions()
         .wrap_connector(route(config, http)?);
 
-    let client = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(config.timeouts.idle.get())
-        .pool_max_idle_per_host(config.upstream.pool_max_idle_per_endpoint)
-        .pool_timer(TokioTimer::new())
-        .timer(TokioTimer::new())
-        .build(connector);
-    Ok(UpstreamClient { client, key })
+    let pool = Pool::new(
+        connector,
+        config.timeouts.idle.get(),
+        config.upstream.pool_max_idle_per_endpoint,
+    );
+    Ok(UpstreamClient { pool, key })
 }
 
 /// Direct, or through tailscaled's proxy for Tailscale addresses.

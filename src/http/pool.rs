@@ -1,0 +1,590 @@
+//! One worker's kept-alive connections to the endpoints, and the requests sent over them; how a
+//! connection is made (TCP, tailscaled's proxy, TLS) is the connector's business (`upstream`).
+//!
+//! Hand-written on hyper's connection API (`hyper::client::conn`) instead of hyper-util's pooled
+//! client, because that client pays per request for what tongs never needs: a lazily built connect
+//! future (cloning the connector) raced against every checkout, a boxed send, and for HTTP/1 a task
+//! spawned per response to wait until its connection is ready again. Used directly, hyper's
+//! connections cost 1.6 µs less CPU per request on this machine (`benches/RESULTS.md`). Here:
+//! - each worker owns a `Pool` (no lock is ever contended: a worker's requests run on its thread);
+//! - an HTTP/1 connection goes back to its endpoint's idle list when its response body ends: the
+//!   guard lives in the body ([`ResponseBody`]); a body dropped early closes the connection, as hyper does;
+//! - an HTTP/2 connection (an `https://` endpoint that offers h2 by ALPN) is shared by every request
+//!   to that endpoint;
+//! - a request refused by a reused connection before any of it was sent (the endpoint closed the
+//!   idle connection as the request left) goes out again on another connection;
+//! - idle connections are closed after `timeouts.idle` by a sweeper on the worker's runtime, at most
+//!   `upstream.pool_max_idle_per_endpoint` kept per endpoint.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{HOST, HeaderValue};
+use http::uri::{Authority, Scheme, Uri};
+use http::{Request, Response};
+use hyper::body::{Body as _, Frame, Incoming, SizeHint};
+use hyper::client::conn::{http1, http2};
+use hyper_util::client::legacy::connect::Connection;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+use tower::Service;
+
+use http_body_util::combinators::UnsyncBoxBody;
+
+use super::BoxError;
+
+/// The request body sent to an endpoint (the client's body, possibly wrapped in a size limit).
+pub type UpstreamBody = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Why a request got no response from its endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No connection could be made (TCP, tailscaled's proxy, or TLS).
+    #[error("no connection to the endpoint")]
+    Connect(#[source] BoxError),
+    /// A connection was made, but the HTTP exchange on it failed before the response's head.
+    #[error("the HTTP exchange with the endpoint failed")]
+    Http(#[source] hyper::Error),
+    /// The request's URI names no scheme or authority: a caller's bug, not the endpoint's.
+    #[error("the request's URI names no endpoint")]
+    NoEndpoint,
+}
+
+impl SendError {
+    /// Whether no connection was made: nothing of the request reached the endpoint.
+    pub fn is_connect(&self) -> bool {
+        matches!(self, SendError::Connect(_))
+    }
+}
+
+/// The connections of one worker, by endpoint, made by `C`.
+pub struct Pool<C> {
+    shared: Arc<Shared>,
+    connector: C,
+    h2: http2::Builder<TokioExecutor>,
+}
+
+struct Shared {
+    idle: Mutex<HashMap<Key, Idle>>,
+    idle_timeout: Duration,
+    max_idle: usize,
+    sweeping: AtomicBool,
+}
+
+/// An endpoint as its connections are keyed: scheme and authority.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct Key {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+#[derive(Default)]
+struct Idle {
+    /// Free HTTP/1 connections, the most recently used last, each with when it was freed.
+    h1: Vec<(http1::SendRequest<UpstreamBody>, Instant)>,
+    /// The endpoint's HTTP/2 connection, shared, with when it was last used.
+    h2: Option<(http2::SendRequest<UpstreamBody>, Instant)>,
+}
+
+enum Sender {
+    H1(http1::SendRequest<UpstreamBody>),
+    H2(http2::SendRequest<UpstreamBody>),
+}
+
+impl<C> Pool<C>
+where
+    C: Service<Uri> + Clone,
+    C::Response: hyper::rt::Read + hyper::rt::Write + Connection + Unpin + Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    pub fn new(connector: C, idle_timeout: Duration, max_idle: usize) -> Pool<C> {
+        let mut h2 = http2::Builder::new(TokioExecutor::new());
+        h2.timer(TokioTimer::new());
+        Pool {
+            shared: Arc::new(Shared {
+                idle: Mutex::new(HashMap::new()),
+                idle_timeout,
+                max_idle,
+                sweeping: AtomicBool::new(false),
+            }),
+            connector,
+            h2,
+        }
+    }
+
+    /// Sends `request` to the endpoint its (absolute) URI names, over a free connection or a new one.
+    pub async fn send(
+        &self,
+        mut request: Request<UpstreamBody>,
+    ) -> Result<Response<ResponseBody>, SendError> {
+        let (Some(scheme), Some(authority)) = (request.uri().scheme(), request.uri().authority())
+        else {
+            return Err(SendError::NoEndpoint);
+        };
+        let key = Key {
+            scheme: scheme.clone(),
+            authority: authority.clone(),
+        };
+        let path = request
+            .uri()
+            .path_and_query()
+            .map_or_else(|| "/".parse().expect("a valid path"), Clone::clone);
+        loop {
+            let (sender, reused) = match self.shared.checkout(&key) {
+                Some(sender) => (sender, true),
+                None => (Box::pin(self.connect(&key)).await?, false),
+            };
+            match sender {
+                Sender::H1(mut sender) => {
+                    if !request.headers().contains_key(HOST) {
+                        request.headers_mut().insert(HOST, host(&key)?);
+                    }
+                    *request.uri_mut() = Uri::from(path.clone());
+                    match sender.try_send_request(request).await {
+                        Ok(response) => {
+                            let back = GiveBack {
+                                sender,
+                                key,
+                                shared: Arc::downgrade(&self.shared),
+                            };
+                            return Ok(response.map(|body| ResponseBody::new(body, Some(back))));
+                        }
+                        Err(mut err) => match err.take_message() {
+                            Some(back) if reused => request = back,
+                            _ => return Err(SendError::Http(err.into_error())),
+                        },
+                    }
+                }
+                Sender::H2(mut sender) => {
+                    *request.uri_mut() = absolute(&key, &path)?;
+                    match sender.try_send_request(request).await {
+                        Ok(response) => {
+                            return Ok(response.map(|body| ResponseBody::new(body, None)));
+                        }
+                        Err(mut err) => match err.take_message() {
+                            Some(back) if reused => request = back,
+                            _ => return Err(SendError::Http(err.into_error())),
+                        },
+                    }
+                }
+            }
+        }
+    }
+
+    /// A new connection to `key`'s endpoint, HTTP/2 when TLS negotiated it, its task spawned on the
+    /// current runtime. An HTTP/2 connection is also offered to the requests that follow.
+    async fn connect(&self, key: &Key) -> Result<Sender, SendError> {
+        let uri = absolute(key, &"/".parse().expect("a valid path"))?;
+        let mut connector = self.connector.clone();
+        let failed = |err: C::Error| SendError::Connect(err.into());
+        std::future::poll_fn(|cx| connector.poll_ready(cx))
+            .await
+            .map_err(failed)?;
+        let io = connector.call(uri).await.map_err(failed)?;
+        if io.connected().is_negotiated_h2() {
+            let (mut sender, connection) = self.h2.handshake(io).await.map_err(SendError::Http)?;
+            tokio::spawn(async move {
+                if let Err(err) = connection.await {
+                    tracing::debug!(error = %err, "HTTP/2 connection to an endpoint ended");
+                }
+            });
+            sender.ready().await.map_err(SendError::Http)?;
+            self.shared.share_h2(key, &sender);
+            Ok(Sender::H2(sender))
+        } else {
+            let (mut sender, connection) = http1::handshake(io).await.map_err(SendError::Http)?;
+            tokio::spawn(async move {
+                if let Err(err) = connection.with_upgrades().await {
+                    tracing::debug!(error = %err, "HTTP/1 connection to an endpoint ended");
+                }
+            });
+            sender.ready().await.map_err(SendError::Http)?;
+            Ok(Sender::H1(sender))
+        }
+    }
+}
+
+/// `Host` for an HTTP/1 request that names none: the authority without a default port.
+fn host(key: &Key) -> Result<HeaderValue, SendError> {
+    let default = if key.scheme == Scheme::HTTPS { 443 } else { 80 };
+    let value = match key.authority.port_u16() {
+        Some(port) if port != default => key.authority.as_str(),
+        _ => key.authority.host(),
+    };
+    HeaderValue::from_str(value).map_err(|_| SendError::NoEndpoint)
+}
+
+fn absolute(key: &Key, path: &http::uri::PathAndQuery) -> Result<Uri, SendError> {
+    Uri::builder()
+        .scheme(key.scheme.clone())
+        .authority(key.authority.clone())
+        .path_and_query(path.clone())
+        .build()
+        .map_err(|_| SendError::NoEndpoint)
+}
+
+impl Shared {
+    /// A free connection to `key`'s endpoint: its HTTP/2 one, else its most recently freed HTTP/1
+    /// one that is ready; closed ones are dropped on the way.
+    fn checkout(&self, key: &Key) -> Option<Sender> {
+        let mut idle = self.idle.lock().expect("pool lock");
+        let entry = idle.get_mut(key)?;
+        if let Some((sender, used)) = &mut entry.h2 {
+            if sender.is_ready() {
+                *used = Instant::now();
+                return Some(Sender::H2(sender.clone()));
+            }
+            entry.h2 = None;
+        }
+        // A connection given back as its body ended may not have turned ready yet: it stays.
+        let mut at = entry.h1.len();
+        while at > 0 {
+            at -= 1;
+            let sender = &entry.h1[at].0;
+            if sender.is_ready() {
+                return Some(Sender::H1(entry.h1.remove(at).0));
+            }
+            if sender.is_closed() {
+                entry.h1.remove(at);
+            }
+        }
+        None
+    }
+
+    fn share_h2(self: &Arc<Self>, key: &Key, sender: &http2::SendRequest<UpstreamBody>) {
+        if self.max_idle == 0 {
+            return;
+        }
+        let mut idle = self.idle.lock().expect("pool lock");
+        let entry = idle.entry(key.clone()).or_default();
+        if entry
+            .h2
+            .as_ref()
+            .is_none_or(|(shared, _)| !shared.is_ready())
+        {
+            entry.h2 = Some((sender.clone(), Instant::now()));
+        }
+        drop(idle);
+        self.sweep_later();
+    }
+
+    fn give_back(self: &Arc<Self>, key: Key, sender: http1::SendRequest<UpstreamBody>) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().expect("pool lock");
+        let entry = idle.entry(key).or_default();
+        if entry.h1.len() >= self.max_idle {
+            return;
+        }
+        entry.h1.push((sender, Instant::now()));
+        drop(idle);
+        self.sweep_later();
+    }
+
+    /// Starts the sweeper the first time a connection is kept, on the runtime that made it.
+    fn sweep_later(self: &Arc<Self>) {
+        if self.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.sweeping.store(false, Ordering::Relaxed);
+            return;
+        };
+        let period = self.idle_timeout.max(Duration::from_millis(100));
+        let shared = Arc::downgrade(self);
+        runtime.spawn(sweep(shared, period));
+    }
+
+    /// Closes connections free for longer than the idle timeout, and forgets endpoints left with none.
+    fn sweep(&self, now: Instant) {
+        let mut idle = self.idle.lock().expect("pool lock");
+        idle.retain(|_, entry| {
+            entry.h1.retain(|(sender, since)| {
+                !sender.is_closed() && now.duration_since(*since) < self.idle_timeout
+            });
+            if entry.h2.as_ref().is_some_and(|(sender, used)| {
+                sender.is_closed() || now.duration_since(*used) >= self.idle_timeout
+            }) {
+                entry.h2 = None;
+            }
+            !entry.h1.is_empty() || entry.h2.is_some()
+        });
+    }
+}
+
+/// The sweeper: ends with the pool.
+async fn sweep(shared: Weak<Shared>, period: Duration) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        shared.sweep(Instant::now());
+    }
+}
+
+/// An HTTP/1 connection on its way back to the pool.
+struct GiveBack {
+    sender: http1::SendRequest<UpstreamBody>,
+    key: Key,
+    shared: Weak<Shared>,
+}
+
+/// An endpoint's response body. An HTTP/1 connection goes back to the pool once the body has
+/// ended; a body dropped before its end takes its connection with it (hyper closes it).
+pub struct ResponseBody {
+    inner: Incoming,
+    back: Option<GiveBack>,
+}
+
+impl ResponseBody {
+    fn new(inner: Incoming, back: Option<GiveBack>) -> ResponseBody {
+        ResponseBody { inner, back }
+    }
+
+    fn give_back(&mut self) {
+        if let Some(GiveBack {
+            sender,
+            key,
+            shared,
+        }) = self.back.take()
+            && let Some(shared) = shared.upgrade()
+        {
+            shared.give_back(key, sender);
+        }
+    }
+}
+
+/// A body with no connection to give back (HTTP/2, or made by a test's own client).
+impl From<Incoming> for ResponseBody {
+    fn from(inner: Incoming) -> ResponseBody {
+        ResponseBody::new(inner, None)
+    }
+}
+
+impl hyper::body::Body for ResponseBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.give_back(),
+            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.give_back(),
+            Poll::Ready(Some(Err(_))) => this.back = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        // A body with nothing in it (a 204, a HEAD's answer) may never be polled.
+        if self.inner.is_end_stream() {
+            self.give_back();
+        }
+    }
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody").finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use http_body_util::{BodyExt, Empty, Full};
+    use hyper_rustls::HttpsConnector;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioIo;
+    use tokio::net::TcpListener;
+
+    use super::*;
+
+    /// An HTTP/1.1 origin on a real socket: `/empty` answers 204, anything else 200 with `ok`.
+    /// Counts the connections it accepted and those still open.
+    struct Origin {
+        port: u16,
+        accepted: Arc<AtomicUsize>,
+        open: Arc<AtomicUsize>,
+    }
+
+    async fn origin() -> Origin {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let open = Arc::new(AtomicUsize::new(0));
+        let (counted, still) = (Arc::clone(&accepted), Arc::clone(&open));
+        tokio::spawn(async move {
+            loop {
+                let (stream, _) = listener.accept().await.unwrap();
+                counted.fetch_add(1, Ordering::SeqCst);
+                still.fetch_add(1, Ordering::SeqCst);
+                let still = Arc::clone(&still);
+                tokio::spawn(async move {
+                    let service =
+                        hyper::service::service_fn(|request: Request<Incoming>| async move {
+                            let mut response = Response::new(Full::new(Bytes::from_static(b"ok")));
+                            if request.uri().path() == "/empty" {
+                                *response.body_mut() = Full::default();
+                                *response.status_mut() = http::StatusCode::NO_CONTENT;
+                            }
+                            Ok::<_, std::convert::Infallible>(response)
+                        });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                    still.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        Origin {
+            port,
+            accepted,
+            open,
+        }
+    }
+
+    fn pool(idle_timeout: Duration, max_idle: usize) -> Pool<HttpsConnector<HttpConnector>> {
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(
+                rustls::ClientConfig::builder_with_provider(Arc::new(
+                    rustls::crypto::ring::default_provider(),
+                ))
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth(),
+            )
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(http);
+        Pool::new(connector, idle_timeout, max_idle)
+    }
+
+    fn get(port: u16, path: &str) -> Request<UpstreamBody> {
+        let body = Empty::new().map_err(|never| match never {}).boxed_unsync();
+        let mut request = Request::new(body);
+        *request.uri_mut() = format!("http://127.0.0.1:{port}{path}").parse().unwrap();
+        request
+    }
+
+    fn idle_count<C>(pool: &Pool<C>) -> usize {
+        let idle = pool.shared.idle.lock().unwrap();
+        idle.values()
+            .map(|idle| idle.h1.len() + usize::from(idle.h2.is_some()))
+            .sum()
+    }
+
+    /// Polls `done` every 10 ms until it holds or 10 s have passed.
+    async fn eventually(what: &str, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "still not {what} after 10 s");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_goes_back_when_its_body_ends_and_serves_the_next_request() {
+        let origin = origin().await;
+        let pool = pool(Duration::from_secs(90), 8);
+        for path in ["/a", "/empty", "/b", "/empty", "/c"] {
+            let response = pool.send(get(origin.port, path)).await.unwrap();
+            if path == "/empty" {
+                // Never polled: the body is empty, and dropping it frees the connection.
+                assert_eq!(response.status(), 204);
+                drop(response);
+            } else {
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                assert_eq!(&body[..], b"ok");
+            }
+            assert_eq!(idle_count(&pool), 1, "after {path}");
+        }
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_body_dropped_before_its_end_takes_its_connection_with_it() {
+        let origin = origin().await;
+        let pool = pool(Duration::from_secs(90), 8);
+        let response = pool.send(get(origin.port, "/a")).await.unwrap();
+        drop(response);
+        assert_eq!(idle_count(&pool), 0);
+        let response = pool.send(get(origin.port, "/b")).await.unwrap();
+        response.into_body().collect().await.unwrap();
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 2);
+        eventually("closed", || origin.open.load(Ordering::SeqCst) == 1).await;
+    }
+
+    #[tokio::test]
+    async fn concurrent_requests_use_connections_of_their_own_and_keep_at_most_the_limit() {
+        let origin = origin().await;
+        let pool = pool(Duration::from_secs(90), 2);
+        let sends = (0..4).map(|_| pool.send(get(origin.port, "/a")));
+        let responses = futures::future::join_all(sends).await;
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 4);
+        for response in responses {
+            response.unwrap().into_body().collect().await.unwrap();
+        }
+        assert_eq!(idle_count(&pool), 2);
+        eventually("closed", || origin.open.load(Ordering::SeqCst) == 2).await;
+    }
+
+    #[tokio::test]
+    async fn idle_connections_close_after_the_idle_timeout() {
+        let origin = origin().await;
+        let pool = pool(Duration::from_millis(200), 8);
+        let response = pool.send(get(origin.port, "/a")).await.unwrap();
+        response.into_body().collect().await.unwrap();
+        assert_eq!(idle_count(&pool), 1);
+        eventually("swept", || idle_count(&pool) == 0).await;
+        eventually("closed", || origin.open.load(Ordering::SeqCst) == 0).await;
+        // The endpoint is still served, on a new connection.
+        let response = pool.send(get(origin.port, "/a")).await.unwrap();
+        response.into_body().collect().await.unwrap();
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_and_a_relative_uri_no_endpoint() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        drop(listener);
+        let pool = pool(Duration::from_secs(90), 8);
+        let err = pool.send(get(port, "/a")).await.unwrap_err();
+        assert!(err.is_connect(), "{err:?}");
+        assert_eq!(crate::upstream::connect_cause(&err), "connection refused");
+
+        let mut request = get(port, "/a");
+        *request.uri_mut() = "/a".parse().unwrap();
+        let err = pool.send(request).await.unwrap_err();
+        assert!(matches!(err, SendError::NoEndpoint), "{err:?}");
+    }
+}
