@@ -6,9 +6,11 @@
 //! future (cloning the connector) raced against every checkout, a boxed send, and for HTTP/1 a task
 //! spawned per response to wait until its connection is ready again. Used directly, hyper's
 //! connections cost 1.6 µs less CPU per request on this machine (`benches/RESULTS.md`). Here:
-//! - each worker owns a `Pool` (no lock is ever contended: a worker's requests run on its thread);
-//! - an HTTP/1 connection goes back to its endpoint's idle list when its response body ends: the
-//!   guard lives in the body ([`ResponseBody`]); a body dropped early closes the connection, as hyper does;
+//! - each worker owns a `Pool`, used by its requests and heartbeats, all on its thread: the lock
+//!   is not contended;
+//! - an HTTP/1 connection goes back to its endpoint's idle list as soon as hyper is done with the
+//!   message on it, at the latest when its response body ends: the guard lives in the body
+//!   ([`ResponseBody`]); a body dropped before hyper read its end closes the connection;
 //! - an HTTP/2 connection (an `https://` endpoint that offers h2 by ALPN) is shared by every request
 //!   to that endpoint;
 //! - a request refused by a reused connection before any of it was sent (the endpoint closed the
@@ -151,7 +153,10 @@ where
                                 key,
                                 shared: Arc::downgrade(&self.shared),
                             };
-                            return Ok(response.map(|body| ResponseBody::new(body, Some(back))));
+                            let mut response =
+                                response.map(|body| ResponseBody::new(body, Some(back)));
+                            response.body_mut().give_back_if_free();
+                            return Ok(response);
                         }
                         Err(mut err) => match err.take_message() {
                             Some(back) if reused => request = back,
@@ -273,7 +278,7 @@ impl Shared {
     }
 
     fn give_back(self: &Arc<Self>, key: Key, sender: http1::SendRequest<UpstreamBody>) {
-        if sender.is_closed() {
+        if self.max_idle == 0 || sender.is_closed() {
             return;
         }
         let mut idle = self.idle.lock().expect("pool lock");
@@ -338,8 +343,10 @@ struct GiveBack {
     shared: Weak<Shared>,
 }
 
-/// An endpoint's response body. An HTTP/1 connection goes back to the pool once the body has
-/// ended; a body dropped before its end takes its connection with it (hyper closes it).
+/// An endpoint's response body. An HTTP/1 connection goes back to the pool once hyper is done with
+/// the message on it (often before tongs has read the body: a short one comes with the head) or the
+/// body has ended; a body dropped before hyper read its end takes its connection with it (hyper
+/// closes it).
 pub struct ResponseBody {
     inner: Incoming,
     back: Option<GiveBack>,
@@ -348,6 +355,18 @@ pub struct ResponseBody {
 impl ResponseBody {
     fn new(inner: Incoming, back: Option<GiveBack>) -> ResponseBody {
         ResponseBody { inner, back }
+    }
+
+    /// Gives the connection back as soon as hyper is done with the message on it: a short body is
+    /// often read whole (into this body's channel) with the head, before tongs reads any of it.
+    fn give_back_if_free(&mut self) {
+        if self
+            .back
+            .as_ref()
+            .is_some_and(|back| back.sender.is_ready())
+        {
+            self.give_back();
+        }
     }
 
     fn give_back(&mut self) {
@@ -383,8 +402,9 @@ impl hyper::body::Body for ResponseBody {
         match &polled {
             Poll::Ready(None) => this.give_back(),
             Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.give_back(),
+            Poll::Ready(Some(Ok(_))) => this.give_back_if_free(),
             Poll::Ready(Some(Err(_))) => this.back = None,
-            _ => {}
+            Poll::Pending => {}
         }
         polled
     }
@@ -400,9 +420,12 @@ impl hyper::body::Body for ResponseBody {
 
 impl Drop for ResponseBody {
     fn drop(&mut self) {
-        // A body with nothing in it (a 204, a HEAD's answer) may never be polled.
+        // A body with nothing in it (a 204, a HEAD's answer) may never be polled; one hyper has read
+        // whole may be dropped unread (a failed attempt's answer). Either leaves its connection free.
         if self.inner.is_end_stream() {
             self.give_back();
+        } else {
+            self.give_back_if_free();
         }
     }
 }
@@ -417,7 +440,8 @@ impl std::fmt::Debug for ResponseBody {
 mod tests {
     use std::sync::atomic::AtomicUsize;
 
-    use http_body_util::{BodyExt, Empty, Full};
+    use http_body_util::combinators::BoxBody;
+    use http_body_util::{BodyExt, Empty, Full, StreamBody};
     use hyper_rustls::HttpsConnector;
     use hyper_util::client::legacy::connect::HttpConnector;
     use hyper_util::rt::TokioIo;
@@ -425,7 +449,7 @@ mod tests {
 
     use super::*;
 
-    /// An HTTP/1.1 origin on a real socket: `/empty` answers 204, anything else 200 with `ok`.
+    /// An HTTP/1.1 origin on a real socket, answering as [`answer`] does.
     /// Counts the connections it accepted and those still open.
     struct Origin {
         port: u16,
@@ -448,12 +472,7 @@ mod tests {
                 tokio::spawn(async move {
                     let service =
                         hyper::service::service_fn(|request: Request<Incoming>| async move {
-                            let mut response = Response::new(Full::new(Bytes::from_static(b"ok")));
-                            if request.uri().path() == "/empty" {
-                                *response.body_mut() = Full::default();
-                                *response.status_mut() = http::StatusCode::NO_CONTENT;
-                            }
-                            Ok::<_, std::convert::Infallible>(response)
+                            Ok::<_, std::convert::Infallible>(answer(request.uri().path()))
                         });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -467,6 +486,25 @@ mod tests {
             accepted,
             open,
         }
+    }
+
+    /// `/empty`: 204; `/stream`: `ok` in three chunks of a chunked body; `/slow`: a chunked body
+    /// that never ends; anything else: `ok`.
+    fn answer(path: &str) -> Response<BoxBody<Bytes, std::convert::Infallible>> {
+        let mut response = Response::new(Full::new(Bytes::from_static(b"ok")).boxed());
+        if path == "/empty" {
+            *response.body_mut() = Full::default().boxed();
+            *response.status_mut() = http::StatusCode::NO_CONTENT;
+        } else if path == "/stream" {
+            let chunks =
+                ["o", "k", ""].map(|chunk| Ok(Frame::data(Bytes::from_static(chunk.as_bytes()))));
+            *response.body_mut() = StreamBody::new(futures::stream::iter(chunks)).boxed();
+        } else if path == "/slow" {
+            let first = futures::stream::iter([Ok(Frame::data(Bytes::from_static(b"o")))]);
+            let never = futures::stream::pending();
+            *response.body_mut() = StreamBody::new(futures::StreamExt::chain(first, never)).boxed();
+        }
+        response
     }
 
     fn pool(idle_timeout: Duration, max_idle: usize) -> Pool<HttpsConnector<HttpConnector>> {
@@ -531,10 +569,63 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn streamed_answers_free_their_connection_for_the_next_request_at_once() {
+        let origin = origin().await;
+        let pool = Arc::new(pool(Duration::from_secs(90), 8));
+        let loops = (0..4).map(|_| {
+            let pool = Arc::clone(&pool);
+            let port = origin.port;
+            tokio::spawn(async move {
+                for _ in 0..50 {
+                    let response = pool.send(get(port, "/stream")).await.unwrap();
+                    let body = response.into_body().collect().await.unwrap().to_bytes();
+                    assert_eq!(&body[..], b"ok");
+                }
+            })
+        });
+        for done in futures::future::join_all(loops).await {
+            done.unwrap();
+        }
+        // Each of the 4 loops needs a connection of its own at most: none is opened because the
+        // one just given back had not turned ready yet.
+        let accepted = origin.accepted.load(Ordering::SeqCst);
+        assert!(
+            accepted <= 4,
+            "{accepted} connections for 4 concurrent loops"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_short_answer_frees_its_connection_before_its_body_is_read() {
+        let origin = origin().await;
+        let pool = pool(Duration::from_secs(90), 8);
+        let first = pool.send(get(origin.port, "/a")).await.unwrap();
+        // hyper reads a short body with its head; once its connection task has run, the
+        // connection is free although nobody read the body yet.
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        let second = pool.send(get(origin.port, "/b")).await.unwrap();
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 1);
+        for response in [first, second] {
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            assert_eq!(&body[..], b"ok");
+        }
+        // Dropped unread, but read whole by hyper: the connection stays.
+        let unread = pool.send(get(origin.port, "/c")).await.unwrap();
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+        drop(unread);
+        pool.send(get(origin.port, "/d")).await.unwrap();
+        assert_eq!(origin.accepted.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
     async fn a_body_dropped_before_its_end_takes_its_connection_with_it() {
         let origin = origin().await;
         let pool = pool(Duration::from_secs(90), 8);
-        let response = pool.send(get(origin.port, "/a")).await.unwrap();
+        let response = pool.send(get(origin.port, "/slow")).await.unwrap();
         drop(response);
         assert_eq!(idle_count(&pool), 0);
         let response = pool.send(get(origin.port, "/b")).await.unwrap();
