@@ -26,6 +26,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures::FutureExt;
 use http::header::{HOST, HeaderValue};
 use http::uri::{Authority, Scheme, Uri};
 use http::{Request, Response};
@@ -192,21 +193,23 @@ where
         let io = connector.call(uri).await.map_err(failed)?;
         if io.connected().is_negotiated_h2() {
             let (mut sender, connection) = self.h2.handshake(io).await.map_err(SendError::Http)?;
-            tokio::spawn(async move {
-                if let Err(err) = connection.await {
+            tokio::spawn(connection.map(|ended| {
+                if let Err(err) = ended {
                     tracing::debug!(error = %err, "HTTP/2 connection to an endpoint ended");
                 }
-            });
+            }));
             sender.ready().await.map_err(SendError::Http)?;
             self.shared.share_h2(key, &sender);
             Ok(Sender::H2(sender))
         } else {
             let (mut sender, connection) = http1::handshake(io).await.map_err(SendError::Http)?;
-            tokio::spawn(async move {
-                if let Err(err) = connection.with_upgrades().await {
+            // `map`, not an async block: the block would hold the connection twice (captured, then
+            // awaited), a few KiB more per connection.
+            tokio::spawn(connection.with_upgrades().map(|ended| {
+                if let Err(err) = ended {
                     tracing::debug!(error = %err, "HTTP/1 connection to an endpoint ended");
                 }
-            });
+            }));
             sender.ready().await.map_err(SendError::Http)?;
             Ok(Sender::H1(sender))
         }
