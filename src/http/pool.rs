@@ -4,8 +4,8 @@
 //! Hand-written on hyper's connection API (`hyper::client::conn`) instead of hyper-util's pooled
 //! client, because that client pays per request for what tongs never needs: a lazily built connect
 //! future (cloning the connector) raced against every checkout, a boxed send, and for HTTP/1 a task
-//! spawned per response to wait until its connection is ready again. Used directly, hyper's
-//! connections cost 1.6 µs less CPU per request on this machine (`benches/RESULTS.md`). Here:
+//! spawned per response to wait until its connection is ready again. On hyper's connections, tongs
+//! spends about 10 % less CPU per request under `benches/load.sh` (`benches/RESULTS.md`). Here:
 //! - each worker owns a `Pool`, used by its requests and heartbeats, all on its thread: the lock
 //!   is not contended;
 //! - an HTTP/1 connection goes back to its endpoint's idle list as soon as hyper is done with the
