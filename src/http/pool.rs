@@ -543,6 +543,13 @@ mod tests {
             .sum()
     }
 
+    /// Whether hyper is done with the exchange behind `response`: its connection was given back
+    /// already, or is ready for the next request.
+    fn hyper_is_done(response: &Response<ResponseBody>) -> bool {
+        let back = response.body().back.as_ref();
+        back.is_none_or(|back| back.sender.is_ready())
+    }
+
     /// Polls `done` every 10 ms until it holds or 10 s have passed.
     async fn eventually(what: &str, done: impl Fn() -> bool) {
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -605,9 +612,7 @@ mod tests {
         let first = pool.send(get(origin.port, "/a")).await.unwrap();
         // hyper reads a short body with its head; once its connection task has run, the
         // connection is free although nobody read the body yet.
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
+        eventually("free", || hyper_is_done(&first)).await;
         let second = pool.send(get(origin.port, "/b")).await.unwrap();
         assert_eq!(origin.accepted.load(Ordering::SeqCst), 1);
         for response in [first, second] {
@@ -616,9 +621,7 @@ mod tests {
         }
         // Dropped unread, but read whole by hyper: the connection stays.
         let unread = pool.send(get(origin.port, "/c")).await.unwrap();
-        for _ in 0..20 {
-            tokio::task::yield_now().await;
-        }
+        eventually("free", || hyper_is_done(&unread)).await;
         drop(unread);
         pool.send(get(origin.port, "/d")).await.unwrap();
         assert_eq!(origin.accepted.load(Ordering::SeqCst), 1);
