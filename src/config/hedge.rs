@@ -58,9 +58,20 @@ pub struct StreamConfig {
     /// A stream that sends nothing for this many times its endpoint's typical gap between chunks
     /// (1 ..= 1000) ...
     pub idle_multiplier: f64,
-    /// ... and at least this long is taken for a failed node: the client's stream ends with an error
-    /// and the endpoint counts a failure.
+    /// ... and at least this long, while the node sends nothing on any of its streams either, is taken
+    /// for a stalled node: the stream is cut (continued elsewhere when it can be) and the endpoint
+    /// counts a stall. The gaps are the node's own, by phase: the wait for a stream's first tokens
+    /// (its first two gaps after the first chunk: the prompt's prefill behind a role chunk or a
+    /// comment) and the gaps between tokens are learnt apart.
     pub idle_min: HumanDuration,
+    /// The idle limit of a stream waiting for its first tokens on a node whose first tokens tongs has
+    /// not timed yet (afterwards: `idle_multiplier` × what they take there, or more when they vary).
+    pub first_token_idle: HumanDuration,
+    /// How long one stream may stay silent while its node keeps sending on its other streams (a
+    /// preemption, a long tool call, a slow prefill under load): the node is not stalled, so the
+    /// stream is left alone this long, and then cut without counting against the node. (A pause is
+    /// only judged once past the stream's idle limit: a `pause_max` below it cuts at that limit.)
+    pub pause_max: HumanDuration,
 }
 
 impl Default for StreamConfig {
@@ -68,6 +79,8 @@ impl Default for StreamConfig {
         Self {
             idle_multiplier: 10.0,
             idle_min: HumanDuration::from_secs(2),
+            first_token_idle: HumanDuration::from_secs(10),
+            pause_max: HumanDuration::from_secs(30),
         }
     }
 }

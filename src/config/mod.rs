@@ -230,6 +230,12 @@ impl Config {
             ("retry.backoff_max", self.retry.backoff_max, true),
             ("hedge.min_delay", self.hedge.min_delay, true),
             ("stream.idle_min", self.stream.idle_min, false),
+            (
+                "stream.first_token_idle",
+                self.stream.first_token_idle,
+                false,
+            ),
+            ("stream.pause_max", self.stream.pause_max, false),
             ("continuation.idle_min", self.continuation.idle_min, false),
             ("balancer.slow_start", self.balancer.slow_start, true),
             ("balancer.latency_decay", self.balancer.latency_decay, false),

@@ -120,28 +120,6 @@ impl Endpoint {
         expected.max(self.silence_ms(now_ms).saturating_mul(1000))
     }
 
-    /// A streamed answer from here sent a chunk `gap` after the one before: feeds the typical gap that
-    /// sets a stream's idle limit. An EWMA with weight 1/16: steady enough that one slow chunk does not
-    /// move it much, quick enough to follow a node that changes pace.
-    pub fn observe_chunk_gap(&self, gap: Duration) {
-        let sample = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX).max(1);
-        let old = self.chunk_gap_us.load(Ordering::Relaxed);
-        let next = if old == 0 {
-            sample
-        } else {
-            old - old / 16 + sample / 16
-        };
-        self.chunk_gap_us.store(next, Ordering::Relaxed);
-    }
-
-    /// The typical gap between chunks of a streamed answer from here (`None` before any was seen).
-    pub fn chunk_gap(&self) -> Option<Duration> {
-        match self.chunk_gap_us.load(Ordering::Relaxed) {
-            0 => None,
-            us => Some(Duration::from_micros(us)),
-        }
-    }
-
     /// When the endpoint last answered a request (ms on the [`super::millis`] clock; 0: never).
     pub fn last_answer_ms(&self) -> u64 {
         self.latency_at.load(Ordering::Relaxed)

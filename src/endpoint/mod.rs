@@ -7,14 +7,16 @@
 //! the `gone` signal that in-flight attempts listen to.
 //!
 //! One file per concern: [`load`] (outstanding requests, limits, back-off), [`gate`] (the breaker and
-//! its lock-free gate), [`latency`] (the expected-latency estimate), [`liveness`] (heartbeats' verdicts)
-//! and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
+//! its lock-free gate), [`latency`] (the expected-latency estimate), [`pace`] (what its streams'
+//! silences normally are, by phase, and when it was last heard from), [`liveness`] (heartbeats'
+//! verdicts) and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
 
 mod counts;
 mod gate;
 mod latency;
 mod liveness;
 mod load;
+mod pace;
 mod view;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -34,6 +36,7 @@ pub use self::counts::FleetCounts;
 use self::gate::{GATE_CLOSED, GATE_PROBING};
 pub use self::latency::LOAD_BUCKETS;
 pub use self::load::Outstanding;
+pub use self::pace::{OPENING_GAPS, Pace, Typical};
 pub use self::view::{EndpointState, EndpointView};
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
@@ -130,8 +133,8 @@ pub struct Endpoint {
     stall_events: AtomicU64,
     /// A beaten attempt goes on in the background to tell slow from hung.
     investigating: AtomicBool,
-    /// Typical gap between a streamed answer's chunks: an EWMA in microseconds (0: none seen yet).
-    chunk_gap_us: AtomicU64,
+    /// What its streams' silences normally are, by phase, and when it was last heard from.
+    pace: Pace,
     ejections: AtomicU64,
     /// Times heartbeats marked the endpoint unhealthy.
     unhealthy_marks: AtomicU64,
@@ -232,7 +235,7 @@ impl Endpoint {
             stalled: AtomicBool::new(false),
             stall_events: AtomicU64::new(0),
             investigating: AtomicBool::new(false),
-            chunk_gap_us: AtomicU64::new(0),
+            pace: Pace::default(),
             ejections: AtomicU64::new(0),
             unhealthy_marks: AtomicU64::new(0),
             cooldowns: AtomicU64::new(0),

@@ -42,6 +42,12 @@ pub struct EndpointView {
     pub latency_ms: Option<f64>,
     /// The adaptive limiter's unloaded latency, ms.
     pub unloaded_latency_ms: Option<f64>,
+    /// What its streams' waits for their first tokens typically take (the opening, after the first
+    /// chunk), ms, and how much they vary; null before one was timed.
+    pub first_token_ms: Option<f64>,
+    pub first_token_deviation_ms: Option<f64>,
+    /// Its streams' typical gap between tokens, ms; null before one was seen.
+    pub token_gap_ms: Option<f64>,
     /// Seconds since the last heartbeat ended (null: none yet), its duration and verdict.
     pub last_heartbeat_age_s: Option<f64>,
     pub last_heartbeat_ms: Option<f64>,
@@ -134,6 +140,7 @@ impl Endpoint {
         };
         let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
         let heartbeat = self.last_heartbeat();
+        let opening = self.opening();
         EndpointView {
             url: self.url.clone(),
             source: self.origin.source,
@@ -156,6 +163,10 @@ impl Endpoint {
             cooldowns: self.cooldowns(),
             latency_ms: ms(self.latency_us()),
             unloaded_latency_ms: self.unloaded_latency_us().and_then(ms),
+            first_token_ms: opening.map(|typical| typical.mean.as_secs_f64() * 1000.0),
+            first_token_deviation_ms: opening
+                .map(|typical| typical.deviation.as_secs_f64() * 1000.0),
+            token_gap_ms: self.chunk_gap().map(|gap| gap.as_secs_f64() * 1000.0),
             last_heartbeat_age_s: heartbeat
                 .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
             last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),

@@ -6,8 +6,9 @@
 //! hit the overall deadline, or was dropped because the client went away — and dropping it drops the
 //! endpoint's body too, which closes that upstream stream and so frees the GPU.
 //!
-//! A stream that stalls after commit — silent past its idle limit, or its endpoint declared gone — is
-//! ended by tongs as an error the client can see, and the request path is told why ([`StreamGuard`]).
+//! A stream that stalls after commit — silent past what its guard allows, or its endpoint declared
+//! gone — is ended by tongs as an error the client can see, and the request path is told why
+//! ([`StreamGuard`]). The body only times silences; whether one is a stall is the guard's call.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -33,12 +34,18 @@ pub type Guard = Box<dyn Send>;
 /// What the request path holds while an endpoint's answer streams (dropped when it ends), and is told
 /// as the stream goes.
 pub trait StreamGuard: Send {
-    /// A chunk arrived after tongs had waited `gap` for it (time the client was not reading does not
-    /// count; a chunk already there when asked for is not reported). Returns how long the stream may
-    /// now stay silent before its node is taken for failed (`None`: no limit).
-    fn chunk(&mut self, gap: Duration) -> Option<Duration>;
-    /// tongs is ending the stream with an error: it was silent past its limit, or its endpoint was
-    /// declared gone.
+    /// A data chunk arrived (any after the first, which came with the answer), after tongs had waited
+    /// `waited` for it (`None`: it was already there when asked for, which says nothing of the node's
+    /// pace; time the client was not reading never counts). Returns how long the stream may now stay
+    /// silent before the guard is asked what the silence means (`None`: no limit).
+    fn chunk(&mut self, waited: Option<Duration>) -> Option<Duration>;
+    /// The stream has been silent since `since` (tongs waiting for the endpoint all along) past the
+    /// limit the guard last gave: cut it, or wait on.
+    fn silent(&mut self, since: Instant) -> Silence {
+        Silence::Cut(Cut::Idle(since.elapsed()))
+    }
+    /// tongs is ending the stream with an error: the guard called its silence a stall or too long a
+    /// pause, or its endpoint was declared gone.
     fn cut(&mut self, why: Cut);
     /// The endpoint's body ended by itself: whole (`complete`), or broken by an error.
     fn end(&mut self, complete: bool) {
@@ -51,11 +58,23 @@ pub trait StreamGuard: Send {
     }
 }
 
+/// What a stream's silence past its limit means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Silence {
+    /// Wait on, and ask again at this moment (if the stream is still silent then).
+    Until(Instant),
+    /// End the stream.
+    Cut(Cut),
+}
+
 /// Why tongs ended a committed stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cut {
-    /// Nothing arrived for this long, the stream's idle limit.
+    /// Nothing arrived for this long, the stream's idle limit, while its node was silent too.
     Idle(Duration),
+    /// Nothing arrived for this long while its node went on sending on its other streams: a pause
+    /// past `stream.pause_max`.
+    Paused(Duration),
     /// The endpoint was declared gone (heartbeats) or stalled while the stream ran.
     Gone,
 }
@@ -74,6 +93,8 @@ pub struct Watch {
 pub enum StreamCut {
     #[error("the endpoint sent nothing for {} and is taken for failed", humantime::format_duration(*.0))]
     Idle(Duration),
+    #[error("the stream sent nothing for {} while its endpoint went on with others; given up on", humantime::format_duration(*.0))]
+    Paused(Duration),
     #[error("the endpoint was declared gone while the response streamed")]
     Gone,
 }
@@ -98,7 +119,8 @@ pin_project! {
             #[pin]
             deadline: Sleep,
             total: Duration,
-            // Fires when the stream has been silent past its idle limit.
+            // Fires when the stream has been silent past its idle limit (or the moment its guard
+            // asked to be asked again).
             #[pin]
             idle: Sleep,
             idle_limit: Option<Duration>,
@@ -239,10 +261,9 @@ impl Body for ProxyBody {
                 match body.as_mut().poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
                         // A frame that was there when asked for says nothing of the endpoint's pace.
-                        if let Some(since) = waiting.take()
-                            && frame.is_data()
-                        {
-                            *idle_limit = guard.chunk(since.elapsed());
+                        let waited = waiting.take().map(|since| since.elapsed());
+                        if frame.is_data() {
+                            *idle_limit = guard.chunk(waited);
                         }
                         // hyper stops polling a body that says it has ended, so its end is told here.
                         if body.is_end_stream() {
@@ -276,21 +297,37 @@ impl Body for ProxyBody {
                     ended(held, finish);
                     return Poll::Ready(Some(Err(TotalTimeout(*total).into())));
                 }
-                let cut = if let Some(limit) = *idle_limit
-                    && idle.as_mut().poll(cx).is_ready()
-                {
-                    Some((Cut::Idle(limit), StreamCut::Idle(limit)))
-                } else if let Some(signal) = gone.as_mut()
+                let mut cut = None;
+                if idle_limit.is_some() {
+                    while idle.as_mut().poll(cx).is_ready() {
+                        let since = waiting.unwrap_or_else(Instant::now);
+                        match guard.silent(since) {
+                            // Never in the past, or this would spin.
+                            Silence::Until(at) => idle
+                                .as_mut()
+                                .reset(at.max(Instant::now() + Duration::from_millis(1))),
+                            Silence::Cut(why) => {
+                                cut = Some(why);
+                                break;
+                            }
+                        }
+                    }
+                }
+                if cut.is_none()
+                    && let Some(signal) = gone.as_mut()
                     && signal.as_mut().poll(cx).is_ready()
                 {
-                    Some((Cut::Gone, StreamCut::Gone))
-                } else {
-                    None
-                };
+                    cut = Some(Cut::Gone);
+                }
                 match cut {
-                    Some((why, error)) => {
+                    Some(why) => {
                         guard.cut(why);
                         ended(held, finish);
+                        let error = match why {
+                            Cut::Idle(silent) => StreamCut::Idle(silent),
+                            Cut::Paused(silent) => StreamCut::Paused(silent),
+                            Cut::Gone => StreamCut::Gone,
+                        };
                         Poll::Ready(Some(Err(error.into())))
                     }
                     None => Poll::Pending,
@@ -355,8 +392,10 @@ mod tests {
     struct Gaps(Arc<Mutex<Vec<Duration>>>);
 
     impl StreamGuard for Gaps {
-        fn chunk(&mut self, gap: Duration) -> Option<Duration> {
-            self.0.lock().unwrap().push(gap);
+        fn chunk(&mut self, waited: Option<Duration>) -> Option<Duration> {
+            if let Some(gap) = waited {
+                self.0.lock().unwrap().push(gap);
+            }
             Some(Duration::from_secs(2))
         }
 

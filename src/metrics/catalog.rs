@@ -112,6 +112,11 @@ pub const STREAMS_CUT: Spec = spec(
     "counter",
     "Committed streams tongs cut because they stalled or their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
 );
+pub const STREAM_PAUSES: Spec = spec(
+    "tongs_stream_pauses_total",
+    "counter",
+    "Committed streams that went silent past their idle limit while their node went on sending on its other streams: a pause (a preemption, a slow prefill under load), not a stall, so left alone and not counted against the node (cut only past stream.pause_max).",
+);
 pub const POOL_FALLBACKS: Spec = spec(
     "tongs_pool_fallbacks_total",
     "counter",
@@ -245,7 +250,7 @@ pub const RUNTIME_TASKS: Spec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&Spec; 47] = [
+pub const CATALOG: [&Spec; 48] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -260,6 +265,7 @@ pub const CATALOG: [&Spec; 47] = [
     &HEDGES,
     &HEDGES_WON,
     &STREAMS_CUT,
+    &STREAM_PAUSES,
     &CONTINUATIONS,
     &POOL_FALLBACKS,
     &REPLAY_BYTES,

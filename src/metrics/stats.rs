@@ -23,6 +23,9 @@ pub struct ProxyStats {
     pub hedges_won: AtomicU64,
     /// Committed streams ended because they stalled or their endpoint was declared gone.
     pub streams_cut: AtomicU64,
+    /// Committed streams that went silent past their idle limit while their node went on sending on
+    /// its other streams: paused, not stalled, so left alone (cut only past `stream.pause_max`).
+    pub stream_pauses: AtomicU64,
     /// Broken streams and what became of them.
     pub continuations: ContinuationStats,
     /// Bytes of request bodies kept for replay now (a gauge).

@@ -94,10 +94,12 @@ impl Timing {
 }
 
 /// Whether an attempt at `endpoint` started at `started` is alone in waiting: some endpoint answered
-/// since it started (`last_answer`, ms on the endpoints' clock) but this one did not.
+/// since it started (`last_answer`, ms on the endpoints' clock) but this one showed no progress at
+/// all, neither an answer nor a chunk of a stream it holds: a node that goes on streaming to others
+/// while a new request waits (its prefill, a queue behind a full KV cache) is busy, not stalled.
 fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
     let since = crate::endpoint::millis(started);
-    last_answer.load(Ordering::Relaxed) > since && endpoint.last_answer_ms() <= since
+    last_answer.load(Ordering::Relaxed) > since && endpoint.heard_ms() <= since
 }
 
 /// What a second attempt beside a running one is paid from.
@@ -392,10 +394,11 @@ mod tests {
             stalled_alone(&fleet, &endpoint, started),
             "others answered, it did not"
         );
-        endpoint.observe_latency(Duration::from_millis(5), later, 10_000);
+        // An answer's start or a chunk of a stream it holds (both call `heard`): it is busy, not hung.
+        endpoint.heard(later);
         assert!(
             !stalled_alone(&fleet, &endpoint, started),
-            "it answered too"
+            "it showed progress too"
         );
     }
 }

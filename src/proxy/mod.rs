@@ -41,6 +41,7 @@ use self::continuation::Committing;
 use self::hedge::{HedgeBudget, Race};
 pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
+pub use self::stream::StreamSettings;
 use crate::admission::{Queue, Refusal};
 use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
@@ -76,10 +77,8 @@ pub struct ProxySettings {
     pub hedge_max_extra_percent: u32,
     /// An attempt waiting this many times its endpoint's expected latency counts as stalled.
     pub stall_multiplier: f64,
-    /// A committed stream idle this many times its endpoint's typical chunk gap, and at least
-    /// `stream_idle_min`, has stalled.
-    pub stream_idle_multiplier: f64,
-    pub stream_idle_min: Duration,
+    /// When a committed stream's silence is a stall, a pause, or nothing yet (`stream.*`).
+    pub stream: StreamSettings,
     /// Continue a broken OpenAI stream on another endpoint (`continuation.enabled`) ...
     pub continuation_enabled: bool,
     /// ... at most this many times per request.
@@ -117,8 +116,12 @@ impl ProxySettings {
             hedge_min_delay: config.hedge.min_delay.get(),
             hedge_max_extra_percent: config.hedge.max_extra_percent,
             stall_multiplier: config.breaker.stall_multiplier,
-            stream_idle_multiplier: config.stream.idle_multiplier,
-            stream_idle_min: config.stream.idle_min.get(),
+            stream: StreamSettings {
+                idle_multiplier: config.stream.idle_multiplier,
+                idle_min: config.stream.idle_min.get(),
+                first_token_idle: config.stream.first_token_idle.get(),
+                pause_max: config.stream.pause_max.get(),
+            },
             continuation_enabled: config.continuation.enabled,
             max_continuations: config.continuation.max_continuations,
             continuation_idle_min: config.continuation.idle_min.get(),

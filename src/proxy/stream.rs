@@ -1,5 +1,14 @@
-//! Watching a committed stream: its idle limit, from its endpoint's typical gap between chunks, and
-//! what a stall or a gone endpoint teaches the endpoint.
+//! Watching a committed stream: when its silence is a stalled node, when a pause, and when nothing
+//! yet; and what each teaches the endpoint.
+//!
+//! A stall is a node that stops, not a stream that pauses. A stream's silence is first measured
+//! against what its node's streams normally do at that point (see [`crate::endpoint::Pace`]): the wait
+//! for the first tokens (the opening) and the gaps between tokens are learnt apart, and a silence
+//! within `stream.idle_multiplier` × the typical one (at least the floor) is nothing. Past it, the node
+//! decides: silent too on every other stream since this one went quiet, it is stalled (the stream is
+//! cut and continued, and the node counts a stall: `breaker.consecutive_stalls` of them eject it);
+//! heard from meanwhile, it is serving, and this stream is paused (a preemption, a slow prefill under
+//! load): left alone until the node goes silent or `stream.pause_max`, and never counted against it.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -11,43 +20,101 @@ use tokio::time::Instant;
 use super::ProxySettings;
 use super::attempt::Probe;
 use crate::breaker::BreakerSettings;
-use crate::endpoint::{Endpoint, Outstanding};
-use crate::http::body::{Cut, GoneSignal, StreamGuard, Watch};
+use crate::endpoint::{Endpoint, OPENING_GAPS, Outstanding, Typical, millis};
+use crate::http::body::{Cut, GoneSignal, Silence, StreamGuard, Watch};
 use crate::metrics::ProxyStats;
 use crate::registry::Registry;
 
-/// The idle limit a stream gets: `stream.idle_multiplier` × its typical gap between chunks, and at
-/// least `stream.idle_min`. The typical gap is the endpoint's, or, before it has streamed anything, the
-/// time its answer took to start (a first chunk comes after the prompt is read, so it is no shorter
-/// than a gap between tokens).
+/// `stream.*`: when a committed stream's silence is a stall, a pause, or nothing yet.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StreamSettings {
+    pub idle_multiplier: f64,
+    pub idle_min: Duration,
+    pub first_token_idle: Duration,
+    pub pause_max: Duration,
+}
+
+/// One stream's limits: `stream.*`, with the floor of a stream that can be continued elsewhere
+/// (`continuation.idle_min`) where it is one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IdleSettings {
+    pub multiplier: f64,
+    pub min: Duration,
+    pub first_token: Duration,
+    pub pause_max: Duration,
+}
+
+impl IdleSettings {
+    /// A stream's idle settings; one that can be continued elsewhere has the lower floor.
+    pub fn from(settings: &ProxySettings, continuable: bool) -> IdleSettings {
+        let stream = &settings.stream;
+        IdleSettings {
+            multiplier: stream.idle_multiplier,
+            min: if continuable {
+                settings.continuation_idle_min
+            } else {
+                stream.idle_min
+            },
+            first_token: stream.first_token_idle,
+            pause_max: stream.pause_max,
+        }
+    }
+}
+
+/// The idle limit between tokens: `multiplier` × the typical gap, and at least the floor. The typical
+/// gap is the endpoint's, or, before it has streamed past an opening, the time this answer took to
+/// start (a first chunk comes after the prompt is read, so it is no shorter than a gap between tokens).
 pub fn idle_limit(settings: &IdleSettings, typical_gap: Option<Duration>) -> Duration {
     typical_gap
         .map_or(Duration::ZERO, |gap| gap.mul_f64(settings.multiplier))
         .max(settings.min)
 }
 
-/// `stream.*` as a stream reads it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct IdleSettings {
-    pub multiplier: f64,
-    pub min: Duration,
+/// The idle limit in a stream's opening, the wait for its first tokens: far outside what the node's
+/// openings take ([`Typical::far`]), at least the floor; `first_token` while none was timed.
+pub fn opening_limit(settings: &IdleSettings, typical: Option<Typical>) -> Duration {
+    typical.map_or(settings.first_token, |typical| {
+        typical.far(settings.multiplier).max(settings.min)
+    })
 }
 
-impl IdleSettings {
-    /// A stream's idle settings; one that can be continued elsewhere has the lower floor.
-    pub fn from(settings: &ProxySettings, continuable: bool) -> IdleSettings {
-        IdleSettings {
-            multiplier: settings.stream_idle_multiplier,
-            min: if continuable {
-                settings.continuation_idle_min
-            } else {
-                settings.stream_idle_min
-            },
-        }
+/// What a stream past its idle limit should do, given when it went quiet (`since_ms`), the node's last
+/// sign of progress (`heard_ms`), the limit, the time now and `pause_max` (all ms on one clock).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// The node is silent too: stalled.
+    Stalled,
+    /// The node was heard from meanwhile: a pause; ask again in this many ms.
+    Paused { again_in_ms: u64 },
+    /// A pause past `pause_max`.
+    TooLong,
+}
+
+/// Judges a silence past its limit (pure; times in ms). The node was heard from since the stream went
+/// quiet and within the last `limit_ms`: it serves its other streams, so this one is paused, until
+/// `pause_max_ms` of silence. Otherwise every stream of the node has been silent for at least the
+/// limit: the node is stalled.
+pub fn judge(
+    since_ms: u64,
+    heard_ms: u64,
+    now_ms: u64,
+    limit_ms: u64,
+    pause_max_ms: u64,
+) -> Verdict {
+    let node_quiet = now_ms.saturating_sub(heard_ms);
+    if heard_ms <= since_ms || node_quiet >= limit_ms {
+        return Verdict::Stalled;
+    }
+    let silent = now_ms.saturating_sub(since_ms);
+    if silent >= pause_max_ms {
+        return Verdict::TooLong;
+    }
+    Verdict::Paused {
+        again_in_ms: (limit_ms - node_quiet).min(pause_max_ms - silent).max(1),
     }
 }
 
-/// What a committed stream holds: the endpoint's slot, and what it needs to judge a stall.
+/// What a committed stream holds: the endpoint's slot, and what it needs to judge a silence.
 struct Streamed {
     outstanding: Outstanding,
     registry: Arc<Registry>,
@@ -59,6 +126,14 @@ struct Streamed {
     request_id: HeaderValue,
     /// The breaker's half-open probe, when this stream is it, and when the stream was committed.
     probe: Option<(Probe, Instant)>,
+    /// How long this answer took to start (the token gap's stand-in before the node has one).
+    first_byte: Option<Duration>,
+    /// Data chunks since the one that started the answer.
+    chunks: u32,
+    /// The longest gap tongs waited for in the opening so far.
+    opening_longest: Duration,
+    /// This stream's current silence was already counted as a pause.
+    paused: bool,
 }
 
 impl Streamed {
@@ -71,15 +146,67 @@ impl Streamed {
             probe.succeeded(Instant::now());
         }
     }
+
+    /// How long the stream may be silent now, by its phase.
+    fn limit(&self) -> Duration {
+        let endpoint = self.outstanding.endpoint();
+        if self.chunks < OPENING_GAPS {
+            opening_limit(&self.idle, endpoint.opening())
+        } else {
+            idle_limit(&self.idle, endpoint.chunk_gap().or(self.first_byte))
+        }
+    }
 }
 
 impl StreamGuard for Streamed {
-    fn chunk(&mut self, gap: Duration) -> Option<Duration> {
+    fn chunk(&mut self, waited: Option<Duration>) -> Option<Duration> {
+        self.chunks = self.chunks.saturating_add(1);
+        self.paused = false;
         let endpoint = self.outstanding.endpoint();
-        endpoint.observe_chunk_gap(gap);
-        let limit = idle_limit(&self.idle, endpoint.chunk_gap());
+        if let Some(gap) = waited {
+            endpoint.heard(millis(Instant::now()));
+            endpoint.observe_chunk_gap(self.chunks, gap);
+            if self.chunks <= OPENING_GAPS {
+                self.opening_longest = self.opening_longest.max(gap);
+            }
+        }
+        if self.chunks == OPENING_GAPS {
+            endpoint.observe_opening(self.opening_longest);
+        }
+        let limit = self.limit();
         self.judge_probe(limit);
         Some(limit)
+    }
+
+    fn silent(&mut self, since: Instant) -> Silence {
+        let now = Instant::now();
+        let limit = self.limit();
+        let endpoint = self.outstanding.endpoint();
+        let verdict = judge(
+            millis(since),
+            endpoint.heard_ms(),
+            millis(now),
+            super::millis_of(limit),
+            super::millis_of(self.idle.pause_max),
+        );
+        let silent = now.saturating_duration_since(since);
+        match verdict {
+            Verdict::Stalled => Silence::Cut(Cut::Idle(silent)),
+            Verdict::TooLong => Silence::Cut(Cut::Paused(silent)),
+            Verdict::Paused { again_in_ms } => {
+                if !self.paused {
+                    self.paused = true;
+                    self.stats.stream_pauses.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(
+                        request_id = self.request_id.to_str().unwrap_or_default(),
+                        endpoint = endpoint.url(),
+                        silent_ms = silent.as_millis() as u64,
+                        "stream paused while its node serves its other streams; left alone"
+                    );
+                }
+                Silence::Until(now + Duration::from_millis(again_in_ms))
+            }
+        }
     }
 
     fn gone(&mut self) -> Option<GoneSignal> {
@@ -91,6 +218,12 @@ impl StreamGuard for Streamed {
     }
 
     fn end(&mut self, complete: bool) {
+        // A stream that ended within its opening still timed it.
+        if complete && (1..OPENING_GAPS).contains(&self.chunks) {
+            self.outstanding
+                .endpoint()
+                .observe_opening(self.opening_longest);
+        }
         if let Some((probe, _)) = self.probe.take() {
             if complete {
                 probe.succeeded(Instant::now());
@@ -107,15 +240,26 @@ impl StreamGuard for Streamed {
         // What becomes of the stream is logged by whoever holds it: continued elsewhere (a streamed
         // OpenAI completion, see `continuation`), or ended as an error the client sees.
         match why {
-            Cut::Idle(limit) => {
+            Cut::Idle(silent) => {
                 tracing::warn!(
                     request_id,
                     endpoint = endpoint.url(),
-                    idle_ms = limit.as_millis() as u64,
-                    "stream stalled after it started; cut, and counted against the endpoint"
+                    silent_ms = silent.as_millis() as u64,
+                    chunks = self.chunks,
+                    "stream and its node silent past what the node's streams normally take; cut, \
+                     and counted as a stall of the node"
                 );
                 let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
                 endpoint.record_stream_stall(&self.breaker, Instant::now(), may_eject);
+            }
+            Cut::Paused(silent) => {
+                tracing::warn!(
+                    request_id,
+                    endpoint = endpoint.url(),
+                    silent_ms = silent.as_millis() as u64,
+                    "stream paused past stream.pause_max while its node served its other streams; \
+                     cut, not counted against the node"
+                );
             }
             Cut::Gone => {
                 tracing::warn!(
@@ -161,20 +305,23 @@ pub fn watch(
     stats: &Arc<ProxyStats>,
     request_id: &HeaderValue,
 ) -> Watch {
-    let endpoint = Arc::clone(outstanding.endpoint());
-    let idle = IdleSettings::from(settings, continuable);
-    let limit = idle_limit(&idle, endpoint.chunk_gap().or(first_byte));
+    let streamed = Streamed {
+        outstanding,
+        registry: Arc::clone(registry),
+        stats: Arc::clone(stats),
+        idle: IdleSettings::from(settings, continuable),
+        breaker: settings.breaker.clone(),
+        max_ejected_percent: settings.max_ejected_percent,
+        request_id: request_id.clone(),
+        probe: probe.map(|probe| (probe, Instant::now())),
+        first_byte,
+        chunks: 0,
+        opening_longest: Duration::ZERO,
+        paused: false,
+    };
+    let limit = streamed.limit();
     Watch {
-        guard: Box::new(Streamed {
-            outstanding,
-            registry: Arc::clone(registry),
-            stats: Arc::clone(stats),
-            idle,
-            breaker: settings.breaker.clone(),
-            max_ejected_percent: settings.max_ejected_percent,
-            request_id: request_id.clone(),
-            probe: probe.map(|probe| (probe, Instant::now())),
-        }),
+        guard: Box::new(streamed),
         idle: Some(limit),
     }
 }
@@ -183,20 +330,77 @@ pub fn watch(
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_idle_limit_is_a_multiple_of_the_typical_gap_and_never_below_the_floor() {
-        let idle = IdleSettings {
+    fn settings() -> IdleSettings {
+        IdleSettings {
             multiplier: 10.0,
             min: Duration::from_secs(2),
-        };
+            first_token: Duration::from_secs(10),
+            pause_max: Duration::from_secs(30),
+        }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn the_idle_limit_is_a_multiple_of_the_typical_gap_and_never_below_the_floor() {
+        let idle = settings();
         assert_eq!(idle_limit(&idle, None), Duration::from_secs(2));
+        assert_eq!(idle_limit(&idle, Some(ms(30))), Duration::from_secs(2));
+        assert_eq!(idle_limit(&idle, Some(ms(500))), Duration::from_secs(5));
+    }
+
+    #[test]
+    fn the_opening_is_judged_by_the_nodes_own_first_token_waits() {
+        let idle = settings();
+        // Nothing timed yet: the generous default.
+        assert_eq!(opening_limit(&idle, None), Duration::from_secs(10));
+        // A node whose first tokens take 600 ms: ten of those, not its 40 ms token gaps.
+        let steady = Typical {
+            mean: ms(600),
+            deviation: ms(100),
+        };
+        assert_eq!(opening_limit(&idle, Some(steady)), ms(6000));
+        // A node whose first tokens come at once is held to the floor, as its token gaps are.
+        let quick = Typical {
+            mean: ms(5),
+            deviation: ms(2),
+        };
+        assert_eq!(opening_limit(&idle, Some(quick)), Duration::from_secs(2));
+        // Widely varying waits (prompts of every length) widen the limit past ten means.
+        let varied = Typical {
+            mean: ms(200),
+            deviation: ms(700),
+        };
+        assert_eq!(opening_limit(&idle, Some(varied)), ms(3000));
+    }
+
+    #[test]
+    fn a_silent_stream_on_a_silent_node_is_a_stall() {
+        // Quiet since 1,000; the node last heard at 900 (before), or never.
+        assert_eq!(judge(1_000, 900, 3_000, 2_000, 30_000), Verdict::Stalled);
+        assert_eq!(judge(1_000, 0, 3_000, 2_000, 30_000), Verdict::Stalled);
+        // Heard once after the stream went quiet, then silent for the whole limit: stalled since.
+        assert_eq!(judge(1_000, 1_500, 3_500, 2_000, 30_000), Verdict::Stalled);
+    }
+
+    #[test]
+    fn a_silent_stream_on_a_node_that_serves_others_is_a_pause_until_pause_max() {
+        // Heard 100 ms ago: a pause; asked again when the node would have been silent for the limit.
         assert_eq!(
-            idle_limit(&idle, Some(Duration::from_millis(30))),
-            Duration::from_secs(2)
+            judge(1_000, 2_900, 3_000, 2_000, 30_000),
+            Verdict::Paused { again_in_ms: 1_900 }
         );
+        // Near pause_max, asked again right at it ...
         assert_eq!(
-            idle_limit(&idle, Some(Duration::from_millis(500))),
-            Duration::from_secs(5)
+            judge(1_000, 30_900, 30_950, 2_000, 30_000),
+            Verdict::Paused { again_in_ms: 50 }
+        );
+        // ... and past it, too long, however busy the node.
+        assert_eq!(
+            judge(1_000, 31_000, 31_000, 2_000, 30_000),
+            Verdict::TooLong
         );
     }
 }

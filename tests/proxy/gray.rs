@@ -345,23 +345,23 @@ fn sse(first: &'static str, then: Option<(Duration, usize)>) -> http::Response<T
         .unwrap()
 }
 
-/// Streams that go silent on a node whose heartbeats pass are a gray failure's sign: two in a row mark
-/// the node stalled, and a stream of it still flowing is cut at once (its request would be continued
-/// elsewhere, were it a completion), rather than the node keeping every stream until each one's own
-/// idle limit.
+/// A stream that goes silent while its node goes on sending on its other streams is paused (vLLM
+/// preempting a sequence, a slow prefill under load), not stalled: it is left alone until
+/// `stream.pause_max`, then cut without counting against the node, which is never ejected for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn streams_that_stall_mark_their_node_stalled_and_its_other_streams_end_at_once() {
+async fn streams_that_pause_while_their_node_serves_others_are_left_alone() {
     let node = backend(|request: http::Request<hyper::body::Incoming>| async move {
         match request.uri().path() {
-            "/flow" => sse("data: first\n\n", Some((Duration::from_millis(100), 300))),
+            "/flow" => sse("data: first\n\n", Some((Duration::from_millis(50), 100))),
             _ => sse("data: first\n\n", None),
         }
     })
     .await;
     // One node, which the breaker may eject (a lone node is never ejected otherwise); idle limits of
-    // 10 typical gaps (100 ms), at least 500 ms.
+    // at least 500 ms, first tokens included; a pause may last 3 s.
     let config = config_with(
-        "breaker: { max_ejected_percent: 100 }\nstream: { idle_min: 500ms }\n",
+        "breaker: { max_ejected_percent: 100 }\n\
+         stream: { idle_min: 500ms, first_token_idle: 500ms, pause_max: 3s }\n",
         &[node.url()],
     );
     let proxy = start_proxy(config).await;
@@ -373,6 +373,8 @@ async fn streams_that_stall_mark_their_node_stalled_and_its_other_streams_end_at
         )
         .await
     });
+    // The paused streams start once the flowing one is under way.
+    tokio::time::sleep(Duration::from_millis(200)).await;
     let hanging: Vec<_> = (0..2)
         .map(|_| {
             let url = hang_url.clone();
@@ -380,22 +382,110 @@ async fn streams_that_stall_mark_their_node_stalled_and_its_other_streams_end_at
         })
         .collect();
     for hung in hanging {
-        let (_, ended) = hung.await.unwrap();
-        assert!(ended.is_err(), "a silent stream ends as an error");
+        let (silent_for, ended) = hung.await.unwrap();
+        assert!(ended.is_err(), "a pause past pause_max ends the stream");
+        assert!(
+            silent_for >= Duration::from_millis(2900),
+            "left alone until pause_max (3 s), not cut at its 500 ms limit: {silent_for:?}"
+        );
     }
-    // The flowing stream would take 30 s; it is cut as soon as its node is found stalled.
-    let (_, ended) = flowing
-        .await
-        .unwrap()
-        .expect("the flowing stream was cut long before it would have ended");
-    assert!(ended.is_err(), "cut, not finished: {ended:?}");
+    // The flowing stream (5 s) was never touched, and the node was never taken for stalled.
+    let (_, ended) = flowing.await.unwrap().expect("the flowing stream ends");
+    assert_eq!(ended, Ok(()), "the flowing stream ends whole");
+    assert_eq!(state_of(&proxy, &node.url()).await, "healthy");
+    let of_node = |name: &str| format!("{name}{{endpoint=\"{}\"}}", node.url());
+    assert_eq!(
+        sample(&proxy, &of_node("tongs_endpoint_stalls_total")).await,
+        0.0
+    );
+    assert_eq!(
+        sample(&proxy, &of_node("tongs_endpoint_failures_total")).await,
+        0.0
+    );
+    assert!(sample(&proxy, "tongs_stream_pauses_total").await >= 2.0);
+    proxy.stop().await;
+}
+
+/// A node whose streams stop together while its heartbeats pass is stalled (a gray failure): its
+/// streams are cut at their idle limit, two of them mark it stalled, and a stream still waiting for
+/// its first tokens, a pause while the node served the others, is cut with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end_at_once() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let wedged = Arc::new(AtomicBool::new(false));
+    let node = backend({
+        let wedged = Arc::clone(&wedged);
+        move |request: http::Request<hyper::body::Incoming>| {
+            let wedged = Arc::clone(&wedged);
+            async move {
+                use http_body_util::StreamBody;
+                let opening = request.uri().path() == "/opening";
+                let first = futures::stream::once(async {
+                    Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from("data: first\n\n")))
+                });
+                // Chunks every 50 ms until the worker wedges (the opening stream never gets its
+                // first token); nothing at all after.
+                let rest = futures::stream::unfold((), move |()| {
+                    let wedged = Arc::clone(&wedged);
+                    async move {
+                        loop {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            if !opening && !wedged.load(Ordering::SeqCst) {
+                                let chunk = Bytes::from("data: more\n\n");
+                                return Some((
+                                    Ok::<_, BoxError>(hyper::body::Frame::data(chunk)),
+                                    (),
+                                ));
+                            }
+                        }
+                    }
+                });
+                let body = StreamBody::new(futures::StreamExt::chain(first, rest));
+                http::Response::builder()
+                    .header("content-type", "text/event-stream")
+                    .body(BodyExt::boxed(body))
+                    .unwrap()
+            }
+        }
+    })
+    .await;
+    let config = config_with(
+        "breaker: { max_ejected_percent: 100 }\nstream: { idle_min: 500ms }\n",
+        &[node.url()],
+    );
+    let proxy = start_proxy(config).await;
+    let streams: Vec<_> = ["/flow", "/flow", "/flow", "/opening"]
+        .into_iter()
+        .map(|path| {
+            let url = proxy.url(path);
+            tokio::spawn(async move {
+                tokio::time::timeout(HANG, stream_until_it_ends(&url, |_| {})).await
+            })
+        })
+        .collect();
+    // Let the streams flow, then wedge the node's worker: every stream stops at once.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let wedged_at = Instant::now();
+    wedged.store(true, Ordering::SeqCst);
+    for stream in streams {
+        let (_, ended) = stream.await.unwrap().expect("every stream ends");
+        assert!(ended.is_err(), "cut, not finished: {ended:?}");
+    }
+    // The flowing streams' limit is 500 ms (10 gaps of 50 ms); the paused one's silence becomes a
+    // stall as soon as its node has been silent that long, or the node's ejection cuts it.
+    let took = wedged_at.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "every stream ended {took:?} after the wedge"
+    );
     assert_eq!(state_of(&proxy, &node.url()).await, "stalled");
     let stalls = sample(
         &proxy,
         &format!("tongs_endpoint_stalls_total{{endpoint=\"{}\"}}", node.url()),
     )
     .await;
-    assert_eq!(stalls, 2.0, "the two silent streams");
+    assert!(stalls >= 2.0, "the streams that stopped together: {stalls}");
     proxy.stop().await;
 }
 
@@ -426,7 +516,7 @@ async fn a_stalled_nodes_probe_is_judged_by_its_stream_not_its_headers() {
     .await;
     let config = config_with(
         "breaker: { max_ejected_percent: 100, base_ejection: 300ms, max_ejection: 2s }\n\
-         stream: { idle_min: 500ms }\n",
+         stream: { idle_min: 500ms, first_token_idle: 500ms }\n",
         &[node.url()],
     );
     let proxy = start_proxy(config).await;

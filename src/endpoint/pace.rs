@@ -1,0 +1,187 @@
+//! What a node's streams normally do, by phase, and when the node was last heard from: what tells a
+//! stalled node from a stream that pauses.
+//!
+//! A streamed answer has two phases whose silences differ by orders of magnitude. Its *opening*, the
+//! first [`OPENING_GAPS`] gaps after the first chunk, holds the wait for the first tokens when the
+//! server sends something at once (a role chunk, an SSE comment) and then reads the prompt: a prefill
+//! that grows with the prompt and with the node's queue. After it, the gaps between tokens. Each phase
+//! is learnt apart, as a mean and a mean deviation (Jacobson's estimator, as TCP times its
+//! retransmissions), so a node whose first tokens take 2 s is not judged by its 40 ms token gaps.
+//!
+//! `heard_ms` is the node's pulse: the last time any of its streams sent a chunk tongs waited for, or
+//! any answer of it started. A stream silent past its limit on a node heard from meanwhile is paused
+//! (the node is serving others), not stalled.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use super::Endpoint;
+
+/// The gaps after a stream's first chunk that make up its opening.
+pub const OPENING_GAPS: u32 = 2;
+
+/// A learnt distribution of durations: an EWMA of the samples and of their distance from it, in
+/// microseconds (0: no sample yet). Two threads observing at once may lose a sample; the next corrects
+/// it.
+#[derive(Debug, Default)]
+struct Spread {
+    mean_us: AtomicU64,
+    dev_us: AtomicU64,
+}
+
+impl Spread {
+    /// Adds a sample: the mean moves by 1/`mean_weight` of the difference, the deviation by 1/4.
+    fn observe(&self, sample: Duration, mean_weight: u64) {
+        let sample = u64::try_from(sample.as_micros()).unwrap_or(u64::MAX).max(1);
+        let mean = self.mean_us.load(Ordering::Relaxed);
+        if mean == 0 {
+            self.mean_us.store(sample, Ordering::Relaxed);
+            self.dev_us.store(sample / 2, Ordering::Relaxed);
+            return;
+        }
+        let dev = self.dev_us.load(Ordering::Relaxed);
+        let distance = sample.abs_diff(mean);
+        self.mean_us.store(
+            mean - mean / mean_weight + sample / mean_weight,
+            Ordering::Relaxed,
+        );
+        self.dev_us
+            .store(dev - dev / 4 + distance / 4, Ordering::Relaxed);
+    }
+
+    /// The mean and the mean deviation (`None` before any sample).
+    fn get(&self) -> Option<(Duration, Duration)> {
+        match self.mean_us.load(Ordering::Relaxed) {
+            0 => None,
+            mean => Some((
+                Duration::from_micros(mean),
+                Duration::from_micros(self.dev_us.load(Ordering::Relaxed)),
+            )),
+        }
+    }
+}
+
+/// A node's pace: its streams' opening waits and token gaps, and its pulse.
+#[derive(Debug, Default)]
+pub struct Pace {
+    /// Each stream's longest gap in its opening.
+    opening: Spread,
+    /// Gaps between chunks after the opening.
+    gap: Spread,
+    /// When the node last showed progress (ms on the [`super::millis`] clock; 0: never).
+    heard_ms: AtomicU64,
+}
+
+/// What is learnt of one phase: how long its silences typically are, and how much they vary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Typical {
+    pub mean: Duration,
+    pub deviation: Duration,
+}
+
+impl Typical {
+    /// How long a silence in this phase may last before it is far outside what the node does:
+    /// `multiplier` × the mean, or the mean plus four deviations when the phase varies more than
+    /// that covers.
+    pub fn far(&self, multiplier: f64) -> Duration {
+        self.mean
+            .mul_f64(multiplier)
+            .max(self.mean + self.deviation * 4)
+    }
+}
+
+impl Endpoint {
+    /// A stream here sent a chunk after tongs had waited `gap` for it, at place `place` (1: the first
+    /// chunk after the one that started the answer). Opening gaps are kept by the stream until its
+    /// opening is over (see [`Endpoint::observe_opening`]); later ones feed the token gap, an EWMA
+    /// with weight 1/16: steady enough that one slow chunk does not move it much, quick enough to
+    /// follow a node that changes pace.
+    pub fn observe_chunk_gap(&self, place: u32, gap: Duration) {
+        if place > OPENING_GAPS {
+            self.pace.gap.observe(gap, 16);
+        }
+    }
+
+    /// A stream here finished its opening (or ended within it) whose longest gap was `longest`: one
+    /// sample of the wait for the first tokens, weight 1/8.
+    pub fn observe_opening(&self, longest: Duration) {
+        self.pace.opening.observe(longest, 8);
+    }
+
+    /// The node showed progress at `now_ms`: a chunk of one of its streams, or an answer's start.
+    pub fn heard(&self, now_ms: u64) {
+        if self.pace.heard_ms.load(Ordering::Relaxed) < now_ms {
+            self.pace.heard_ms.store(now_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// When the node last showed progress (ms on the [`super::millis`] clock; 0: never).
+    pub fn heard_ms(&self) -> u64 {
+        self.pace.heard_ms.load(Ordering::Relaxed)
+    }
+
+    /// The typical gap between chunks after a stream's opening (`None` before any was seen).
+    pub fn chunk_gap(&self) -> Option<Duration> {
+        self.pace.gap.get().map(|(mean, _)| mean)
+    }
+
+    /// What this node's streams' openings typically take (`None` before any opening was timed).
+    pub fn opening(&self) -> Option<Typical> {
+        self.pace
+            .opening
+            .get()
+            .map(|(mean, deviation)| Typical { mean, deviation })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn the_first_sample_is_the_mean_and_later_ones_move_it_by_their_weight() {
+        let spread = Spread::default();
+        assert_eq!(spread.get(), None);
+        spread.observe(ms(800), 8);
+        assert_eq!(spread.get(), Some((ms(800), ms(400))));
+        spread.observe(ms(400), 8);
+        let (mean, dev) = spread.get().unwrap();
+        assert_eq!(mean, ms(750), "800 - 800/8 + 400/8");
+        assert_eq!(dev, ms(400), "400 - 400/4 + 400/4");
+    }
+
+    #[test]
+    fn a_steady_phase_is_judged_by_its_mean_and_a_varied_one_by_its_spread() {
+        let steady = Typical {
+            mean: ms(600),
+            deviation: ms(60),
+        };
+        assert_eq!(steady.far(10.0), ms(6000));
+        let varied = Typical {
+            mean: ms(300),
+            deviation: ms(900),
+        };
+        assert_eq!(varied.far(3.0), ms(3900));
+    }
+
+    #[test]
+    fn opening_gaps_do_not_feed_the_token_gap() {
+        let url = "http://node:8000";
+        let parsed = crate::config::EndpointUrl::parse(url).unwrap();
+        let endpoint = Endpoint::new(1, url, parsed, 1);
+        endpoint.observe_chunk_gap(1, ms(2000));
+        endpoint.observe_chunk_gap(2, ms(5));
+        assert_eq!(endpoint.chunk_gap(), None);
+        endpoint.observe_chunk_gap(3, ms(40));
+        assert_eq!(endpoint.chunk_gap(), Some(ms(40)));
+        endpoint.observe_opening(ms(2000));
+        assert_eq!(endpoint.opening().unwrap().mean, ms(2000));
+        endpoint.heard(7);
+        endpoint.heard(5);
+        assert_eq!(endpoint.heard_ms(), 7, "the pulse never goes back");
+    }
+}
