@@ -16,7 +16,8 @@ pub use report::Summary;
 
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
-    Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, RandomInterruptions,
+    FirstToken, Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, Preemption,
+    RandomInterruptions,
 };
 use crate::{App, AppError};
 
@@ -62,9 +63,37 @@ const PROFILES: [(&str, u64, usize); 6] = [
     ("rtx3060", 700, 2),
 ];
 
+/// The pauses of a node of the [`PROFILES`] at `profile`: the two slowest consumer GPUs wait
+/// 600 ms and 900 ms for a first token (more with each other request in flight) and are now and then
+/// preempted for 2 to 3 s, the chance growing with load. Healthy behaviour, not interruptions, so a
+/// calm run has them too.
+fn pauses(profile: usize) -> Option<(FirstToken, Preemption)> {
+    let (wait, per_in_flight, chance, pause) = match profile {
+        4 => (600, 60, 0.03, 2_500),
+        5 => (900, 100, 0.05, 2_000),
+        _ => return None,
+    };
+    let first_token = FirstToken {
+        wait: HumanDuration::from_millis(wait),
+        per_prompt_word: HumanDuration::from_millis(2),
+        per_in_flight: HumanDuration::from_millis(per_in_flight),
+        spread: 0.2,
+    };
+    let preemption = Preemption {
+        chance,
+        per_in_flight: chance,
+        pause: HumanDuration::from_millis(pause),
+        spread: 0.2,
+    };
+    Some((first_token, preemption))
+}
+
 /// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
 /// the run (so every run with as many nodes as kinds shows them all), plus seeded random interruptions
-/// on every node, about two per node per run (fewer where they would overlap a fixed one).
+/// on every node, about two per node per run (fewer where they would overlap a fixed one). The two
+/// slowest GPUs pause as real inference servers do ([`pauses`]): a 600 ms to 1 s wait for the first
+/// token, and now and then a stream preempted for 2 to 3 s. The slowest, so that the fleet's capacity
+/// hardly changes: they serve about 3 requests a second instead of 7 together.
 pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
     let run = options.duration.as_secs_f64();
     let nodes = (0..options.nodes.max(1))
@@ -77,6 +106,10 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             // its service time.
             spec.tokens = 16;
             spec.report_load = true;
+            if let Some((first_token, preemption)) = pauses(i % PROFILES.len()) {
+                spec.first_token = Some(first_token);
+                spec.preemption = Some(preemption);
+            }
             if !options.interruptions {
                 return spec;
             }
@@ -227,6 +260,24 @@ mod tests {
                     .sum()
             })
             .collect()
+    }
+
+    #[test]
+    fn the_demo_fleet_is_valid_and_two_nodes_pause() {
+        for interruptions in [true, false] {
+            let fleet = demo_fleet(&DemoOptions {
+                interruptions,
+                ..DemoOptions::default()
+            });
+            assert_eq!(fleet.validate(), []);
+            let pausing: Vec<&str> = fleet
+                .nodes
+                .iter()
+                .filter(|spec| spec.first_token.is_some() && spec.preemption.is_some())
+                .map(|spec| spec.name.as_str())
+                .collect();
+            assert_eq!(pausing, ["rtx3080-4", "rtx3060-5"]);
+        }
     }
 
     #[test]

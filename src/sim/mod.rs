@@ -6,6 +6,9 @@
 //! `Retry-After`, as an inference server does. Responses are JSON or Server-Sent Event token streams;
 //! `POST /v1/completions` and `POST /v1/chat/completions` answer as vLLM's OpenAI server does, with a
 //! deterministic model whose every answer a client can predict (see `openai.rs`).
+//! Healthy nodes also pause the way real inference servers do, when a fleet asks for it: a first-token
+//! wait that grows with the prompt and the load ([`FirstToken`]), keep-alive comments meanwhile
+//! (`comment_every`), and a stream preempted mid-answer and resumed after a pause ([`Preemption`]).
 //! Nodes fail the ways real remote nodes fail (see [`InterruptionKind`]) on a fixed or seeded random
 //! schedule, then recover. Everything listens on real sockets so a proxy in front of it meets real
 //! resets, refusals and silences.
@@ -14,6 +17,7 @@ mod node;
 mod openai;
 mod reply;
 mod schedule;
+mod stream;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -72,6 +76,18 @@ pub struct NodeSpec {
     /// Interruptions at seeded random times.
     #[serde(default)]
     pub random_interruptions: Option<RandomInterruptions>,
+    /// A wait before the first token that grows with the prompt and the load, as a real server's
+    /// queueing and prefill do. None: the first token after a tenth of the service time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_token: Option<FirstToken>,
+    /// Send an SSE comment (`: ping`) at once and then at this interval while a stream waits for its
+    /// first token, as some servers and gateways do to keep idle connections open (vLLM does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comment_every: Option<HumanDuration>,
+    /// Streams paused mid-answer, as vLLM pauses a sequence it preempts under KV-cache pressure and
+    /// recomputes. None: no stream pauses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preemption: Option<Preemption>,
 }
 
 fn default_listen() -> SocketAddr {
@@ -109,6 +125,46 @@ impl Default for ServiceTime {
     }
 }
 
+/// How long a stream waits for its first token on a node that queues and prefills like a real one:
+/// `wait + per_prompt_word × the prompt's words + per_in_flight × the other requests in flight on the
+/// node`, drawn lognormal around that with `spread`, and multiplied by a `slow` interruption's factor.
+///
+/// A continued stream resends the answer so far as its prompt, so it waits longer than the stream it
+/// continues: a proxy that takes that wait for a dead node cuts healthy streams.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FirstToken {
+    /// The wait of an empty prompt on an idle node.
+    pub wait: HumanDuration,
+    /// More for each whitespace-separated word of the prompt (prefill grows with it).
+    pub per_prompt_word: HumanDuration,
+    /// More for each other request in flight on the node, waiting or served (a busy batch).
+    pub per_in_flight: HumanDuration,
+    /// Standard deviation of the underlying normal, as for the service time; 0 = always the sum.
+    pub spread: f64,
+}
+
+/// Streams preempted mid-answer: with probability `chance + per_in_flight × the other requests in
+/// flight on the node` (at most 1), a stream pauses once, after a token drawn uniformly among all but
+/// its last, for `pause` (lognormal with `spread`), then goes on at its pace. The node stays healthy
+/// meanwhile: heartbeats answer and other streams flow. A whole answer drawn preempted comes that much
+/// later.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Preemption {
+    /// Probability that a stream on an otherwise idle node is preempted, from 0 to 1.
+    #[serde(default)]
+    pub chance: f64,
+    /// Added to `chance` for each other request in flight: preemption comes with load.
+    #[serde(default)]
+    pub per_in_flight: f64,
+    /// How long a preempted stream pauses (its recompute).
+    pub pause: HumanDuration,
+    /// Standard deviation of the underlying normal of the pause; 0 = always `pause`.
+    #[serde(default)]
+    pub spread: f64,
+}
+
 /// How a node answers an inference request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -135,6 +191,9 @@ impl NodeSpec {
             report_load: false,
             interruptions: Vec::new(),
             random_interruptions: None,
+            first_token: None,
+            comment_every: None,
+            preemption: None,
         }
     }
 }
@@ -203,6 +262,7 @@ impl FleetConfig {
                     );
                 }
             }
+            node.validate_pauses(&mut problem, &at);
             if let Some(random) = &node.random_interruptions {
                 if random.mean_interval.get() > WEEK || random.mean_duration.get() > WEEK {
                     problem(
@@ -234,6 +294,58 @@ impl FleetConfig {
         problems
     }
 }
+
+impl NodeSpec {
+    /// The problems of the pause keys, named by `at`.
+    fn validate_pauses(
+        &self,
+        problem: &mut impl FnMut(String, &str),
+        at: &impl Fn(&str) -> String,
+    ) {
+        let spread = |spread: f64| (0.0..=3.0).contains(&spread);
+        if let Some(first) = &self.first_token {
+            for (field, duration) in [
+                ("wait", first.wait),
+                ("per_prompt_word", first.per_prompt_word),
+                ("per_in_flight", first.per_in_flight),
+            ] {
+                if duration.get() > HOUR {
+                    problem(at(&format!("first_token.{field}")), "must be at most 3600s");
+                }
+            }
+            if !spread(first.spread) {
+                problem(at("first_token.spread"), "must be between 0 and 3");
+            }
+        }
+        if let Some(every) = self.comment_every {
+            // Zero would send comments without end and without a pause.
+            if every.get() < Duration::from_millis(1) || every.get() > HOUR {
+                problem(at("comment_every"), "must be from 1ms to 3600s");
+            }
+        }
+        if let Some(preemption) = &self.preemption {
+            let probability = |p: f64| (0.0..=1.0).contains(&p);
+            if !probability(preemption.chance) {
+                problem(at("preemption.chance"), "must be between 0 and 1");
+            }
+            if !probability(preemption.per_in_flight) {
+                problem(at("preemption.per_in_flight"), "must be between 0 and 1");
+            }
+            if preemption.pause.get().is_zero() || preemption.pause.get() > HOUR {
+                problem(
+                    at("preemption.pause"),
+                    "must be greater than zero and at most 3600s",
+                );
+            }
+            if !spread(preemption.spread) {
+                problem(at("preemption.spread"), "must be between 0 and 3");
+            }
+        }
+    }
+}
+
+/// Longest first-token wait component or preemption pause a fleet file accepts.
+const HOUR: Duration = Duration::from_secs(3600);
 
 /// Longest interruption time or duration a fleet file accepts.
 const WEEK: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -326,6 +438,9 @@ nodes:
       - { kind: slow, at: 20s, duration: 5s, factor: 3 }
   - name: rtx3090
     random_interruptions: { mean_interval: 30s, mean_duration: 5s, kinds: [blackhole, gateway-503] }
+    first_token: { wait: 600ms, per_prompt_word: 1ms, spread: 0.2 }
+    comment_every: 250ms
+    preemption: { chance: 0.1, pause: 3s }
 "#;
         let fleet = FleetConfig::parse(text, "test").unwrap();
         assert_eq!(fleet.nodes.len(), 2);
@@ -336,6 +451,49 @@ nodes:
             fleet.nodes[1].random_interruptions.as_ref().unwrap().kinds,
             [InterruptionKind::Blackhole, InterruptionKind::Gateway503]
         );
+        // The pauses: off unless set, their unset parts zero.
+        assert_eq!(fleet.nodes[0].first_token, None);
+        assert_eq!(fleet.nodes[0].comment_every, None);
+        assert_eq!(fleet.nodes[0].preemption, None);
+        let first = fleet.nodes[1].first_token.as_ref().unwrap();
+        assert_eq!(first.wait, HumanDuration::from_millis(600));
+        assert_eq!(first.per_in_flight, HumanDuration::default());
+        assert_eq!(
+            fleet.nodes[1].comment_every,
+            Some(HumanDuration::from_millis(250))
+        );
+        let preemption = fleet.nodes[1].preemption.as_ref().unwrap();
+        assert_eq!((preemption.chance, preemption.per_in_flight), (0.1, 0.0));
+        assert_eq!(preemption.pause, HumanDuration::from_secs(3));
+    }
+
+    #[test]
+    fn pause_problems_name_their_fields() {
+        let text = concat!(
+            "nodes:\n  - name: a\n    first_token: { wait: 2h, spread: 4 }\n",
+            "    comment_every: 0s\n",
+            "    preemption: { chance: 1.5, per_in_flight: -1, pause: 0s, spread: -1 }\n",
+        );
+        let err = FleetConfig::parse(text, "test").unwrap_err();
+        let fields: Vec<_> = err.problems().iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "nodes[0].first_token.wait",
+                "nodes[0].first_token.spread",
+                "nodes[0].comment_every",
+                "nodes[0].preemption.chance",
+                "nodes[0].preemption.per_in_flight",
+                "nodes[0].preemption.pause",
+                "nodes[0].preemption.spread",
+            ]
+        );
+        let err = FleetConfig::parse(
+            "nodes:\n  - name: a\n    preemption: { chance: 0.5 }\n",
+            "t",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("pause"), "{err}");
     }
 
     #[test]

@@ -20,9 +20,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::{Request, Response, StatusCode, header};
-use http_body_util::channel::Channel;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
@@ -34,10 +32,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::openai;
-use super::reply::{SimBody, full, sse_response};
+use super::reply::{SimBody, full};
 use super::schedule::{Interruption, InterruptionKind, lognormal};
+use super::stream::{Load, Timing, stream_tokens, words};
 use super::{NodeSpec, ResponseKind};
-use crate::http::BoxError;
 
 /// What a node is doing right now.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -111,6 +109,9 @@ pub(super) struct Shared {
     /// Numbers the OpenAI answers' ids.
     answers: AtomicU64,
     rng: Mutex<fastrand::Rng>,
+    /// Draws of first-token waits and preemptions, apart from `rng` so that pauses leave the service
+    /// times of a seeded run unchanged.
+    pauses: Mutex<fastrand::Rng>,
     condition: watch::Sender<Condition>,
 }
 
@@ -153,6 +154,7 @@ impl Node {
             interruptions: AtomicU64::new(0),
             answers: AtomicU64::new(0),
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
+            pauses: Mutex::new(fastrand::Rng::with_seed(!seed)),
             condition,
         });
         let stop = CancellationToken::new();
@@ -215,6 +217,23 @@ impl Shared {
     /// The next number in this node's sequence of OpenAI answers (1, 2, ...).
     pub(super) fn next_answer(&self) -> u64 {
         self.answers.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The timing of a request admitted now with `service_time`, whose stream has `tokens` tokens
+    /// and whose prompt `words` words.
+    pub(super) fn timing(&self, service_time: Duration, tokens: u64, words: u64) -> Timing {
+        let load = Load {
+            service_time,
+            slow: self.condition.borrow().slow_factor(),
+            others: self.in_flight.load(Ordering::Relaxed).saturating_sub(1),
+            tokens,
+            words,
+        };
+        let mut rng = self
+            .pauses
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        Timing::draw(&self.spec, &load, &mut rng)
     }
 }
 
@@ -500,20 +519,28 @@ async fn handle(
             reset,
         };
         openai::answer(api, &head.headers, &body, admitted).await
-    } else if wants_stream(&head.headers, &shared.spec) {
-        stream_tokens(Arc::clone(&shared), serving, service_time)
     } else {
-        tokio::time::sleep(service_time).await;
-        while_gray(&shared).await;
-        serving.finish();
-        let body = format!(
-            r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
-            shared.spec.name,
-            service_time.as_millis(),
-            body.len(),
-            shared.spec.tokens
-        );
-        full(StatusCode::OK, "application/json", body)
+        // Counted only when a first-token wait may use them: a body can be 16 MB.
+        let words = match shared.spec.first_token {
+            Some(_) => words(&body),
+            None => 0,
+        };
+        let timing = shared.timing(service_time, u64::from(shared.spec.tokens), words);
+        if wants_stream(&head.headers, &shared.spec) {
+            stream_tokens(Arc::clone(&shared), serving, timing)
+        } else {
+            tokio::time::sleep(timing.whole).await;
+            while_gray(&shared).await;
+            serving.finish();
+            let body = format!(
+                r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
+                shared.spec.name,
+                service_time.as_millis(),
+                body.len(),
+                shared.spec.tokens
+            );
+            full(StatusCode::OK, "application/json", body)
+        }
     };
     if shared.spec.report_load {
         let headers = response.headers_mut();
@@ -539,47 +566,4 @@ pub(super) async fn while_gray(shared: &Shared) {
             return;
         }
     }
-}
-
-/// When a stream of `tokens` tokens over `service_time` sends its first token, and the gap between
-/// the next ones: a tenth of the service time, then the rest spread evenly.
-pub(super) fn pace(service_time: Duration, tokens: u32) -> (Duration, Duration) {
-    let first = service_time.mul_f64(0.1);
-    (first, service_time.saturating_sub(first) / tokens.max(1))
-}
-
-/// An SSE token stream: the first token after a tenth of the service time, the rest spread evenly.
-fn stream_tokens(
-    shared: Arc<Shared>,
-    serving: Serving,
-    service_time: Duration,
-) -> Response<SimBody> {
-    let (mut sender, body) = Channel::<Bytes, BoxError>::new(1);
-    let tokens = shared.spec.tokens;
-    tokio::spawn(async move {
-        let (first, gap) = pace(service_time, tokens);
-        tokio::time::sleep(first).await;
-        for token in 0..tokens {
-            if token > 0 {
-                tokio::time::sleep(gap).await;
-                // A wedged worker has sent what it had; the rest waits for the node to recover.
-                while_gray(&shared).await;
-            }
-            let event = format!(
-                "data: {{\"node\":\"{}\",\"token\":{token}}}\n\n",
-                shared.spec.name
-            );
-            if sender.send_data(Bytes::from(event)).await.is_err() {
-                return; // the client (or the proxy) went away: stop generating
-            }
-        }
-        if sender
-            .send_data(Bytes::from_static(b"data: [DONE]\n\n"))
-            .await
-            .is_ok()
-        {
-            serving.finish();
-        }
-    });
-    sse_response(body.boxed())
 }

@@ -28,15 +28,31 @@
 //!
 //! # Answers
 //! Ids are `cmpl-{node}-{n}` and `chatcmpl-{node}-{n}`, `n` counting the node's answers from 1;
-//! `created` is the request's Unix time in seconds. A whole answer comes after the service time (a gray
-//! node holds it until it recovers). A stream (`Content-Type: text/event-stream`) sends each event as
-//! one body frame, `data: <compact JSON>\n\n`: for chat a role chunk (`"delta":{"role":"assistant",
-//! "content":""}`) just before the first token, then one chunk per token, the last one carrying
-//! `"finish_reason":"length"`; with `include_usage` a chunk with `"choices":[]` and the usage; then
-//! `data: [DONE]`, and the request counts as served. The first token comes after a tenth of the service
-//! time, the next ones every `service_time × 0.9 / tokens` (the node's `tokens`, so the pace does not
-//! depend on `max_tokens`); a gray node stalls after the first token until it recovers; a client that
-//! goes away stops the generation.
+//! `created` is the request's Unix time in seconds. A stream (`Content-Type: text/event-stream`, its
+//! headers sent at once) sends each event as one body frame, `data: <compact JSON>\n\n`: for chat a
+//! role chunk (`"delta":{"role":"assistant","content":""}`), then one chunk per token, the last one
+//! carrying `"finish_reason":"length"`; with `include_usage` a chunk with `"choices":[]` and the usage;
+//! then `data: [DONE]`, and the request counts as served. A client that goes away stops the generation.
+//!
+//! # Timing
+//! Drawn once per request when it is admitted (see [`super::stream::Timing`]):
+//! - the first token: after a tenth of the service time, the chat role chunk just before it. On a node
+//!   with a `first_token` wait, after that wait instead (`wait + per_prompt_word × prompt_tokens +
+//!   per_in_flight × the other requests in flight`, spread, times a `slow` factor), the chat role chunk
+//!   sent at once before it, as vLLM does: a continued request, whose prompt holds the answer so far,
+//!   waits longer than the one it continues;
+//! - with `comment_every`, an SSE comment `: ping` at once (after the role chunk if it went at once)
+//!   and then at that interval until the first token; vLLM sends none, some servers and gateways do;
+//! - the next tokens every `service_time × 0.9 / tokens` (the node's `tokens`, so the pace does not
+//!   depend on `max_tokens`);
+//! - on a node with `preemption`, a stream drawn preempted pauses once, after a token drawn among all
+//!   but its last, for the preemption's pause, then goes on at its pace: a healthy node, its heartbeats
+//!   and other streams flowing meanwhile;
+//! - a gray node stalls after the first token until it recovers.
+//!
+//! A whole answer comes when its stream's last token would: after the service time, or with a
+//! first-token wait after that wait and nine tenths of the service time, plus the pause if drawn
+//! preempted (a gray node holds it until it recovers).
 //!
 //! # Test hook: `x-sim-cut`
 //! A request header of this fake server, not of vLLM, to break streams at a chosen point: a
@@ -51,7 +67,6 @@
 //! streams are cut; a malformed list gets `400`.
 
 use std::fmt::Write as _;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -62,8 +77,9 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::node::{Serving, Shared, pace, while_gray};
+use super::node::{Serving, Shared, while_gray};
 use super::reply::{Events, SimBody, full, sse_response};
+use super::stream::{Timing, before_first_token, before_next_token, send};
 use wire::{Head, Usage};
 
 mod wire;
@@ -150,18 +166,18 @@ pub(super) async fn answer(
         created,
         model: ask.model.clone(),
     };
+    let timing = admitted
+        .shared
+        .timing(admitted.service_time, ask.max_tokens, ask.prompt_tokens);
     if ask.stream {
         let (events, body) = Events::new();
-        tokio::spawn(generate(ask, head, cuts, admitted, events));
+        tokio::spawn(generate(ask, head, cuts, admitted, timing, events));
         sse_response(body.boxed())
     } else {
         let Admitted {
-            shared,
-            serving,
-            service_time,
-            ..
+            shared, serving, ..
         } = admitted;
-        tokio::time::sleep(service_time).await;
+        tokio::time::sleep(timing.whole).await;
         while_gray(&shared).await;
         let body = head.whole(&ask.text(), ask.usage());
         serving.finish();
@@ -392,36 +408,33 @@ fn cut(entry: &str) -> Option<Cut> {
     })
 }
 
-/// Generates a streamed answer into `events`, token by token at the node's pace.
+/// Generates a streamed answer into `events`, token by token at the request's timing.
 async fn generate(
     ask: Ask,
     head: Head,
     cuts: Vec<Cut>,
     admitted: Admitted,
+    timing: Timing,
     events: mpsc::Sender<Bytes>,
 ) {
     let Admitted {
         shared,
         serving,
-        service_time,
         reset,
+        ..
     } = admitted;
-    let (first, gap) = pace(service_time, shared.spec.tokens);
-    if !unless_gone(&events, tokio::time::sleep(first)).await {
+    let role_chunk = head.api == Api::Chat;
+    if role_chunk && timing.role_at_once && !send(&events, head.role_chunk()).await {
+        return;
+    }
+    if !before_first_token(&events, &timing).await {
         return;
     }
     for i in 1..=ask.max_tokens {
-        if i > 1 {
-            // A wedged worker has sent what it had; the rest waits for the node to recover.
-            let next = async {
-                tokio::time::sleep(gap).await;
-                while_gray(&shared).await;
-            };
-            if !unless_gone(&events, next).await {
-                return;
-            }
+        if i > 1 && !before_next_token(&events, &timing, i - 1, &shared).await {
+            return;
         }
-        if i == 1 && head.api == Api::Chat && !send(&events, head.role_chunk()).await {
+        if i == 1 && role_chunk && !timing.role_at_once && !send(&events, head.role_chunk()).await {
             return;
         }
         let text = ask.token(i);
@@ -440,19 +453,6 @@ async fn generate(
     if send(&events, Bytes::from_static(b"data: [DONE]\n\n")).await {
         serving.finish();
     }
-}
-
-/// Runs `wait` unless the client goes away first; false when it did.
-async fn unless_gone(events: &mpsc::Sender<Bytes>, wait: impl Future<Output = ()>) -> bool {
-    tokio::select! {
-        () = events.closed() => false,
-        () = wait => true,
-    }
-}
-
-/// Sends one event; false when the client has gone away.
-async fn send(events: &mpsc::Sender<Bytes>, event: Bytes) -> bool {
-    events.send(event).await.is_ok()
 }
 
 /// Breaks a stream whose last chunk was just sent.

@@ -13,3 +13,4 @@ mod support;
 mod demo;
 mod nodes;
 mod openai;
+mod pauses;
