@@ -20,6 +20,9 @@
 //!   resets, partitions and gray stalls spread over the run on different nodes (at most two out at
 //!   once); the share of streams that end complete and exact, and what a pause cost those that
 //!   survived one: their longest gap between two chunks (see `cuts.rs`, and its own table);
+//! - `pauses`: no interruption at all, but healthy nodes that pause their streams as inference servers
+//!   do: the first token 0.3 to 5 s after the role chunk, or streams preempted mid-answer for ~3 s;
+//!   streams whole, and what tongs did about the pauses (see `pauses.rs`, and its own table);
 //! - `throughput`: an nginx origin that answers at once, wrk at a fixed number of connections (closed
 //!   loop), as many requests per second as each proxy takes; the origin alone is the baseline.
 //!
@@ -34,7 +37,7 @@
 //! `TONGS_LOG=tongs=debug` keeps tongs' own log in `target/bench-tongs-PORT.log`.
 //!
 //! Environment: SCENARIOS, PROXIES (default all), DURATION (measured time of the open-loop scenarios,
-//! default 30s), CHURN_DURATION (default 60s), WARMUP (unrecorded load first, default 3s), SEED (1),
+//! default 30s), PAUSES_DURATION (each pauses fleet's, 10s), CHURN_DURATION (default 60s), WARMUP (unrecorded load first, default 3s), SEED (1),
 //! THROUGHPUT_DURATION (10s), CONNECTIONS (wrk's, 64), RESULTS (file to write; empty: none),
 //! TONGS_CONFIG (YAML added to tongs' configuration, to try a setting; the results file says so).
 //! Under `cargo test --all-targets` (no `--bench` argument) it runs a smoke pass instead: every
@@ -46,6 +49,7 @@ mod support;
 
 mod cuts;
 mod load;
+mod pauses;
 mod peers;
 
 use std::collections::BTreeMap;
@@ -79,7 +83,7 @@ const NODE_QUEUE: usize = 8;
 const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
-const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts throughput";
+const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts pauses throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive tongs-capacity nginx haproxy caddy";
 
 fn main() -> Result<()> {
@@ -97,6 +101,7 @@ enum Scenario {
     Gray,
     Stalls,
     Cuts,
+    Pauses,
     Throughput,
 }
 
@@ -110,6 +115,7 @@ impl Scenario {
             "gray" => Scenario::Gray,
             "stalls" => Scenario::Stalls,
             "cuts" => Scenario::Cuts,
+            "pauses" => Scenario::Pauses,
             "throughput" => Scenario::Throughput,
             other => bail!("SCENARIOS: unknown scenario {other:?} (known: {ALL_SCENARIOS})"),
         })
@@ -124,6 +130,7 @@ impl Scenario {
             Scenario::Gray => "gray",
             Scenario::Stalls => "stalls",
             Scenario::Cuts => "cuts",
+            Scenario::Pauses => "pauses",
             Scenario::Throughput => "throughput",
         }
     }
@@ -188,6 +195,7 @@ struct Settings {
     proxies: Vec<Proxy>,
     duration: Duration,
     churn_duration: Duration,
+    pauses_duration: Duration,
     warmup: Duration,
     seed: u64,
     throughput_duration: Duration,
@@ -220,6 +228,7 @@ impl Settings {
                 env_duration("DURATION", Duration::from_secs(30))?
             },
             churn_duration: env_duration("CHURN_DURATION", Duration::from_secs(60))?,
+            pauses_duration: env_duration("PAUSES_DURATION", Duration::from_secs(10))?,
             warmup: if smoke {
                 Duration::ZERO
             } else {
@@ -633,6 +642,9 @@ async fn run(settings: Settings) -> Result<()> {
     if settings.scenarios.contains(&Scenario::Cuts) {
         writeln!(header, "{}", cuts::describe(settings.seed))?;
     }
+    if settings.scenarios.contains(&Scenario::Pauses) {
+        writeln!(header, "{}", pauses::describe())?;
+    }
     writeln!(
         header,
         "load: open loop, {} s measured after {} s unrecorded (churn, gray, stalls and cuts {} s); steady and \
@@ -648,9 +660,14 @@ async fn run(settings: Settings) -> Result<()> {
     print!("{header}");
 
     let mut rows = Vec::new();
+    let mut pause_rows = Vec::new();
     for &scenario in &settings.scenarios {
         if scenario == Scenario::Throughput {
             rows.extend(throughput_rows(&settings).await?);
+            continue;
+        }
+        if scenario == Scenario::Pauses {
+            pause_rows = pauses::rows(&settings).await?;
             continue;
         }
         for &proxy in &settings.proxies {
@@ -658,7 +675,7 @@ async fn run(settings: Settings) -> Result<()> {
         }
     }
 
-    let table = table(&rows) + &cuts::table(&rows);
+    let table = table(&rows) + &cuts::table(&rows) + &pauses::table(&pause_rows);
     let verdicts = verdicts(&rows);
     println!();
     print!("{table}");

@@ -30,7 +30,7 @@ fn openai_nodes(count: usize) -> Vec<NodeSpec> {
 
 /// What a client saw of one stream.
 #[derive(Debug)]
-struct Seen {
+pub(super) struct Seen {
     /// Every chunk's JSON, in order (`[DONE]` not included).
     chunks: Vec<Value>,
     dones: usize,
@@ -41,7 +41,7 @@ struct Seen {
 }
 
 impl Seen {
-    fn text(&self) -> String {
+    pub(super) fn text(&self) -> String {
         self.chunks
             .iter()
             .filter_map(|c| {
@@ -71,7 +71,7 @@ impl Seen {
     }
 
     /// One well-formed stream: constant ids, one finish, one `[DONE]` at the end, nothing stray.
-    fn assert_whole(&self, what: &str) {
+    pub(super) fn assert_whole(&self, what: &str) {
         assert!(!self.broken, "{what}: the stream broke: {self:?}");
         assert_eq!(self.dones, 1, "{what}: one [DONE]: {self:?}");
         assert!(self.stray.is_empty(), "{what}: {self:?}");
@@ -108,7 +108,7 @@ fn body(chat: bool, usage: bool) -> Value {
 }
 
 /// Streams `body` through the proxy with `x-sim-cut: cut` (none if empty) and `extra` headers.
-async fn stream(
+pub(super) async fn stream(
     proxy: &TestProxy,
     chat: bool,
     body: &Value,
@@ -167,7 +167,7 @@ async fn stream(
     seen
 }
 
-async fn continuations(proxy: &TestProxy, outcome: &str) -> f64 {
+pub(super) async fn continuations(proxy: &TestProxy, outcome: &str) -> f64 {
     sample(
         proxy,
         &format!("tongs_continuations_total{{outcome=\"{outcome}\"}}"),

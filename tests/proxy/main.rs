@@ -20,6 +20,7 @@ mod forwarding;
 mod gray;
 mod latency;
 mod limits;
+mod pauses;
 mod pools;
 mod resilience;
 mod streaming;
