@@ -55,8 +55,8 @@ impl HedgeConfig {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StreamConfig {
-    /// A stream that sends nothing for this many times its endpoint's typical gap between chunks
-    /// (1 ..= 1000) ...
+    /// A stream that sends nothing for this many times what its node's streams typically take at that
+    /// point, the wait for the first tokens or a gap between tokens (1 ..= 1000) ...
     pub idle_multiplier: f64,
     /// ... and at least this long, while the node sends nothing on any of its streams either, is taken
     /// for a stalled node: the stream is cut (continued elsewhere when it can be) and the endpoint
@@ -68,7 +68,7 @@ pub struct StreamConfig {
     /// not timed yet (afterwards: `idle_multiplier` × what they take there, or more when they vary).
     pub first_token_idle: HumanDuration,
     /// How long one stream may stay silent while its node keeps sending on its other streams (a
-    /// preemption, a long tool call, a slow prefill under load): the node is not stalled, so the
+    /// preemption, a slow prefill under load): the node is not stalled, so the
     /// stream is left alone this long, and then cut without counting against the node. (A pause is
     /// only judged once past the stream's idle limit: a `pause_max` below it cuts at that limit.)
     pub pause_max: HumanDuration,

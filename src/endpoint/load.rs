@@ -222,6 +222,11 @@ impl Endpoint {
         Waiting { endpoint: self }
     }
 
+    /// Attempts here waiting for their first byte now.
+    pub fn waiting_attempts(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
     /// How long the endpoint has kept attempts waiting without answering any, in milliseconds at
     /// `now_ms` (0 while none waits): since its last answer or since attempts began to wait, whichever
     /// is later. A stream that is flowing does not count; only attempts still without a first byte do.

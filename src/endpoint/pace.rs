@@ -8,9 +8,14 @@
 //! is learnt apart, as a mean and a mean deviation (Jacobson's estimator, as TCP times its
 //! retransmissions), so a node whose first tokens take 2 s is not judged by its 40 ms token gaps.
 //!
-//! `heard_ms` is the node's pulse: the last time any of its streams sent a chunk tongs waited for, or
-//! any answer of it started. A stream silent past its limit on a node heard from meanwhile is paused
-//! (the node is serving others), not stalled.
+//! A prefill grows with the prompt, so the opening is learnt with the size of the requests it was
+//! timed on: a request whose body is several times the node's typical one (a long conversation, or a
+//! continuation, which resends the text so far) may wait that many times longer.
+//!
+//! `heard_ms` is the node's pulse: the last time any of its streams sent a chunk past the one that
+//! started it (not an answer's start, nor a keep-alive comment: a wedged worker behind a live HTTP
+//! layer still sends those). A stream silent past its limit on a node heard from meanwhile is paused (the node
+//! is serving others), not stalled.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -19,6 +24,12 @@ use super::Endpoint;
 
 /// The gaps after a stream's first chunk that make up its opening.
 pub const OPENING_GAPS: u32 = 2;
+
+/// Bytes added to both sides of a prompt-size ratio (see [`Endpoint::prompt_factor`]).
+pub const PROMPT_SMOOTHING: u64 = 4096;
+
+/// The most a long prompt stretches a node's opening limit.
+pub const MAX_PROMPT_FACTOR: f64 = 16.0;
 
 /// A learnt distribution of durations: an EWMA of the samples and of their distance from it, in
 /// microseconds (0: no sample yet). Two threads observing at once may lose a sample; the next corrects
@@ -68,6 +79,8 @@ pub struct Pace {
     opening: Spread,
     /// Gaps between chunks after the opening.
     gap: Spread,
+    /// The request bodies the openings were timed on, bytes: an EWMA with weight 1/8 (0: none yet).
+    prompt_bytes: AtomicU64,
     /// When the node last showed progress (ms on the [`super::millis`] clock; 0: never).
     heard_ms: AtomicU64,
 }
@@ -102,16 +115,37 @@ impl Endpoint {
         }
     }
 
-    /// A stream here finished its opening (or ended within it) whose longest gap was `longest`: one
-    /// sample of the wait for the first tokens, weight 1/8.
-    pub fn observe_opening(&self, longest: Duration) {
+    /// A stream here, asked with a body of `prompt_bytes`, finished its opening (or ended within it)
+    /// whose longest gap was `longest`: one sample of the wait for the first tokens, weight 1/8.
+    pub fn observe_opening(&self, longest: Duration, prompt_bytes: u64) {
         self.pace.opening.observe(longest, 8);
+        let old = self.pace.prompt_bytes.load(Ordering::Relaxed);
+        let next = if old == 0 {
+            prompt_bytes.max(1)
+        } else {
+            (old - old / 8 + prompt_bytes / 8).max(1)
+        };
+        self.pace.prompt_bytes.store(next, Ordering::Relaxed);
     }
 
-    /// The node showed progress at `now_ms`: a chunk of one of its streams, or an answer's start.
+    /// How many times longer than the node's typical opening a request with a body of `prompt_bytes`
+    /// may take to its first tokens: the ratio of the sizes (smoothed by [`PROMPT_SMOOTHING`] bytes,
+    /// so small prompts all count as alike), from 1 to [`MAX_PROMPT_FACTOR`]. Before any opening was
+    /// timed, against a body of [`PROMPT_SMOOTHING`].
+    pub fn prompt_factor(&self, prompt_bytes: u64) -> f64 {
+        let typical = match self.pace.prompt_bytes.load(Ordering::Relaxed) {
+            0 => PROMPT_SMOOTHING,
+            typical => typical,
+        };
+        ((prompt_bytes.saturating_add(PROMPT_SMOOTHING)) as f64
+            / (typical.saturating_add(PROMPT_SMOOTHING)) as f64)
+            .clamp(1.0, MAX_PROMPT_FACTOR)
+    }
+
+    /// The node showed progress at `now_ms`: a chunk of one of its streams, past the first.
     pub fn heard(&self, now_ms: u64) {
         if self.pace.heard_ms.load(Ordering::Relaxed) < now_ms {
-            self.pace.heard_ms.store(now_ms, Ordering::Relaxed);
+            self.pace.heard_ms.fetch_max(now_ms, Ordering::Relaxed);
         }
     }
 
@@ -122,7 +156,15 @@ impl Endpoint {
 
     /// The typical gap between chunks after a stream's opening (`None` before any was seen).
     pub fn chunk_gap(&self) -> Option<Duration> {
-        self.pace.gap.get().map(|(mean, _)| mean)
+        self.token_gap().map(|typical| typical.mean)
+    }
+
+    /// What gaps between tokens typically are here, and how much they vary.
+    pub fn token_gap(&self) -> Option<Typical> {
+        self.pace
+            .gap
+            .get()
+            .map(|(mean, deviation)| Typical { mean, deviation })
     }
 
     /// What this node's streams' openings typically take (`None` before any opening was timed).
@@ -178,8 +220,13 @@ mod tests {
         assert_eq!(endpoint.chunk_gap(), None);
         endpoint.observe_chunk_gap(3, ms(40));
         assert_eq!(endpoint.chunk_gap(), Some(ms(40)));
-        endpoint.observe_opening(ms(2000));
+        endpoint.observe_opening(ms(2000), 1000);
         assert_eq!(endpoint.opening().unwrap().mean, ms(2000));
+        // A body like the ones timed waits alike; one 10 times larger and more, longer.
+        assert_eq!(endpoint.prompt_factor(500), 1.0);
+        let long = endpoint.prompt_factor(10 * 1000 + 4096 * 9);
+        assert!((long - 10.0).abs() < 1e-9, "{long}");
+        assert_eq!(endpoint.prompt_factor(u64::MAX), MAX_PROMPT_FACTOR);
         endpoint.heard(7);
         endpoint.heard(5);
         assert_eq!(endpoint.heard_ms(), 7, "the pulse never goes back");

@@ -34,8 +34,8 @@ pub type Guard = Box<dyn Send>;
 /// What the request path holds while an endpoint's answer streams (dropped when it ends), and is told
 /// as the stream goes.
 pub trait StreamGuard: Send {
-    /// A data chunk arrived (any after the first, which came with the answer), after tongs had waited
-    /// `waited` for it (`None`: it was already there when asked for, which says nothing of the node's
+    /// A data chunk arrived (any after the first, which came with the answer; SSE keep-alive comments
+    /// are no progress and are not reported), after tongs had waited `waited` for it (`None`: it was already there when asked for, which says nothing of the node's
     /// pace; time the client was not reading never counts). Returns how long the stream may now stay
     /// silent before the guard is asked what the silence means (`None`: no limit).
     fn chunk(&mut self, waited: Option<Duration>) -> Option<Duration>;
@@ -260,9 +260,12 @@ impl Body for ProxyBody {
                 };
                 match body.as_mut().poll_frame(cx) {
                     Poll::Ready(Some(Ok(frame))) => {
-                        // A frame that was there when asked for says nothing of the endpoint's pace.
-                        let waited = waiting.take().map(|since| since.elapsed());
-                        if frame.is_data() {
+                        // A keep-alive comment is no progress: the silence goes on. A frame that was
+                        // there when asked for says nothing of the endpoint's pace.
+                        if let Some(data) = frame.data_ref()
+                            && !crate::openai::sse::is_keep_alive(data)
+                        {
+                            let waited = waiting.take().map(|since| since.elapsed());
                             *idle_limit = guard.chunk(waited);
                         }
                         // hyper stops polling a body that says it has ended, so its end is told here.

@@ -110,12 +110,12 @@ pub const HEDGES_WON: Spec = spec(
 pub const STREAMS_CUT: Spec = spec(
     "tongs_streams_cut_total",
     "counter",
-    "Committed streams tongs cut because they stalled or their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
+    "Committed streams tongs cut because they and their node went silent, because they paused past stream.pause_max, or because their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
 );
 pub const STREAM_PAUSES: Spec = spec(
     "tongs_stream_pauses_total",
     "counter",
-    "Committed streams that went silent past their idle limit while their node went on sending on its other streams: a pause (a preemption, a slow prefill under load), not a stall, so left alone and not counted against the node (cut only past stream.pause_max).",
+    "Silences of committed streams past their idle limit while their node went on sending tokens on its other streams: a pause (a preemption, a slow prefill under load), not a stall, so left alone and not counted against the node (cut only past stream.pause_max).",
 );
 pub const POOL_FALLBACKS: Spec = spec(
     "tongs_pool_fallbacks_total",

@@ -23,7 +23,7 @@ pub struct ProxyStats {
     pub hedges_won: AtomicU64,
     /// Committed streams ended because they stalled or their endpoint was declared gone.
     pub streams_cut: AtomicU64,
-    /// Committed streams that went silent past their idle limit while their node went on sending on
+    /// Silences of committed streams past their idle limit while their node went on sending tokens on
     /// its other streams: paused, not stalled, so left alone (cut only past `stream.pause_max`).
     pub stream_pauses: AtomicU64,
     /// Broken streams and what became of them.

@@ -84,6 +84,17 @@ impl Events {
     }
 }
 
+/// Whether `chunk` holds nothing but SSE comments and blank lines (a keep-alive such as `: ping`):
+/// no progress of the answer, whatever the node's HTTP layer still sends. A chunk that does not start
+/// with `:` is taken as progress without a look further (a comment cut across two chunks is then
+/// counted once, which errs on the side of a node that lives).
+pub fn is_keep_alive(chunk: &[u8]) -> bool {
+    chunk.first() == Some(&b':')
+        && chunk
+            .split(|&byte| byte == b'\n' || byte == b'\r')
+            .all(|line| line.is_empty() || line[0] == b':')
+}
+
 /// The `data` of an event: its `data:` lines' values joined by `\n` (`None` when it has none, such as
 /// a comment or a keep-alive).
 pub fn data(event: &[u8]) -> Option<String> {
@@ -110,6 +121,15 @@ pub fn data(event: &[u8]) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn keep_alives_are_comments_and_blank_lines_only() {
+        assert!(super::is_keep_alive(b": ping\n\n"));
+        assert!(super::is_keep_alive(b":\r\n\r\n: again\n\n"));
+        assert!(!super::is_keep_alive(b": ping\n\ndata: {}\n\n"));
+        assert!(!super::is_keep_alive(b"data: [DONE]\n\n"));
+        assert!(!super::is_keep_alive(b""));
+    }
+
     use super::*;
 
     fn all(events: &mut Events) -> Vec<Bytes> {

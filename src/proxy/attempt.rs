@@ -330,7 +330,6 @@ impl Proxy {
         }
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
-        endpoint.heard(crate::endpoint::millis(now));
         let first_byte = now.saturating_duration_since(attempt_started);
         endpoint.observe_load_latency(
             first_byte,

@@ -292,6 +292,8 @@ impl Continuer {
                         // Continued again if it breaks, unless this was the last continuation allowed.
                         continuable: self.taken < self.settings.max_continuations,
                         probe: committed.probe,
+                        // The prompt and the text so far: its prefill is the longer for it.
+                        prompt_bytes: sending.body.kept_len(),
                     };
                     let mut piece =
                         self.proxy

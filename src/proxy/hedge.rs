@@ -94,12 +94,18 @@ impl Timing {
 }
 
 /// Whether an attempt at `endpoint` started at `started` is alone in waiting: some endpoint answered
-/// since it started (`last_answer`, ms on the endpoints' clock) but this one showed no progress at
-/// all, neither an answer nor a chunk of a stream it holds: a node that goes on streaming to others
-/// while a new request waits (its prefill, a queue behind a full KV cache) is busy, not stalled.
-fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
+/// since it started (`last_answer`, ms on the endpoints' clock) but this one did not.
+fn waiting_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
     let since = crate::endpoint::millis(started);
-    last_answer.load(Ordering::Relaxed) > since && endpoint.heard_ms() <= since
+    last_answer.load(Ordering::Relaxed) > since && endpoint.last_answer_ms() <= since
+}
+
+/// Whether such an attempt is a stall of its endpoint: alone in waiting, and the endpoint showed no
+/// progress at all meanwhile, not even a token of a stream it holds. A node that goes on streaming to
+/// others while a new request waits (its prefill, a queue behind a full KV cache) is busy, not hung.
+fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
+    waiting_alone(last_answer, endpoint, started)
+        && endpoint.heard_ms() <= crate::endpoint::millis(started)
 }
 
 /// What a second attempt beside a running one is paid from.
@@ -135,17 +141,19 @@ impl Proxy {
         Duration::from_micros(micros)
     }
 
-    /// An attempt at `endpoint` started at `started` reached its stall point. It counts as stalled
-    /// only if the rest of the fleet answered something since it started while this endpoint answered
-    /// nothing: when every node is slow (a burst of long requests, say) no node is stalled, only the
-    /// one that stopped while the others go on.
-    /// Returns whether it counted.
+    /// An attempt at `endpoint` started at `started` reached its stall point. It is worth a second
+    /// attempt elsewhere only if the rest of the fleet answered something since it started while this
+    /// endpoint answered nothing: when every node is slow (a burst of long requests, say) none is
+    /// better. It counts as a stall of the endpoint only if, besides, the endpoint showed no progress
+    /// at all (see [`stalled_alone`]). Returns whether the attempt waits alone.
     fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) -> bool {
-        if !stalled_alone(&self.last_answer, endpoint, started) {
+        if !waiting_alone(&self.last_answer, endpoint, started) {
             return false;
         }
-        let may_eject = self.may_eject(settings);
-        endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
+        if stalled_alone(&self.last_answer, endpoint, started) {
+            let may_eject = self.may_eject(settings);
+            endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
+        }
         true
     }
 
@@ -394,11 +402,17 @@ mod tests {
             stalled_alone(&fleet, &endpoint, started),
             "others answered, it did not"
         );
-        // An answer's start or a chunk of a stream it holds (both call `heard`): it is busy, not hung.
+        // A token of a stream it holds: it is busy, not hung, though this attempt waits alone.
         endpoint.heard(later);
         assert!(
             !stalled_alone(&fleet, &endpoint, started),
             "it showed progress too"
         );
+        assert!(
+            waiting_alone(&fleet, &endpoint, started),
+            "worth a second attempt"
+        );
+        endpoint.observe_latency(Duration::from_millis(5), later, 10_000);
+        assert!(!waiting_alone(&fleet, &endpoint, started), "it answered");
     }
 }

@@ -369,7 +369,12 @@ impl Proxy {
                 Attempt::Committed(committed) => {
                     self.metrics.first_byte(started.elapsed());
                     let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
-                    let at = (&request_id, deadline, continuable.is_some());
+                    let at = (
+                        &request_id,
+                        deadline,
+                        continuable.is_some(),
+                        body.kept_len(),
+                    );
                     let response = self.commit(settings, committed, upgrade, at);
                     let Some(continuable) = continuable else {
                         return Ok((response, Outcome::Proxied));

@@ -30,6 +30,8 @@ pub(super) struct Piece {
     pub continuable: bool,
     /// The breaker's half-open probe, judged by this body.
     pub probe: Option<Probe>,
+    /// The request's body, bytes (its prompt: a longer one prefills longer).
+    pub prompt_bytes: u64,
 }
 
 impl Proxy {
@@ -39,7 +41,7 @@ impl Proxy {
         settings: &ProxySettings,
         committed: Committed,
         client_upgrade: Option<hyper::upgrade::OnUpgrade>,
-        (request_id, deadline, continuable): (&HeaderValue, Instant, bool),
+        (request_id, deadline, continuable, prompt_bytes): (&HeaderValue, Instant, bool, u64),
     ) -> Response<ProxyBody> {
         let Committed {
             mut response,
@@ -69,6 +71,7 @@ impl Proxy {
             first_byte,
             continuable,
             probe,
+            prompt_bytes,
         };
         let mut body = self.streamed(settings, piece, deadline, request_id);
         if let Some(span) = span {
@@ -94,6 +97,7 @@ impl Proxy {
             first_byte,
             continuable,
             probe,
+            prompt_bytes,
         } = piece;
         ProxyBody::upstream(
             first,
@@ -101,7 +105,7 @@ impl Proxy {
             super::stream::watch(
                 settings,
                 outstanding,
-                (first_byte, continuable, probe),
+                (first_byte, continuable, probe, prompt_bytes),
                 &self.registry,
                 &self.stats,
                 request_id,
@@ -152,7 +156,7 @@ impl Proxy {
                     span: None,
                     probe: None,
                 };
-                self.commit(settings, committed, None, (request_id, deadline, false))
+                self.commit(settings, committed, None, (request_id, deadline, false, 0))
             }
             None => failure.error.into_response(request_id),
         }

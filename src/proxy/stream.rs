@@ -61,21 +61,30 @@ impl IdleSettings {
     }
 }
 
-/// The idle limit between tokens: `multiplier` × the typical gap, and at least the floor. The typical
-/// gap is the endpoint's, or, before it has streamed past an opening, the time this answer took to
-/// start (a first chunk comes after the prompt is read, so it is no shorter than a gap between tokens).
-pub fn idle_limit(settings: &IdleSettings, typical_gap: Option<Duration>) -> Duration {
+/// The idle limit between tokens: far outside the typical gap ([`Typical::far`]), and at least the
+/// floor. The typical gap is the endpoint's, or, before it has streamed past an opening, the time this
+/// answer took to start (a first chunk comes after the prompt is read, so it is no shorter than a gap
+/// between tokens).
+pub fn idle_limit(settings: &IdleSettings, typical_gap: Option<Typical>) -> Duration {
     typical_gap
-        .map_or(Duration::ZERO, |gap| gap.mul_f64(settings.multiplier))
+        .map_or(Duration::ZERO, |gap| gap.far(settings.multiplier))
         .max(settings.min)
 }
 
 /// The idle limit in a stream's opening, the wait for its first tokens: far outside what the node's
-/// openings take ([`Typical::far`]), at least the floor; `first_token` while none was timed.
-pub fn opening_limit(settings: &IdleSettings, typical: Option<Typical>) -> Duration {
-    typical.map_or(settings.first_token, |typical| {
-        typical.far(settings.multiplier).max(settings.min)
-    })
+/// openings take ([`Typical::far`]), or `first_token` while none was timed; at least the floor, and
+/// stretched by `prompt_factor`, how many times longer this request's prefill may be.
+pub fn opening_limit(
+    settings: &IdleSettings,
+    typical: Option<Typical>,
+    prompt_factor: f64,
+) -> Duration {
+    typical
+        .map_or(settings.first_token, |typical| {
+            typical.far(settings.multiplier)
+        })
+        .max(settings.min)
+        .mul_f64(prompt_factor.max(1.0))
 }
 
 /// What a stream past its idle limit should do, given when it went quiet (`since_ms`), the node's last
@@ -128,10 +137,13 @@ struct Streamed {
     probe: Option<(Probe, Instant)>,
     /// How long this answer took to start (the token gap's stand-in before the node has one).
     first_byte: Option<Duration>,
+    /// The request's body, bytes: a longer prompt prefills longer.
+    prompt_bytes: u64,
     /// Data chunks since the one that started the answer.
     chunks: u32,
-    /// The longest gap tongs waited for in the opening so far.
-    opening_longest: Duration,
+    /// The longest gap tongs waited for in the opening so far (`None`: none was waited for, and an
+    /// opening whose chunks were all there at once times nothing).
+    opening_longest: Option<Duration>,
     /// This stream's current silence was already counted as a pause.
     paused: bool,
 }
@@ -149,11 +161,44 @@ impl Streamed {
 
     /// How long the stream may be silent now, by its phase.
     fn limit(&self) -> Duration {
-        let endpoint = self.outstanding.endpoint();
         if self.chunks < OPENING_GAPS {
-            opening_limit(&self.idle, endpoint.opening())
+            self.opening_limit()
         } else {
-            idle_limit(&self.idle, endpoint.chunk_gap().or(self.first_byte))
+            let endpoint = self.outstanding.endpoint();
+            let first_byte = self.first_byte.map(|mean| Typical {
+                mean,
+                deviation: Duration::ZERO,
+            });
+            idle_limit(&self.idle, endpoint.token_gap().or(first_byte))
+        }
+    }
+
+    fn opening_limit(&self) -> Duration {
+        let endpoint = self.outstanding.endpoint();
+        opening_limit(
+            &self.idle,
+            endpoint.opening(),
+            endpoint.prompt_factor(self.prompt_bytes),
+        )
+    }
+
+    /// How long the whole node must have been silent for this stream's silence to be a stall. A node
+    /// with requests waiting for their first byte may be prefilling them, which on servers without
+    /// chunked prefill stops every stream there for as long: that much silence is its opening's.
+    fn node_limit(&self, limit: Duration) -> Duration {
+        if self.chunks >= OPENING_GAPS && self.outstanding.endpoint().waiting_attempts() > 0 {
+            limit.max(self.opening_limit())
+        } else {
+            limit
+        }
+    }
+
+    /// The opening is over (or the stream ended within it): one sample of it, if it timed anything.
+    fn opened(&mut self) {
+        if let Some(longest) = self.opening_longest.take() {
+            self.outstanding
+                .endpoint()
+                .observe_opening(longest, self.prompt_bytes);
         }
     }
 }
@@ -161,17 +206,21 @@ impl Streamed {
 impl StreamGuard for Streamed {
     fn chunk(&mut self, waited: Option<Duration>) -> Option<Duration> {
         self.chunks = self.chunks.saturating_add(1);
-        self.paused = false;
+        // The chunk that ends a pause says how long the pause was, not the node's pace between
+        // tokens; in the opening it is the first token's wait under load, which is what it learns.
+        let was_paused = std::mem::take(&mut self.paused);
         let endpoint = self.outstanding.endpoint();
+        // A token is the node's progress, whether tongs waited for it or found it already there.
+        endpoint.heard(millis(Instant::now()));
         if let Some(gap) = waited {
-            endpoint.heard(millis(Instant::now()));
-            endpoint.observe_chunk_gap(self.chunks, gap);
             if self.chunks <= OPENING_GAPS {
-                self.opening_longest = self.opening_longest.max(gap);
+                self.opening_longest = Some(self.opening_longest.unwrap_or_default().max(gap));
+            } else if !was_paused {
+                endpoint.observe_chunk_gap(self.chunks, gap);
             }
         }
         if self.chunks == OPENING_GAPS {
-            endpoint.observe_opening(self.opening_longest);
+            self.opened();
         }
         let limit = self.limit();
         self.judge_probe(limit);
@@ -180,16 +229,20 @@ impl StreamGuard for Streamed {
 
     fn silent(&mut self, since: Instant) -> Silence {
         let now = Instant::now();
+        let silent = now.saturating_duration_since(since);
         let limit = self.limit();
+        // The limit grew since the timer was set (the node's pace was learnt meanwhile).
+        if silent < limit {
+            return Silence::Until(since + limit);
+        }
         let endpoint = self.outstanding.endpoint();
         let verdict = judge(
             millis(since),
             endpoint.heard_ms(),
             millis(now),
-            super::millis_of(limit),
+            super::millis_of(self.node_limit(limit)),
             super::millis_of(self.idle.pause_max),
         );
-        let silent = now.saturating_duration_since(since);
         match verdict {
             Verdict::Stalled => Silence::Cut(Cut::Idle(silent)),
             Verdict::TooLong => Silence::Cut(Cut::Paused(silent)),
@@ -218,11 +271,9 @@ impl StreamGuard for Streamed {
     }
 
     fn end(&mut self, complete: bool) {
-        // A stream that ended within its opening still timed it.
-        if complete && (1..OPENING_GAPS).contains(&self.chunks) {
-            self.outstanding
-                .endpoint()
-                .observe_opening(self.opening_longest);
+        // A stream that ended within its opening still timed it (once: `opened` takes the sample).
+        if complete && self.chunks < OPENING_GAPS {
+            self.opened();
         }
         if let Some((probe, _)) = self.probe.take() {
             if complete {
@@ -296,11 +347,12 @@ fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, probe: bool) -> Gone
 
 /// How the stream of a committed answer on `outstanding`'s endpoint is watched; `first_byte` is how long
 /// that answer took to start (none for a failure's own answer); `continuable`, whether a cut would be
-/// continued elsewhere; `probe`, the breaker's half-open probe when this answer is it.
+/// continued elsewhere; `probe`, the breaker's half-open probe when this answer is it; `prompt_bytes`,
+/// the size of the request's body.
 pub fn watch(
     settings: &ProxySettings,
     outstanding: Outstanding,
-    (first_byte, continuable, probe): (Option<Duration>, bool, Option<Probe>),
+    (first_byte, continuable, probe, prompt_bytes): (Option<Duration>, bool, Option<Probe>, u64),
     registry: &Arc<Registry>,
     stats: &Arc<ProxyStats>,
     request_id: &HeaderValue,
@@ -315,8 +367,9 @@ pub fn watch(
         request_id: request_id.clone(),
         probe: probe.map(|probe| (probe, Instant::now())),
         first_byte,
+        prompt_bytes,
         chunks: 0,
-        opening_longest: Duration::ZERO,
+        opening_longest: None,
         paused: false,
     };
     let limit = streamed.limit();
@@ -346,34 +399,46 @@ mod tests {
     #[test]
     fn the_idle_limit_is_a_multiple_of_the_typical_gap_and_never_below_the_floor() {
         let idle = settings();
+        let gap = |mean, deviation| {
+            Some(Typical {
+                mean: ms(mean),
+                deviation: ms(deviation),
+            })
+        };
         assert_eq!(idle_limit(&idle, None), Duration::from_secs(2));
-        assert_eq!(idle_limit(&idle, Some(ms(30))), Duration::from_secs(2));
-        assert_eq!(idle_limit(&idle, Some(ms(500))), Duration::from_secs(5));
+        assert_eq!(idle_limit(&idle, gap(30, 5)), Duration::from_secs(2));
+        assert_eq!(idle_limit(&idle, gap(500, 50)), Duration::from_secs(5));
+        // Gaps that vary widely (tokens coalesced by a gateway) widen it past ten means.
+        assert_eq!(idle_limit(&idle, gap(200, 800)), ms(3400));
     }
 
     #[test]
     fn the_opening_is_judged_by_the_nodes_own_first_token_waits() {
         let idle = settings();
-        // Nothing timed yet: the generous default.
-        assert_eq!(opening_limit(&idle, None), Duration::from_secs(10));
+        // Nothing timed yet: the generous default, stretched for a long prompt.
+        assert_eq!(opening_limit(&idle, None, 1.0), Duration::from_secs(10));
+        assert_eq!(opening_limit(&idle, None, 3.0), Duration::from_secs(30));
         // A node whose first tokens take 600 ms: ten of those, not its 40 ms token gaps.
         let steady = Typical {
             mean: ms(600),
             deviation: ms(100),
         };
-        assert_eq!(opening_limit(&idle, Some(steady)), ms(6000));
+        assert_eq!(opening_limit(&idle, Some(steady), 1.0), ms(6000));
         // A node whose first tokens come at once is held to the floor, as its token gaps are.
         let quick = Typical {
             mean: ms(5),
             deviation: ms(2),
         };
-        assert_eq!(opening_limit(&idle, Some(quick)), Duration::from_secs(2));
+        assert_eq!(
+            opening_limit(&idle, Some(quick), 1.0),
+            Duration::from_secs(2)
+        );
         // Widely varying waits (prompts of every length) widen the limit past ten means.
         let varied = Typical {
             mean: ms(200),
             deviation: ms(700),
         };
-        assert_eq!(opening_limit(&idle, Some(varied)), ms(3000));
+        assert_eq!(opening_limit(&idle, Some(varied), 1.0), ms(3000));
     }
 
     #[test]

@@ -206,6 +206,11 @@ impl ReplayBody {
     }
 
     /// The whole body, when it is kept in memory.
+    /// The body's size when it is kept (0 for one streamed once: its size is not known up front).
+    pub fn kept_len(&self) -> u64 {
+        self.bytes().map_or(0, |bytes| bytes.len() as u64)
+    }
+
     pub fn bytes(&self) -> Option<&Bytes> {
         match self {
             ReplayBody::Buffered(bytes, _) => Some(bytes),

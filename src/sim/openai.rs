@@ -39,8 +39,9 @@
 //! - the first token: after a tenth of the service time, the chat role chunk just before it. On a node
 //!   with a `first_token` wait, after that wait instead (`wait + per_prompt_word × prompt_tokens +
 //!   per_in_flight × the other requests in flight`, spread, times a `slow` factor), the chat role chunk
-//!   sent at once before it, as vLLM does: a continued request, whose prompt holds the answer so far,
-//!   waits longer than the one it continues;
+//!   sent at once before it (as a server whose API layer answers before its engine does; vLLM sends
+//!   it with the first token, so there the wait comes before the first chunk): a continued request,
+//!   whose prompt holds the answer so far, waits longer than the one it continues;
 //! - with `comment_every`, an SSE comment `: ping` at once (after the role chunk if it went at once)
 //!   and then at that interval until the first token; vLLM sends none, some servers and gateways do;
 //! - the next tokens every `service_time × 0.9 / tokens` (the node's `tokens`, so the pace does not

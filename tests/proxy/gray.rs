@@ -408,7 +408,11 @@ async fn streams_that_pause_while_their_node_serves_others_are_left_alone() {
 
 /// A node whose streams stop together while its heartbeats pass is stalled (a gray failure): its
 /// streams are cut at their idle limit, two of them mark it stalled, and a stream still waiting for
-/// its first tokens, a pause while the node served the others, is cut with them.
+/// its first tokens, a pause while the node served the others, is cut with them. What its HTTP layer
+/// still sends is no progress: keep-alive comments on the wedged streams, and the first chunk of new
+/// requests (a server that sends a role chunk before its engine answers). What its HTTP layer
+/// still sends is no progress: keep-alive comments on the wedged streams, and the first chunk of new
+/// requests (a server that sends a role chunk before its engine answers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end_at_once() {
     use std::sync::Arc;
@@ -425,20 +429,21 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
                     Ok::<_, BoxError>(hyper::body::Frame::data(Bytes::from("data: first\n\n")))
                 });
                 // Chunks every 50 ms until the worker wedges (the opening stream never gets its
-                // first token); nothing at all after.
+                // first token); after, only a keep-alive comment every 100 ms.
                 let rest = futures::stream::unfold((), move |()| {
                     let wedged = Arc::clone(&wedged);
                     async move {
-                        loop {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                        while opening && !wedged.load(Ordering::SeqCst) {
                             tokio::time::sleep(Duration::from_millis(50)).await;
-                            if !opening && !wedged.load(Ordering::SeqCst) {
-                                let chunk = Bytes::from("data: more\n\n");
-                                return Some((
-                                    Ok::<_, BoxError>(hyper::body::Frame::data(chunk)),
-                                    (),
-                                ));
-                            }
                         }
+                        let chunk = if wedged.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            Bytes::from(": ping\n\n")
+                        } else {
+                            Bytes::from("data: more\n\n")
+                        };
+                        Some((Ok::<_, BoxError>(hyper::body::Frame::data(chunk)), ()))
                     }
                 });
                 let body = StreamBody::new(futures::StreamExt::chain(first, rest));
@@ -468,6 +473,22 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
     tokio::time::sleep(Duration::from_millis(600)).await;
     let wedged_at = Instant::now();
     wedged.store(true, Ordering::SeqCst);
+    // New requests still get their first chunk, then keep-alives only (whatever becomes of them: one
+    // sent after the node is ejected waits for it).
+    let late: Vec<_> = (0..3)
+        .map(|i| {
+            let url = proxy.url("/opening");
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50 * i)).await;
+                let request = http::Request::get(&url).body(full(Bytes::new())).unwrap();
+                if let Ok(Ok(response)) =
+                    tokio::time::timeout(HANG, client().request(request)).await
+                {
+                    let _ = tokio::time::timeout(HANG, response.into_body().collect()).await;
+                }
+            })
+        })
+        .collect();
     for stream in streams {
         let (_, ended) = stream.await.unwrap().expect("every stream ends");
         assert!(ended.is_err(), "cut, not finished: {ended:?}");
@@ -486,6 +507,9 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
     )
     .await;
     assert!(stalls >= 2.0, "the streams that stopped together: {stalls}");
+    for request in late {
+        request.abort();
+    }
     proxy.stop().await;
 }
 
