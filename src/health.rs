@@ -10,6 +10,9 @@
 //! heartbeat comes at a random point of the interval after that (see [`spread`]), so a fleet discovered
 //! in one go is not probed in step afterwards.
 //!
+//! Every `health.models_interval` a passing heartbeat is followed by `GET /v1/models`, and the ids the
+//! node lists are kept on the endpoint for tongs' own `/v1/models` (a failed read keeps the last ones).
+//!
 //! The loops follow the registry: new endpoints get a loop, removed ones lose theirs. Each loop runs on
 //! a worker's thread and sends through that worker's own pool ([`Senders`]).
 
@@ -230,12 +233,31 @@ async fn probe_loop(
     }
     let mut streak = Streak::default();
     let mut first_regular_wait = true;
+    let mut models_read: Option<Instant> = None;
     loop {
         // Each round reads the settings in force, so a reload applies from the next heartbeat.
         let config = settings.load_full();
         let started = Instant::now();
         let passed = probe(&endpoint, &config, &client).await;
         let now = Instant::now();
+        let every = config.models_interval.get();
+        if passed
+            && !every.is_zero()
+            && models_read.is_none_or(|at| now.saturating_duration_since(at) >= every)
+        {
+            models_read = Some(now);
+            // Apart from the loop, so a slow answer delays no heartbeat.
+            let (endpoint, config, client) = (
+                Arc::clone(&endpoint),
+                Arc::clone(&config),
+                Arc::clone(&client),
+            );
+            tokio::spawn(async move {
+                if let Some(ids) = served_models(&endpoint, &config, &client).await {
+                    endpoint.set_served_models(ids);
+                }
+            });
+        }
         endpoint.record_heartbeat(passed, now.saturating_duration_since(started), now);
         if passed {
             endpoint.heartbeat_passed(now);
@@ -263,6 +285,58 @@ async fn probe_loop(
             () = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// The ids the endpoint's `GET /v1/models` lists (OpenAI's `{"data": [{"id": ...}]}`), within the
+/// heartbeat's timeout and 1 MiB; `None` when it would not say.
+async fn served_models(
+    endpoint: &Endpoint,
+    config: &HealthConfig,
+    client: &UpstreamClient,
+) -> Option<Vec<String>> {
+    #[derive(serde::Deserialize)]
+    struct List {
+        data: Vec<Entry>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        id: String,
+    }
+    let uri = Uri::builder()
+        .scheme(endpoint.scheme().clone())
+        .authority(endpoint.authority().clone())
+        .path_and_query(format!("{}/v1/models", endpoint.path_prefix()))
+        .build()
+        .ok()?;
+    let body: UpstreamBody = Full::new(Bytes::new())
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut request = Request::new(body);
+    *request.uri_mut() = uri;
+    request
+        .headers_mut()
+        .insert(header::HOST, endpoint.host_header().clone());
+    request.headers_mut().insert(
+        header::USER_AGENT,
+        header::HeaderValue::from_static("tongs-heartbeat"),
+    );
+    let exchange = async {
+        let response = client.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body = http_body_util::Limited::new(response.into_body(), 1 << 20)
+            .collect()
+            .await
+            .ok()?
+            .to_bytes();
+        let list: List = serde_json::from_slice(&body).ok()?;
+        Some(list.data.into_iter().map(|entry| entry.id).collect())
+    };
+    tokio::time::timeout(config.timeout.get(), exchange)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// One heartbeat: true when the endpoint answered within the timeout with a passing status (any 2xx,

@@ -23,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::Config;
+use crate::http::ProxyBody;
 use crate::proxy::WorkerPath;
 use crate::readiness::Readiness;
 use crate::route::Router;
@@ -115,6 +116,42 @@ impl Builders {
     }
 }
 
+/// The size of a request's head as a client sent it on HTTP/1: the request line, and each header as
+/// `name: value` and its line end (HTTP/2's pseudo-headers stand for the request line).
+fn head_size<B>(request: &hyper::Request<B>) -> usize {
+    let line = request.method().as_str().len()
+        + request
+            .uri()
+            .path_and_query()
+            .map_or(1, |path| path.as_str().len())
+        + request.uri().authority().map_or(0, |a| a.as_str().len())
+        + " HTTP/1.1\r\n ".len();
+    request.headers().iter().fold(line, |size, (name, value)| {
+        size + name.as_str().len() + value.len() + 4
+    })
+}
+
+/// 431 for a head over `limits.max_header_bytes`. hyper bounds only its read buffer, which grows in
+/// steps and holds a head somewhat over the limit (and HTTP/2 only advertises the limit to the
+/// client), so the limit the documentation promises is counted here, before anything else reads the
+/// request.
+fn head_too_large<B>(
+    request: &hyper::Request<B>,
+    limit: usize,
+) -> Option<hyper::Response<ProxyBody>> {
+    let size = head_size(request);
+    if size <= limit {
+        return None;
+    }
+    let request_id = crate::http::headers::request_id(request.headers());
+    tracing::info!(
+        size,
+        limit,
+        "request head over limits.max_header_bytes; answered 431"
+    );
+    Some(crate::http::ProxyError::HeadTooLarge { size, limit }.into_response(&request_id))
+}
+
 /// Runs `connection` to its end; once `closing` is cancelled, `shut_down` tells it to finish what is in
 /// flight and read nothing new (hyper's two connection types each have their own `graceful_shutdown`).
 async fn until_drained<C: Future>(
@@ -166,10 +203,16 @@ pub async fn serve(
         // A plain hyper service, not a tower stack as on the admin port: the client port's path is
         // measured per request against nginx, and what tower-http's layers would do here (timeouts,
         // header limits, tracing) the request path does itself with no per-request boxing.
+        let max_head = settings.max_header_bytes;
         let service = service_fn(move |request: hyper::Request<Incoming>| {
             let router = Arc::clone(&router);
             let worker = Arc::clone(&worker);
-            async move { Ok::<_, Infallible>(router.handle(&worker, request, client).await) }
+            async move {
+                if let Some(refused) = head_too_large(&request, max_head) {
+                    return Ok::<_, Infallible>(refused);
+                }
+                Ok(router.handle(&worker, request, client).await)
+            }
         });
         let builders = builders.clone();
         let closing = closing.clone();

@@ -224,6 +224,7 @@ impl Config {
             ("health.interval", self.health.interval, false),
             ("health.fast_interval", self.health.fast_interval, false),
             ("health.timeout", self.health.timeout, false),
+            ("health.models_interval", self.health.models_interval, true),
             ("breaker.base_ejection", self.breaker.base_ejection, false),
             ("breaker.max_ejection", self.breaker.max_ejection, false),
             ("retry.backoff_base", self.retry.backoff_base, true),

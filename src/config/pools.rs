@@ -61,6 +61,12 @@ pub struct PoolConfig {
     pub breaker: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hedge: Option<Value>,
+    /// A pool of a model whose streams pause differently, or that cannot be continued (a
+    /// non-deterministic model, a server without `continue_final_message`), sets its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub continuation: Option<Value>,
 }
 
 /// A pool's conditions; an empty one matches every request.
@@ -161,6 +167,13 @@ impl Config {
         merge(&mut config.health, &pool.health, "health", &mut problems);
         merge(&mut config.breaker, &pool.breaker, "breaker", &mut problems);
         merge(&mut config.hedge, &pool.hedge, "hedge", &mut problems);
+        merge(&mut config.stream, &pool.stream, "stream", &mut problems);
+        merge(
+            &mut config.continuation,
+            &pool.continuation,
+            "continuation",
+            &mut problems,
+        );
         let mut discovery = DiscoveryConfig {
             static_endpoints: pool.discovery.static_endpoints.clone(),
             ..DiscoveryConfig::default()
@@ -355,6 +368,8 @@ const OVERRIDABLE: &[&str] = &[
     "health.",
     "breaker.",
     "hedge.",
+    "stream.",
+    "continuation.",
     "discovery.",
 ];
 

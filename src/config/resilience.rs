@@ -28,6 +28,9 @@ pub struct HealthConfig {
     /// A deep heartbeat: this request instead of `GET path` (e.g. a one-token completion), so a node
     /// whose health endpoint answers while its model cannot fails its heartbeats. Off by default.
     pub request: Option<HealthRequest>,
+    /// How often a passing heartbeat is followed by `GET /v1/models` on the endpoint, so that
+    /// tongs' own `/v1/models` lists what the pools' nodes say they serve (0: never).
+    pub models_interval: HumanDuration,
 }
 
 /// The request a deep heartbeat sends, and the status that passes.
@@ -101,6 +104,7 @@ impl Default for HealthConfig {
             healthy_threshold: 2,
             jitter: 0.1,
             request: None,
+            models_interval: HumanDuration::from_secs(30),
         }
     }
 }

@@ -9,13 +9,14 @@
 //! One file per concern: [`load`] (outstanding requests, limits, back-off), [`gate`] (the breaker and
 //! its lock-free gate), [`latency`] (the expected-latency estimate), [`pace`] (what its streams'
 //! silences normally are, by phase, and when it was last heard from), [`liveness`] (heartbeats'
-//! verdicts) and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
+//! verdicts), [`models`] (what it says it serves) and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
 
 mod counts;
 mod gate;
 mod latency;
 mod liveness;
 mod load;
+mod models;
 mod pace;
 mod view;
 
@@ -135,6 +136,8 @@ pub struct Endpoint {
     investigating: AtomicBool,
     /// What its streams' silences normally are, by phase, and when it was last heard from.
     pace: Pace,
+    /// The model ids its own `/v1/models` gave when last asked.
+    served_models: Mutex<Arc<[String]>>,
     ejections: AtomicU64,
     /// Times heartbeats marked the endpoint unhealthy.
     unhealthy_marks: AtomicU64,
@@ -236,6 +239,7 @@ impl Endpoint {
             stall_events: AtomicU64::new(0),
             investigating: AtomicBool::new(false),
             pace: Pace::default(),
+            served_models: Mutex::new(Arc::from(Vec::new())),
             ejections: AtomicU64::new(0),
             unhealthy_marks: AtomicU64::new(0),
             cooldowns: AtomicU64::new(0),

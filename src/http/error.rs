@@ -32,6 +32,8 @@ pub enum ProxyError {
     BadDeadline { header: String, value: String },
     #[error("request body is larger than the limit of {limit} bytes")]
     BodyTooLarge { limit: u64 },
+    #[error("request head ({size} bytes) is larger than the limit of {limit} bytes")]
+    HeadTooLarge { size: usize, limit: usize },
     /// A method tongs does not forward (`CONNECT`: it is a reverse proxy, not a tunnel).
     #[error(
         "{method} is not supported: tongs forwards requests to its endpoints, it opens no tunnels"
@@ -82,6 +84,7 @@ impl ProxyError {
             ProxyError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ProxyError::BadDeadline { .. } => StatusCode::BAD_REQUEST,
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::ResponseTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
@@ -111,6 +114,7 @@ impl ProxyError {
             ProxyError::Refused { .. }
             | ProxyError::BadDeadline { .. }
             | ProxyError::BodyTooLarge { .. }
+            | ProxyError::HeadTooLarge { .. }
             | ProxyError::MethodNotAllowed { .. }
             | ProxyError::ClientBody { .. }
             | ProxyError::ClientTooSlow
@@ -160,6 +164,7 @@ impl ProxyError {
             ProxyError::Unauthorized { .. } => Some("invalid_api_key"),
             ProxyError::BadDeadline { .. } => Some("invalid_header"),
             ProxyError::BodyTooLarge { .. } => Some("request_too_large"),
+            ProxyError::HeadTooLarge { .. } => Some("request_header_fields_too_large"),
             ProxyError::MethodNotAllowed { .. } => Some("method_not_allowed"),
             ProxyError::Connect { .. } | ProxyError::Upstream { .. } => Some("bad_gateway"),
             ProxyError::ResponseTimeout { .. } => Some("gateway_timeout"),

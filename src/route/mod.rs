@@ -520,21 +520,44 @@ fn chain(pools: &[Arc<Pool>], first: usize) -> Vec<Arc<Pool>> {
     chain
 }
 
-/// `GET /v1/models` in OpenAI's list shape, from the exact model names the pools match; none when
-/// no pool names a model (the request then goes to an endpoint, which knows its own).
+/// `GET /v1/models` in OpenAI's list shape: the exact model names the pools match, then what the
+/// nodes of pools matched by a pattern say they serve (their own `/v1/models`, read alongside
+/// heartbeats) where a request naming it would be routed to that node's pool (a pool matched by
+/// `beta-*` lists its nodes' `beta-1`); each model once, owned by its pool. None when no pool names a model (the request then
+/// goes to an endpoint, which knows its own).
 fn models_list(pools: &[Arc<Pool>]) -> Option<Response<ProxyBody>> {
-    let mut data = Vec::new();
+    if pools
+        .iter()
+        .all(|pool| pool.rules().matches.models.is_empty())
+    {
+        return None;
+    }
+    let mut data: Vec<(String, Arc<str>)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for pool in pools {
         let rules = pool.rules();
         for model in rules.matches.models.iter().filter(|m| !m.ends_with('*')) {
-            if data.iter().any(|(id, _)| id == model) {
-                continue;
+            if seen.insert(model.clone()) {
+                data.push((model.clone(), Arc::clone(pool.name())));
             }
-            data.push((model.clone(), Arc::clone(pool.name())));
         }
     }
-    if data.is_empty() {
-        return None;
+    let no_headers = http::HeaderMap::new();
+    for pool in pools {
+        for endpoint in pool.registry().snapshot().iter() {
+            for id in endpoint.served_models().iter() {
+                if seen.contains(id) {
+                    continue;
+                }
+                let routed = pools
+                    .iter()
+                    .find(|p| p.matches("/v1/chat/completions", &no_headers, Some(id)));
+                if routed.is_some_and(|routed| Arc::ptr_eq(routed, pool)) {
+                    seen.insert(id.clone());
+                    data.push((id.clone(), Arc::clone(pool.name())));
+                }
+            }
+        }
     }
     let data: Vec<_> = data
         .into_iter()

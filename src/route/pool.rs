@@ -96,7 +96,13 @@ impl Pool {
         self.proxy
             .queue()
             .set_settings(QueueSettings::from_config(&config.queue));
-        self.health.store(Arc::new(config.health.clone()));
+        // Only a pool matched by a model pattern lists its nodes' own models (see `models_list`):
+        // the others' nodes are not asked.
+        let mut health = config.health.clone();
+        if !spec.matches.models.iter().any(|model| model.ends_with('*')) {
+            health.models_interval = crate::config::HumanDuration::from_secs(0);
+        }
+        self.health.store(Arc::new(health));
         registry.replace(EndpointSpec::from_config(config));
         if let Err(source) = self.discovery.configure(&config.discovery.kubernetes) {
             errors.push(PoolError::RegistrationToken {

@@ -373,3 +373,37 @@ async fn a_tool_call_in_the_stream_rules_a_continuation_out() {
     assert_eq!(continuations(&proxy, "unsupported").await, 1.0);
     proxy.stop().await;
 }
+
+/// `continuation` is set per pool: a pool whose model cannot be continued (not deterministic, or a
+/// server without `continue_final_message`) turns it off while the others keep it.
+#[tokio::test]
+async fn a_pool_may_turn_continuation_off_while_the_others_keep_it() {
+    let (kept, plain) = (
+        sim_fleet(8, openai_nodes(2)).await,
+        sim_fleet(9, openai_nodes(2)).await,
+    );
+    let plain_urls: Vec<String> = plain.urls().iter().map(|u| format!("\"{u}\"")).collect();
+    let pools = format!(
+        "pools:\n\
+         - name: plain\n\
+         \x20 match: {{ models: [\"plain-*\"] }}\n\
+         \x20 discovery: {{ static: [{{ url: {} }}, {{ url: {} }}] }}\n\
+         \x20 continuation: {{ enabled: false }}\n",
+        plain_urls[0], plain_urls[1]
+    );
+    let proxy = start_proxy(config_with(&pools, &kept.urls())).await;
+    let seen = stream(&proxy, true, &body(true, false), "103", &[]).await;
+    seen.assert_whole("the default pool continues");
+    assert_eq!(seen.text(), expected_text());
+    let mut plain_body = body(true, false);
+    plain_body["model"] = json!("plain-1");
+    let seen = stream(&proxy, true, &plain_body, "103", &[]).await;
+    assert!(seen.broken, "the plain pool does not continue: {seen:?}");
+    assert_eq!(seen.text(), " 101 102 103");
+    let continued =
+        |pool: &str| format!("tongs_continuations_total{{pool=\"{pool}\",outcome=\"continued\"}}");
+    // (The default pool's series read without their `pool` label, see `one_pool`.)
+    assert_eq!(continuations(&proxy, "continued").await, 1.0);
+    assert_eq!(sample(&proxy, &continued("plain")).await, 0.0);
+    proxy.stop().await;
+}

@@ -269,6 +269,59 @@ async fn oversized_request_head_gets_431_and_the_proxy_keeps_serving() {
     proxy.stop().await;
 }
 
+/// `limits.max_header_bytes` is the limit a client meets, to the byte as far as the head's size can
+/// be counted, on HTTP/1 and on h2c: a head just over it gets 431 (hyper's own read buffer would let
+/// it through), one just under it passes.
+#[tokio::test]
+async fn a_head_just_over_max_header_bytes_gets_431_on_http1_and_h2c_and_one_under_passes() {
+    let (backend, _, started) = recording_backend().await;
+    // The default: hyper's read buffer grows past it in steps.
+    let limit = 65536;
+    let proxy = start_proxy(config_with("", &[backend.url()])).await;
+    // "GET /v1/models HTTP/1.1\r\n" and "Host: x\r\n" and "X-Big: ...\r\n" and the blank line.
+    let head = |total: usize| {
+        let fixed = "GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: \r\n\r\n".len();
+        let big = "a".repeat(total - fixed);
+        format!("GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\n\r\n")
+    };
+    for (total, expected) in [(limit + 64, "431"), (limit - 64, "200")] {
+        let answer = raw_response_head(proxy.addr, head(total).as_bytes()).await;
+        assert_eq!(
+            status_of(&answer),
+            expected,
+            "HTTP/1 head of {total} bytes: {answer}"
+        );
+    }
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        1,
+        "only the head under the limit reached the endpoint"
+    );
+
+    let h2c: Client<_, TestBody> = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    for (big, expected) in [(limit + 64, 431), (limit - 1024, 200)] {
+        let request = Request::builder()
+            .uri(proxy.url("/v1/models"))
+            .header("x-big", "a".repeat(big))
+            .body(full(""))
+            .unwrap();
+        let response = tokio::time::timeout(HANG, h2c.request(request))
+            .await
+            .expect("the proxy answers in time")
+            .expect("the proxy speaks h2c");
+        assert_eq!(response.version(), Version::HTTP_2);
+        assert_eq!(
+            response.status().as_u16(),
+            expected,
+            "h2c header of {big} bytes"
+        );
+    }
+    assert_eq!(started.load(Ordering::SeqCst), 2);
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn declared_body_over_the_limit_gets_413_before_it_is_sent() {
     let (backend, seen, started) = recording_backend().await;

@@ -538,3 +538,75 @@ async fn a_reload_adds_and_removes_pools_while_requests_run() {
         Err(_) => panic!("the proxy is still shared"),
     }
 }
+
+/// A node that says it serves `models` (its own `GET /v1/models`, as vLLM answers it) and passes its
+/// heartbeats.
+async fn serving(models: &'static [&'static str]) -> Backend {
+    backend(move |request: Request<hyper::body::Incoming>| async move {
+        if request.uri().path() == "/v1/models" {
+            let data: Vec<_> = models
+                .iter()
+                .map(|id| serde_json::json!({"id": id, "object": "model", "owned_by": "vllm"}))
+                .collect();
+            return Response::new(full(
+                serde_json::json!({"object": "list", "data": data}).to_string(),
+            ));
+        }
+        Response::new(full("ok"))
+    })
+    .await
+}
+
+/// `/v1/models` lists what the pools' nodes say they serve, where a request naming the model would be
+/// routed to that pool: a pool matched by `beta-*` lists its nodes' `beta-1` and `beta-2`, once each
+/// though two nodes serve `beta-1`; what no pool would route (`other`) is not listed.
+#[tokio::test]
+async fn v1_models_lists_what_the_pools_nodes_serve_under_their_patterns_each_once() {
+    let (one, two, alpha) = (
+        serving(&["beta-1", "other"]).await,
+        serving(&["beta-1", "beta-2"]).await,
+        serving(&["alpha"]).await,
+    );
+    let yaml = format!(
+        "health: {{ interval: 100ms, models_interval: 100ms }}\n\
+         pools:\n\
+         - name: alpha\n\
+         \x20 match: {{ models: [\"alpha\"] }}\n\
+         \x20 discovery: {{ static: [{{ url: \"{}\" }}] }}\n\
+         - name: beta\n\
+         \x20 match: {{ models: [\"beta-*\"] }}\n\
+         \x20 discovery: {{ static: [{{ url: \"{}\" }}, {{ url: \"{}\" }}] }}\n",
+        alpha.url(),
+        one.url(),
+        two.url(),
+    );
+    let tongs = start(&config(&yaml)).await;
+    let listed = || async {
+        let (status, list) = get(&tongs.url("/v1/models")).await;
+        assert_eq!(status, 200, "{list}");
+        let list: serde_json::Value = serde_json::from_str(&list).unwrap();
+        let mut ids: Vec<(String, String)> = list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let field = |key: &str| m[key].as_str().unwrap().to_owned();
+                (field("id"), field("owned_by"))
+            })
+            .collect();
+        ids.sort();
+        ids
+    };
+    let want = |ids: &[(&str, &str)]| -> Vec<(String, String)> {
+        ids.iter()
+            .map(|(id, pool)| ((*id).to_owned(), (*pool).to_owned()))
+            .collect()
+    };
+    let expected = want(&[("alpha", "alpha"), ("beta-1", "beta"), ("beta-2", "beta")]);
+    eventually_async("the nodes' models are read and listed", HANG, || {
+        let (listed, expected) = (listed, expected.clone());
+        async move { listed().await == expected }
+    })
+    .await;
+    tongs.stop().await;
+}
