@@ -64,13 +64,13 @@ const PROFILES: [(&str, u64, usize); 6] = [
 ];
 
 /// The pauses of a node of the [`PROFILES`] at `profile`: the two slowest consumer GPUs wait
-/// 600 ms and 900 ms for a first token (more with each other request in flight) and are now and then
+/// 400 ms and 500 ms for a first token (more with each other request in flight) and are now and then
 /// preempted for 2 to 3 s, the chance growing with load. Healthy behaviour, not interruptions, so a
 /// calm run has them too.
 fn pauses(profile: usize) -> Option<(FirstToken, Preemption)> {
     let (wait, per_in_flight, chance, pause) = match profile {
-        4 => (600, 60, 0.03, 2_500),
-        5 => (900, 100, 0.05, 2_000),
+        4 => (400, 30, 0.03, 2_500),
+        5 => (500, 40, 0.05, 2_000),
         _ => return None,
     };
     let first_token = FirstToken {
@@ -91,9 +91,9 @@ fn pauses(profile: usize) -> Option<(FirstToken, Preemption)> {
 /// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
 /// the run (so every run with as many nodes as kinds shows them all), plus seeded random interruptions
 /// on every node, about two per node per run (fewer where they would overlap a fixed one). The two
-/// slowest GPUs pause as real inference servers do ([`pauses`]): a 600 ms to 1 s wait for the first
+/// slowest GPUs pause as real inference servers do ([`pauses`]): a 400 to 600 ms wait for the first
 /// token, and now and then a stream preempted for 2 to 3 s. The slowest, so that the fleet's capacity
-/// hardly changes: they serve about 3 requests a second instead of 7 together.
+/// hardly changes: they serve about 4 requests a second instead of 7 together.
 pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
     let run = options.duration.as_secs_f64();
     let nodes = (0..options.nodes.max(1))

@@ -67,7 +67,8 @@ impl HedgeBudget {
 }
 
 /// When an attempt started at `started` on an endpoint expected to answer in `expected` is hedged, and
-/// when it counts as stalled.
+/// when it counts as stalled. `own` is what the endpoint itself has shown (its latency estimate before
+/// any decay; `None`: it never answered).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timing {
     pub started: Instant,
@@ -76,15 +77,28 @@ pub struct Timing {
 }
 
 impl Timing {
-    pub fn new(settings: &ProxySettings, started: Instant, expected: Duration) -> Timing {
+    pub fn new(
+        settings: &ProxySettings,
+        started: Instant,
+        expected: Duration,
+        own: Option<Duration>,
+    ) -> Timing {
         let hedge_after = expected
             .mul_f64(settings.hedge_after_multiplier)
             .max(settings.hedge_min_delay);
         // Never before twice the hedge delay: an attempt a hedge could still beat in time is not
-        // judged yet.
-        let stall_after = expected
+        // judged yet. Judged by the node's own pace where it has one (an estimate drifting back to
+        // the fleet's while the node is idle says nothing of how slow it is); a node that never
+        // answered may simply be slower than the fleet (a smaller GPU, a longer prefill), so it is
+        // not judged before `stream.first_token_idle`, the wait for first tokens not yet timed. The
+        // hedge still comes at the fleet's pace.
+        let judged = own.map_or(expected, |own| own.max(expected));
+        let mut stall_after = judged
             .mul_f64(settings.stall_multiplier)
             .max(hedge_after * 2);
+        if own.is_none() {
+            stall_after = stall_after.max(settings.stream.first_token_idle);
+        }
         Timing {
             started,
             hedge_at: started + hedge_after,
@@ -175,10 +189,15 @@ impl Proxy {
         let settings = &*sending.settings;
         let first_endpoint = Arc::clone(slot.outstanding.endpoint());
         let started = Instant::now();
+        let own = match first_endpoint.latency_us() {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        };
         let timing = Timing::new(
             settings,
             started,
             self.expected_first_byte(settings, &first_endpoint, started),
+            own,
         );
         let replayable = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
         let mut may_hedge = replayable;
@@ -338,6 +357,10 @@ mod tests {
     use super::*;
     use crate::config::Config;
 
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
     #[test]
     fn the_budget_allows_its_share_of_requests_and_a_small_burst() {
         let budget = HedgeBudget::default();
@@ -361,14 +384,14 @@ mod tests {
     async fn hedges_fire_at_a_multiple_of_the_expected_latency_and_never_before_the_floor() {
         let settings = ProxySettings::from_config(&Config::default());
         let now = Instant::now();
-        let fast = Timing::new(&settings, now, Duration::from_millis(10));
+        let fast = Timing::new(&settings, now, Duration::from_millis(10), Some(ms(10)));
         assert_eq!(fast.hedge_at - now, Duration::from_millis(250), "the floor");
         assert_eq!(
             fast.stall_at - now,
             Duration::from_millis(500),
             "twice the hedge delay"
         );
-        let slow = Timing::new(&settings, now, Duration::from_millis(400));
+        let slow = Timing::new(&settings, now, Duration::from_millis(400), Some(ms(400)));
         assert_eq!(
             slow.hedge_at - now,
             Duration::from_millis(1200),
@@ -379,6 +402,16 @@ mod tests {
             Duration::from_millis(2400),
             "6 x 400 ms, and twice the hedge delay"
         );
+        // A node slower than the fleet, idle long enough that its estimate drifted back to the
+        // fleet's: hedged at the fleet's pace, judged by its own.
+        let drifted = Timing::new(&settings, now, ms(100), Some(ms(1000)));
+        assert_eq!(drifted.hedge_at - now, ms(300));
+        assert_eq!(drifted.stall_at - now, ms(6000));
+        // A node that never answered: hedged at the fleet's pace, not judged before
+        // stream.first_token_idle (10 s).
+        let new = Timing::new(&settings, now, ms(100), None);
+        assert_eq!(new.hedge_at - now, ms(300));
+        assert_eq!(new.stall_at - now, Duration::from_secs(10));
     }
 
     #[tokio::test(start_paused = true)]

@@ -185,3 +185,48 @@ async fn a_continuations_prefill_is_not_taken_for_a_stall() {
     );
     proxy.stop().await;
 }
+
+/// A node slower than the rest of the fleet that has not answered yet (a smaller GPU, a longer
+/// prefill; a vLLM-like server whose first chunk comes with its first token) is not taken for a
+/// stalled one: its attempts may be hedged at the fleet's pace, but no stall is counted before
+/// `stream.first_token_idle`, and it is never ejected for its pace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_node_slower_than_the_fleet_is_hedged_not_stalled() {
+    let mut nodes = paused_nodes(2, |_| {});
+    nodes[1].first_token = Some(first_token(1500));
+    let fleet = sim_fleet(24, nodes).await;
+    let urls = fleet.urls();
+    let proxy = start_proxy(config_with(
+        "breaker: { max_ejected_percent: 100 }\n",
+        &urls,
+    ))
+    .await;
+    let completion = |from: u64| {
+        json!({"model": "counter", "stream": true, "max_tokens": 20,
+            "prompt": format!("count from {from}")})
+    };
+    // Two waves, so the slow node (idle and untried, it ranks first) gets requests from a cold start.
+    for wave in 0..2u64 {
+        let streams = (0..4u64).map(|i| {
+            let (proxy, from) = (&proxy, 100 * (wave * 4 + i + 1));
+            let body = completion(from);
+            async move { (from, stream(proxy, false, &body, "", &[]).await) }
+        });
+        for (from, seen) in futures::future::join_all(streams).await {
+            seen.assert_whole("beside a slower node");
+            assert_eq!(seen.text(), expected(from, 20));
+        }
+    }
+    let slow = &urls[1];
+    let stalls = sample(
+        &proxy,
+        &format!("tongs_endpoint_stalls_total{{endpoint=\"{slow}\"}}"),
+    )
+    .await;
+    assert_eq!(stalls, 0.0, "the slower node counted no stall");
+    assert_eq!(
+        fleet_sum(&proxy, &urls, "tongs_endpoint_ejections_total").await,
+        0.0
+    );
+    proxy.stop().await;
+}
