@@ -302,24 +302,7 @@ async fn served_models(
     struct Entry {
         id: String,
     }
-    let uri = Uri::builder()
-        .scheme(endpoint.scheme().clone())
-        .authority(endpoint.authority().clone())
-        .path_and_query(format!("{}/v1/models", endpoint.path_prefix()))
-        .build()
-        .ok()?;
-    let body: UpstreamBody = Full::new(Bytes::new())
-        .map_err(|never| match never {})
-        .boxed_unsync();
-    let mut request = Request::new(body);
-    *request.uri_mut() = uri;
-    request
-        .headers_mut()
-        .insert(header::HOST, endpoint.host_header().clone());
-    request.headers_mut().insert(
-        header::USER_AGENT,
-        header::HeaderValue::from_static("tongs-heartbeat"),
-    );
+    let request = request_to(endpoint, "/v1/models", Bytes::new())?;
     let exchange = async {
         let response = client.request(request).await.ok()?;
         if !response.status().is_success() {
@@ -368,18 +351,8 @@ async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClie
 fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Request<UpstreamBody>> {
     let deep = config.request.as_ref();
     let path = deep.map_or(config.path.as_str(), |r| r.path.as_str());
-    let uri = Uri::builder()
-        .scheme(endpoint.scheme().clone())
-        .authority(endpoint.authority().clone())
-        .path_and_query(format!("{}{}", endpoint.path_prefix(), path))
-        .build()
-        .ok()?;
     let content = deep.map_or_else(Bytes::new, |r| Bytes::from(r.body.clone()));
-    let body: UpstreamBody = Full::new(content)
-        .map_err(|never| match never {})
-        .boxed_unsync();
-    let mut request = Request::new(body);
-    *request.uri_mut() = uri;
+    let mut request = request_to(endpoint, path, content)?;
     if let Some(deep) = deep {
         *request.method_mut() = http::Method::from_bytes(deep.method.as_bytes()).ok()?;
         for (name, value) in &deep.headers {
@@ -389,6 +362,23 @@ fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Reque
             );
         }
     }
+    Some(request)
+}
+
+/// A GET of `path` (under the endpoint's path prefix) with `content`, as heartbeats send it: the
+/// endpoint's own `Host`, tongs' heartbeat user agent.
+fn request_to(endpoint: &Endpoint, path: &str, content: Bytes) -> Option<Request<UpstreamBody>> {
+    let uri = Uri::builder()
+        .scheme(endpoint.scheme().clone())
+        .authority(endpoint.authority().clone())
+        .path_and_query(format!("{}{}", endpoint.path_prefix(), path))
+        .build()
+        .ok()?;
+    let body: UpstreamBody = Full::new(content)
+        .map_err(|never| match never {})
+        .boxed_unsync();
+    let mut request = Request::new(body);
+    *request.uri_mut() = uri;
     request
         .headers_mut()
         .insert(header::HOST, endpoint.host_header().clone());
