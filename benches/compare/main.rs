@@ -63,7 +63,7 @@ use tokio::time::Instant;
 use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, ResponseKind};
 
 use load::{CLIENT_TIMEOUT, offer, wrk};
-use peers::{Upstream, origin_config, start_proxy};
+use peers::{Running, Upstream, origin_config, start_proxy};
 use support::stats::{self, max_ms, quantile_ms};
 use support::{Process, TempDir, env_duration, env_list, env_number, find_program, fleet};
 
@@ -406,13 +406,16 @@ struct Row {
     cuts: Option<cuts::Figures>,
 }
 
-async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) -> Result<Row> {
-    let config = fleet_config(scenario, settings.seed);
-    let fleet = Arc::new(
-        Fleet::start(&config, Duration::from_secs(24 * 3600))
-            .await
-            .context("starting the simulated fleet")?,
-    );
+/// Starts a fleet of `config` and `proxy` in front of it, and lets active health checks see every
+/// node once before the load.
+async fn fleet_and_proxy(
+    config: &FleetConfig,
+    proxy: Proxy,
+    settings: &Settings,
+) -> Result<(Fleet, Running)> {
+    let fleet = Fleet::start(config, Duration::from_secs(24 * 3600))
+        .await
+        .context("starting the simulated fleet")?;
     let upstreams: Vec<Upstream> = fleet
         .nodes()
         .iter()
@@ -422,8 +425,14 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         })
         .collect();
     let running = start_proxy(proxy, &upstreams, settings).await?;
-    // Let active health checks see every node once before the load.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    Ok((fleet, running))
+}
+
+async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) -> Result<Row> {
+    let config = fleet_config(scenario, settings.seed);
+    let (fleet, running) = fleet_and_proxy(&config, proxy, settings).await?;
+    let fleet = Arc::new(fleet);
     let duration = if !scenario.schedule().is_empty() {
         settings.churn_duration
     } else {

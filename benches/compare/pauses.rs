@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use bytes::Bytes;
 use http::Request;
 use http_body_util::{BodyExt, Full};
@@ -28,9 +28,9 @@ use serde_json::Value;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tongs::config::HumanDuration;
-use tongs::sim::{FirstToken, Fleet, FleetConfig, NodeSpec, Preemption, ResponseKind};
+use tongs::sim::{FirstToken, FleetConfig, NodeSpec, Preemption, ResponseKind};
 
-use super::peers::{Handle, Running, Upstream, start_proxy};
+use super::peers::{Handle, Running};
 use super::support::stats::{latency_histogram, micros, quantile_ms};
 use super::support::{self, lock};
 use super::{Proxy, Settings};
@@ -140,19 +140,7 @@ pub async fn rows(settings: &Settings) -> Result<Vec<PauseRow>> {
                 continue;
             }
             let config = fleet_config(variant, settings.seed);
-            let fleet = Fleet::start(&config, Duration::from_secs(24 * 3600))
-                .await
-                .context("starting the pauses fleet")?;
-            let upstreams: Vec<Upstream> = fleet
-                .nodes()
-                .iter()
-                .map(|node| Upstream {
-                    addr: node.addr().to_string(),
-                    capacity: node.spec().capacity,
-                })
-                .collect();
-            let running = start_proxy(proxy, &upstreams, settings).await?;
-            tokio::time::sleep(Duration::from_millis(500)).await;
+            let (fleet, running) = super::fleet_and_proxy(&config, proxy, settings).await?;
             eprintln!(
                 "compare: pauses, {} through {} ({RATE} streams/s for {duration:?})",
                 variant.name, running.label
