@@ -8,7 +8,8 @@
 //! decides: silent too on every other stream since this one went quiet, it is stalled (the stream is
 //! cut and continued, and the node counts a stall: `breaker.consecutive_stalls` of them eject it);
 //! heard from meanwhile, it is serving, and this stream is paused (a preemption, a slow prefill under
-//! load): left alone until the node goes silent or `stream.pause_max`, and never counted against it.
+//! load): left alone until it resumes, its node is ejected or declared gone on other evidence, or
+//! `stream.pause_max`, and never counted against the node.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -103,20 +104,30 @@ pub enum Verdict {
 /// quiet and within the last `limit_ms`: it serves its other streams, so this one is paused, until
 /// `pause_max_ms` of silence. Otherwise every stream of the node has been silent for at least the
 /// limit: the node is stalled.
+///
+/// A silence already found to be a pause (`paused`) stays one until `pause_max_ms`, whether or not
+/// the node goes quiet meanwhile: its other streams may simply have ended (a preempted sequence
+/// outlives the batch it was pushed out of), and had they stopped instead, their own silences would
+/// find the node stalled and its ejection would end this stream too.
 pub fn judge(
     since_ms: u64,
     heard_ms: u64,
     now_ms: u64,
-    limit_ms: u64,
-    pause_max_ms: u64,
+    (limit_ms, pause_max_ms): (u64, u64),
+    paused: bool,
 ) -> Verdict {
-    let node_quiet = now_ms.saturating_sub(heard_ms);
-    if heard_ms <= since_ms || node_quiet >= limit_ms {
-        return Verdict::Stalled;
-    }
     let silent = now_ms.saturating_sub(since_ms);
     if silent >= pause_max_ms {
         return Verdict::TooLong;
+    }
+    if paused {
+        return Verdict::Paused {
+            again_in_ms: (pause_max_ms - silent).max(1),
+        };
+    }
+    let node_quiet = now_ms.saturating_sub(heard_ms);
+    if heard_ms <= since_ms || node_quiet >= limit_ms {
+        return Verdict::Stalled;
     }
     Verdict::Paused {
         again_in_ms: (limit_ms - node_quiet).min(pause_max_ms - silent).max(1),
@@ -240,8 +251,11 @@ impl StreamGuard for Streamed {
             millis(since),
             endpoint.heard_ms(),
             millis(now),
-            super::millis_of(self.node_limit(limit)),
-            super::millis_of(self.idle.pause_max),
+            (
+                super::millis_of(self.node_limit(limit)),
+                super::millis_of(self.idle.pause_max),
+            ),
+            self.paused,
         );
         match verdict {
             Verdict::Stalled => Silence::Cut(Cut::Idle(silent)),
@@ -444,27 +458,36 @@ mod tests {
     #[test]
     fn a_silent_stream_on_a_silent_node_is_a_stall() {
         // Quiet since 1,000; the node last heard at 900 (before), or never.
-        assert_eq!(judge(1_000, 900, 3_000, 2_000, 30_000), Verdict::Stalled);
-        assert_eq!(judge(1_000, 0, 3_000, 2_000, 30_000), Verdict::Stalled);
+        assert_eq!(
+            judge(1_000, 900, 3_000, (2_000, 30_000), false),
+            Verdict::Stalled
+        );
+        assert_eq!(
+            judge(1_000, 0, 3_000, (2_000, 30_000), false),
+            Verdict::Stalled
+        );
         // Heard once after the stream went quiet, then silent for the whole limit: stalled since.
-        assert_eq!(judge(1_000, 1_500, 3_500, 2_000, 30_000), Verdict::Stalled);
+        assert_eq!(
+            judge(1_000, 1_500, 3_500, (2_000, 30_000), false),
+            Verdict::Stalled
+        );
     }
 
     #[test]
     fn a_silent_stream_on_a_node_that_serves_others_is_a_pause_until_pause_max() {
         // Heard 100 ms ago: a pause; asked again when the node would have been silent for the limit.
         assert_eq!(
-            judge(1_000, 2_900, 3_000, 2_000, 30_000),
+            judge(1_000, 2_900, 3_000, (2_000, 30_000), false),
             Verdict::Paused { again_in_ms: 1_900 }
         );
         // Near pause_max, asked again right at it ...
         assert_eq!(
-            judge(1_000, 30_900, 30_950, 2_000, 30_000),
+            judge(1_000, 30_900, 30_950, (2_000, 30_000), false),
             Verdict::Paused { again_in_ms: 50 }
         );
         // ... and past it, too long, however busy the node.
         assert_eq!(
-            judge(1_000, 31_000, 31_000, 2_000, 30_000),
+            judge(1_000, 31_000, 31_000, (2_000, 30_000), false),
             Verdict::TooLong
         );
     }

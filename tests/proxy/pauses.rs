@@ -230,3 +230,44 @@ async fn a_new_node_slower_than_the_fleet_is_hedged_not_stalled() {
     );
     proxy.stop().await;
 }
+
+/// A stream preempted while its node served another, whose sibling then ends: the node goes quiet
+/// because its other stream is done, not because it stopped, so the preempted stream is still a
+/// pause, left alone until it resumes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preempted_stream_that_outlives_the_streams_beside_it_stays_whole() {
+    let fleet = sim_fleet(
+        25,
+        paused_nodes(1, |spec| {
+            spec.first_token = Some(first_token(100));
+            spec.preemption = Some(Preemption {
+                chance: 0.0,
+                per_in_flight: 1.0,
+                pause: HumanDuration::from_secs(3),
+                spread: 0.0,
+            });
+        }),
+    )
+    .await;
+    let urls = fleet.urls();
+    let proxy = start_proxy(config_with(
+        "breaker: { max_ejected_percent: 100 }\n",
+        &urls,
+    ))
+    .await;
+    // The first stream, alone, is never preempted and ends within about a second; the one started
+    // beside it pauses 3 s and is then alone on its node for two seconds or more.
+    let first_body = chat(100, 20);
+    let first = stream(&proxy, true, &first_body, "", &[]);
+    let preempted = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stream(&proxy, true, &chat(200, 20), "", &[]).await
+    };
+    let (first, preempted) = futures::future::join(first, preempted).await;
+    first.assert_whole("alone");
+    assert_eq!(first.text(), expected(100, 20));
+    preempted.assert_whole("preempted, then alone");
+    assert_eq!(preempted.text(), expected(200, 20));
+    assert_no_stall(&proxy, &urls).await;
+    proxy.stop().await;
+}
