@@ -109,10 +109,11 @@ async fn a_first_token_two_seconds_after_the_role_chunk_is_not_a_stall() {
     proxy.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_preempted_for_three_seconds_while_its_node_serves_others_stays_whole() {
+/// One node that preempts, for 3 s, every stream started while another runs there (the first,
+/// alone, never), and tongs in front, allowed to eject it: a stall counted would show.
+async fn preempting_node(seed: u64) -> (tongs::sim::Fleet, TestProxy) {
     let fleet = sim_fleet(
-        22,
+        seed,
         paused_nodes(1, |spec| {
             spec.first_token = Some(first_token(100));
             spec.preemption = Some(Preemption {
@@ -124,13 +125,14 @@ async fn a_stream_preempted_for_three_seconds_while_its_node_serves_others_stays
         }),
     )
     .await;
+    let config = config_with("breaker: { max_ejected_percent: 100 }\n", &fleet.urls());
+    (fleet, start_proxy(config).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_preempted_for_three_seconds_while_its_node_serves_others_stays_whole() {
+    let (fleet, proxy) = preempting_node(22).await;
     let urls = fleet.urls();
-    // The node may be ejected (a lone node is otherwise never): a stall counted would show.
-    let proxy = start_proxy(config_with(
-        "breaker: { max_ejected_percent: 100 }\n",
-        &urls,
-    ))
-    .await;
     // The first stream starts alone, so it is never preempted, and runs 7 s; the two beside it are
     // each preempted for 3 s somewhere in their 0.9 s of tokens.
     let long_body = chat(5000, 160);
@@ -236,25 +238,8 @@ async fn a_new_node_slower_than_the_fleet_is_hedged_not_stalled() {
 /// pause, left alone until it resumes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_preempted_stream_that_outlives_the_streams_beside_it_stays_whole() {
-    let fleet = sim_fleet(
-        25,
-        paused_nodes(1, |spec| {
-            spec.first_token = Some(first_token(100));
-            spec.preemption = Some(Preemption {
-                chance: 0.0,
-                per_in_flight: 1.0,
-                pause: HumanDuration::from_secs(3),
-                spread: 0.0,
-            });
-        }),
-    )
-    .await;
+    let (fleet, proxy) = preempting_node(25).await;
     let urls = fleet.urls();
-    let proxy = start_proxy(config_with(
-        "breaker: { max_ejected_percent: 100 }\n",
-        &urls,
-    ))
-    .await;
     // The first stream, alone, is never preempted and ends within about a second; the one started
     // beside it pauses 3 s and is then alone on its node for two seconds or more.
     let first_body = chat(100, 20);
