@@ -3,6 +3,7 @@
 
 mod load;
 mod report;
+mod schedule;
 
 use std::time::Duration;
 
@@ -13,6 +14,7 @@ pub use load::{
     expected_text,
 };
 pub use report::Summary;
+pub use schedule::{HEADROOM, Shortfall, shortfall};
 
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
@@ -88,9 +90,23 @@ fn pauses(profile: usize) -> Option<(FirstToken, Preemption)> {
     Some((first_token, preemption))
 }
 
+/// Requests tongs lets each demo node hold at once under `--limit static`
+/// (`concurrency.max_outstanding_per_endpoint`; the adaptive limit's starting value).
+pub const PER_NODE_LIMIT: u32 = 4;
+
+impl DemoOptions {
+    /// The per-node limit that bounds what a node serves: only a static one (an adaptive limit learns
+    /// the node's capacity; `none` has none).
+    fn static_limit(&self) -> Option<usize> {
+        (self.limit == LimitMode::Static).then_some(PER_NODE_LIMIT as usize)
+    }
+}
+
 /// The demo fleet: heterogeneous nodes, each interruption kind once on a fixed schedule spread over
-/// the run (so every run with as many nodes as kinds shows them all), plus seeded random interruptions
-/// on every node, about two per node per run (fewer where they would overlap a fixed one). The two
+/// the run, one after another (so every run with as many nodes as kinds shows them all), plus seeded
+/// random interruptions, about two per node per run, of which only those are kept that leave the
+/// fleet enough capacity for the load ([`schedule`]: fewer where they would overlap a fixed one or
+/// take out too much of the fleet at once). The two
 /// slowest GPUs pause as real inference servers do ([`pauses`]): a 400 to 600 ms wait for the first
 /// token, and now and then a stream preempted for 2 to 3 s. The slowest, so that the fleet's capacity
 /// hardly changes: they serve about 4 requests a second instead of 7 together.
@@ -114,13 +130,13 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
                 return spec;
             }
             if i < InterruptionKind::ALL.len() {
-                // Fixed: starts staggered from 15 % of the run, each lasting 20 % of it.
+                // Fixed: one after another from 15 % of the run, each lasting 12 % of it.
                 let kind = InterruptionKind::ALL
                     [(i + options.seed as usize) % InterruptionKind::ALL.len()];
                 spec.interruptions.push(Interruption {
                     kind,
                     at: HumanDuration(Duration::from_secs_f64(run * (0.15 + 0.15 * i as f64))),
-                    duration: HumanDuration(Duration::from_secs_f64(run * 0.2)),
+                    duration: HumanDuration(Duration::from_secs_f64(run * 0.12)),
                     factor: 6.0,
                 });
             }
@@ -138,10 +154,19 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             spec
         })
         .collect();
-    FleetConfig {
+    let mut fleet = FleetConfig {
         seed: options.seed,
         nodes,
+    };
+    if options.interruptions {
+        schedule::keep_capacity(
+            &mut fleet,
+            options.duration,
+            options.rps,
+            options.static_limit(),
+        );
     }
+    fleet
 }
 
 /// The proxy configuration the demo runs: the fleet as static endpoints, loopback ports, and timeouts
@@ -154,7 +179,7 @@ pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
     config.admin.listen = ([127, 0, 0, 1], 0).into();
     config.balancer.policy = options.policy;
     config.concurrency.limit = options.limit;
-    config.concurrency.max_outstanding_per_endpoint = 4;
+    config.concurrency.max_outstanding_per_endpoint = PER_NODE_LIMIT;
     config.queue.max_wait = HumanDuration::from_secs(10);
     config.timeouts.connect = HumanDuration::from_secs(1);
     config.timeouts.response_headers = HumanDuration::from_secs(10);
@@ -231,7 +256,15 @@ pub async fn run(options: DemoOptions, interrupt: CancellationToken) -> Result<S
         live.show(&view);
         live.finish();
     }
-    let summary = Summary::collect(&options, &fleet, &parts, &generator, started.elapsed());
+    let capacity = shortfall(&fleet_config, options.rps, options.static_limit());
+    let summary = Summary::collect(
+        &options,
+        &fleet,
+        &parts,
+        &generator,
+        started.elapsed(),
+        capacity,
+    );
     proxy_stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(5), proxy_task).await;
     drop(fleet);
@@ -243,7 +276,7 @@ mod tests {
     use super::*;
 
     /// Random interruptions in a run of the demo's defaults (seeds 1 to 5): the fixed ones aside, how
-    /// many fall inside the run, over the whole fleet.
+    /// many fall inside the run and are kept, over the whole fleet.
     fn random_in_run(options: &DemoOptions) -> Vec<usize> {
         (1..=5)
             .map(|seed| {
@@ -252,12 +285,9 @@ mod tests {
                     ..options.clone()
                 };
                 let fleet = demo_fleet(&options);
-                fleet
-                    .planned(options.duration)
-                    .iter()
-                    .zip(&fleet.nodes)
-                    .map(|(planned, spec)| planned.len() - spec.interruptions.len())
-                    .sum()
+                let planned: usize = fleet.planned(options.duration).iter().map(Vec::len).sum();
+                let fixed = options.nodes.min(InterruptionKind::ALL.len());
+                planned - fixed
             })
             .collect()
     }
@@ -292,6 +322,25 @@ mod tests {
             assert!(
                 counts.iter().all(|&n| n >= options.nodes / 2),
                 "{seconds} s: about two per node, less overlaps: {counts:?}"
+            );
+        }
+    }
+
+    /// The demo's own load never meets a fleet too small for it: whatever the seed, the interruptions
+    /// leave at least the headroom over the load at every moment, so every refusal would be tongs'.
+    #[test]
+    fn the_default_demo_keeps_capacity_for_its_load() {
+        for seed in 1..=10 {
+            let options = DemoOptions {
+                seed,
+                ..DemoOptions::default()
+            };
+            let fleet = demo_fleet(&options);
+            let short = shortfall(&fleet, options.rps * HEADROOM, options.static_limit());
+            assert_eq!(short.seconds, 0.0, "seed {seed}: {short:?}");
+            assert!(
+                short.lowest_rps < short.capacity_rps,
+                "seed {seed}: {short:?}"
             );
         }
     }

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use super::DemoOptions;
 use super::load::{ClientOutcome, LoadGenerator};
+use super::schedule::Shortfall;
 use crate::app::Parts;
 use crate::breaker::State;
 use crate::metrics::Continuation;
@@ -53,6 +54,8 @@ pub fn snapshot(
     elapsed: Duration,
 ) -> View {
     let endpoints = parts.registry().snapshot();
+    let now = tokio::time::Instant::now();
+    let slow_start = parts.proxy().settings().slow_start;
     let nodes = fleet
         .nodes()
         .iter()
@@ -63,17 +66,8 @@ pub fn snapshot(
             NodeRow {
                 name: node.name().to_owned(),
                 condition: node.condition().label(),
-                health: endpoint.map_or("-", |e| {
-                    if !e.is_healthy() {
-                        "unhealthy"
-                    } else if e.is_stalled() {
-                        "stalled"
-                    } else if e.is_suspect() {
-                        "suspect"
-                    } else {
-                        "healthy"
-                    }
-                }),
+                // The one word `/debug/endpoints` says: cooldown after a 503, probing, ejected too.
+                health: endpoint.map_or("-", |e| e.view(now, slow_start).state.as_str()),
                 circuit: endpoint.map_or("-", |e| match e.breaker_state() {
                     State::Closed { .. } => "closed",
                     State::Open { .. } => "open",
@@ -121,7 +115,8 @@ pub fn snapshot(
 const LEGEND: &str = "\
   node state   what the simulator does to the node: up, or an interruption (refuse: gone, connections
                reset; blackhole: silent; gateway-503; slow; gray: health passes but work hangs)
-  tongs sees   its heartbeats' verdict; circuit: its breaker (open = ejected, half-open = probing)
+  tongs sees   the node's state in tongs, as /debug/endpoints names it (healthy, unhealthy, stalled,
+               ejected, probing, cooldown after a 503, suspect, slow-start); circuit: its breaker
   outstanding  requests on the node now, against its concurrency limit; served / errors so far
   ok           answers complete and exact; retried: sent again elsewhere; continued: streams resumed on
                another node; rejected: 503s tongs made itself; queued: waiting for a free slot now
@@ -266,6 +261,8 @@ pub struct Summary {
     pub attempts_per_request: f64,
     pub rejected: u64,
     pub interruptions_injected: u64,
+    /// The capacity the planned interruptions left the fleet, against the load.
+    pub capacity: Shortfall,
     pub latency_ms: Latency,
 }
 
@@ -276,6 +273,7 @@ impl Summary {
         parts: &Parts,
         generator: &LoadGenerator,
         elapsed: Duration,
+        capacity: Shortfall,
     ) -> Summary {
         generator.with(|r| Summary {
             duration_s: (elapsed.as_secs_f64() * 10.0).round() / 10.0,
@@ -300,6 +298,7 @@ impl Summary {
             },
             rejected: r.count(ClientOutcome::Rejected),
             interruptions_injected: fleet.interruptions_injected(),
+            capacity,
             latency_ms: Latency {
                 p50: r.latency_ms(0.5),
                 p90: r.latency_ms(0.9),
@@ -355,6 +354,21 @@ impl Summary {
             self.continued
         );
         let _ = writeln!(out, "  interruptions  {:>7}", self.interruptions_injected);
+        let c = &self.capacity;
+        if c.seconds > 0.0 {
+            let _ = writeln!(
+                out,
+                "  short of load  {:>6.1}s  (the interruptions left less than {} req/s, down to {} of \
+                 the fleet's {}: refusals there are the demo's doing)",
+                c.seconds, self.rps, c.lowest_rps, c.capacity_rps
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                "  capacity left  {:>7}  req/s at least, of the fleet's {} (load {} req/s)",
+                c.lowest_rps, c.capacity_rps, self.rps
+            );
+        }
         let l = &self.latency_ms;
         let _ = writeln!(
             out,

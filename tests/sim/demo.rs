@@ -24,7 +24,9 @@ fn demo_json_summary_is_consistent() {
     // The live table goes to stderr with --json, its legend under the first one.
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(
-        stderr.matches("tongs sees   its heartbeats").count(),
+        stderr
+            .matches("tongs sees   the node's state in tongs")
+            .count(),
         1,
         "{stderr}"
     );
@@ -59,6 +61,15 @@ fn demo_json_summary_is_consistent() {
     assert!(
         count("interruptions_injected") >= 4,
         "every kind injected once: {summary}"
+    );
+
+    // 30 req/s is well within what the interruptions leave: the summary says so.
+    let capacity = &summary["capacity"];
+    assert_eq!(capacity["seconds"].as_f64(), Some(0.0), "{summary}");
+    let lowest = capacity["lowest_rps"].as_f64().unwrap();
+    assert!(
+        lowest >= 30.0 && lowest < capacity["capacity_rps"].as_f64().unwrap(),
+        "{summary}"
     );
 
     let latency = &summary["latency_ms"];
