@@ -179,11 +179,7 @@ impl Queue {
                 finish: HashMap::new(),
                 nobody: Arc::from(""),
                 settings,
-                drain: DrainMeter {
-                    bucket_start: Instant::now(),
-                    count: 0,
-                    per_second: 0.0,
-                },
+                drain: DrainMeter::new(),
             }),
             waiting: AtomicUsize::new(0),
             stats: QueueStats::default(),
@@ -271,6 +267,7 @@ impl Queue {
         state.next_seq += 1;
         let (wake, woken) = oneshot::channel();
         state.entries.insert(key, Entry { wake, since: now });
+        state.drain.occupied(now);
         self.waiting.fetch_add(1, Ordering::SeqCst);
         self.stats.enqueued.fetch_add(1, Ordering::Relaxed);
         Ok(Ticket {
@@ -525,19 +522,19 @@ impl Ticket<'_> {
     }
 
     fn leave(&mut self) {
-        {
-            let mut state = self.queue.lock();
-            state.looking.remove(&self.key);
-            // A release that came for this request while it looked goes to the next in line.
-            self.missed += state.missed.remove(&self.key).unwrap_or(0);
-        }
+        let mut state = self.queue.lock();
+        state.looking.remove(&self.key);
+        // A release that came for this request while it looked goes to the next in line.
+        self.missed += state.missed.remove(&self.key).unwrap_or(0);
         if self.in_queue {
-            let mut state = self.queue.lock();
             if state.entries.remove(&self.key).is_some() {
                 self.queue.waiting.fetch_sub(1, Ordering::SeqCst);
             }
             self.in_queue = false;
             self.go = self.go || self.woken.as_mut().is_some_and(|w| w.try_recv().is_ok());
+        }
+        if state.entries.is_empty() && state.looking.is_empty() {
+            state.drain.emptied(Instant::now());
         }
     }
 }
@@ -825,5 +822,37 @@ mod tests {
         // 20 waiting at about 5 per second: about 4 s.
         let estimate = q.retry_after();
         assert!((3..=6).contains(&estimate), "{estimate}");
+    }
+
+    /// A queue used now and then drains at the pace it hands off while someone waits, not over the
+    /// time it stood empty: a request behind seven others is told it waits well under a second, as it
+    /// will (measured over wall time: 8 ÷ 2 per second, 4 s, past a short `max_wait`).
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_rate_counts_only_the_time_someone_waits() {
+        let q = queue(1000);
+        // Ten times over five seconds: one request waits 50 ms and is handed off, then nobody waits.
+        for _ in 0..10 {
+            let mut ticket = q.join(Priority::Normal).unwrap();
+            tokio::time::advance(Duration::from_millis(50)).await;
+            q.wake_one();
+            assert_eq!(
+                ticket.wait(Instant::now() + Duration::from_secs(1)).await,
+                Waited::Go
+            );
+            ticket.go = false;
+            ticket.admitted();
+            tokio::time::advance(Duration::from_millis(450)).await;
+        }
+        let ahead: Vec<_> = (0..7).map(|_| q.join(Priority::Normal).unwrap()).collect();
+        let wait = q.expected_wait(&Place::new(Priority::Normal)).unwrap();
+        assert!(wait < Duration::from_secs(1), "{wait:?}");
+        // A queue that holds them and hands nothing off for five seconds says so.
+        for _ in 0..5 {
+            tokio::time::advance(Duration::from_secs(1)).await;
+            q.expected_wait(&Place::new(Priority::Normal));
+        }
+        let stuck = q.expected_wait(&Place::new(Priority::Normal)).unwrap();
+        assert!(stuck > Duration::from_secs(10), "{stuck:?}");
+        drop(ahead);
     }
 }
