@@ -157,6 +157,12 @@ struct Streamed {
     opening_longest: Option<Duration>,
     /// This stream's current silence was already counted as a pause.
     paused: bool,
+    /// A cut would be continued on another node (a streamed OpenAI completion with continuations
+    /// left). One that cannot be is never cut for its node's stall alone ([`Streamed::silent`]).
+    continuable: bool,
+    /// This stream's current silence was already counted as a stall of its node, and the stream left
+    /// open because it cannot be continued.
+    stall_counted: bool,
 }
 
 impl Streamed {
@@ -219,7 +225,8 @@ impl StreamGuard for Streamed {
         self.chunks = self.chunks.saturating_add(1);
         // The chunk that ends a pause says how long the pause was, not the node's pace between
         // tokens; in the opening it is the first token's wait under load, which is what it learns.
-        let was_paused = std::mem::take(&mut self.paused);
+        let stall_ended = std::mem::take(&mut self.stall_counted);
+        let was_paused = std::mem::take(&mut self.paused) || stall_ended;
         let endpoint = self.outstanding.endpoint();
         // A token is the node's progress, whether tongs waited for it or found it already there.
         endpoint.heard(millis(Instant::now()));
@@ -258,7 +265,28 @@ impl StreamGuard for Streamed {
             self.paused,
         );
         match verdict {
-            Verdict::Stalled => Silence::Cut(Cut::Idle(silent)),
+            Verdict::Stalled if self.continuable => Silence::Cut(Cut::Idle(silent)),
+            // A stream that cannot be continued is lost if cut, and a stalled node may resume (a
+            // worker back from a hang, a partition healed): its stall is counted, so the node takes
+            // no new requests and is ejected like any stalled node, but the stream waits, as a pause
+            // does, until it resumes, `stream.pause_max`, or heartbeats declare its node gone.
+            Verdict::Stalled => {
+                if !self.stall_counted {
+                    self.stall_counted = true;
+                    tracing::warn!(
+                        request_id = self.request_id.to_str().unwrap_or_default(),
+                        endpoint = endpoint.url(),
+                        silent_ms = silent.as_millis() as u64,
+                        chunks = self.chunks,
+                        "stream and its node silent past what the node's streams normally take; \
+                         counted as a stall of the node; the stream cannot be continued elsewhere, \
+                         so it waits until stream.pause_max for its node to resume"
+                    );
+                    let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
+                    endpoint.record_stream_stall(&self.breaker, now, may_eject);
+                }
+                Silence::Until(since + self.idle.pause_max)
+            }
             Verdict::TooLong => Silence::Cut(Cut::Paused(silent)),
             Verdict::Paused { again_in_ms } => {
                 if !self.paused {
@@ -280,7 +308,7 @@ impl StreamGuard for Streamed {
         Some(gone(
             self.outstanding.endpoint(),
             &self.registry,
-            self.probe.is_some(),
+            self.probe.is_some() || !self.continuable,
         ))
     }
 
@@ -317,6 +345,14 @@ impl StreamGuard for Streamed {
                 let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
                 endpoint.record_stream_stall(&self.breaker, Instant::now(), may_eject);
             }
+            Cut::Paused(silent) if self.stall_counted => {
+                tracing::warn!(
+                    request_id,
+                    endpoint = endpoint.url(),
+                    silent_ms = silent.as_millis() as u64,
+                    "stream silent past stream.pause_max on a stalled node that did not resume; cut"
+                );
+            }
             Cut::Paused(silent) => {
                 tracing::warn!(
                     request_id,
@@ -339,17 +375,18 @@ impl StreamGuard for Streamed {
 
 /// Resolves when `endpoint` is stalled, or declared unhealthy by heartbeats while some other endpoint
 /// of `registry` is healthy: when none is, tongs' own network or the health path is more likely broken
-/// than every node at once (panic mode), and streams that still flow are left alone. The half-open
-/// probe of a stalled endpoint (`probe`) is the one stream that runs there while it is stalled: only
-/// heartbeats end it early.
-fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, probe: bool) -> GoneSignal {
+/// than every node at once (panic mode), and streams that still flow are left alone. Only heartbeats
+/// end a stream early that outlives its node's stall (`outlives_stall`): the half-open probe of a
+/// stalled endpoint, the one stream that runs there while it is stalled, and a stream that cannot be
+/// continued elsewhere, which a cut would lose while the node may still resume.
+fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, outlives_stall: bool) -> GoneSignal {
     let mut signal = endpoint.gone_signal();
     let endpoint = Arc::clone(endpoint);
     let registry = Arc::clone(registry);
     Box::pin(async move {
         loop {
             let unhealthy = !endpoint.is_healthy() && registry.counts().healthy() > 0;
-            if unhealthy || (endpoint.is_stalled() && !probe) {
+            if unhealthy || (endpoint.is_stalled() && !outlives_stall) {
                 return;
             }
             if signal.changed().await.is_err() {
@@ -385,6 +422,8 @@ pub fn watch(
         chunks: 0,
         opening_longest: None,
         paused: false,
+        continuable,
+        stall_counted: false,
     };
     let limit = streamed.limit();
     Watch {

@@ -198,10 +198,14 @@ fn sse_nodes(count: usize) -> Vec<NodeSpec> {
     })
 }
 
+/// A plain SSE stream (one tongs cannot continue) that stalls after its first chunk on a node whose
+/// heartbeats pass: its silence counts as a stall of the node at the idle limit, and the stream, which
+/// a cut would lose, waits for the node until `stream.pause_max`, then ends as an error.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_limit() {
+async fn a_plain_stream_that_stalls_counts_against_its_node_and_ends_at_pause_max() {
     let fleet = sim_fleet(13, sse_nodes(1)).await;
-    let proxy = start_proxy(config_with(HEALTH, &fleet.urls())).await;
+    let extra = format!("{HEALTH}stream: {{ pause_max: 4s }}\n");
+    let proxy = start_proxy(config_with(&extra, &fleet.urls())).await;
     let url = proxy.url("/v1/stream");
     // A whole stream first, so the endpoint knows its typical gap between chunks (~27 ms).
     let (_, ended) = stream_until_it_ends(&url, |_| {}).await;
@@ -214,12 +218,21 @@ async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_lim
         ended.is_err(),
         "a stalled stream must end as an error the client sees"
     );
-    // The idle limit is max(10 x 27 ms, stream.idle_min = 2 s).
+    // Counted as a stall at the idle limit, max(10 x 27 ms, stream.idle_min = 2 s); ended at pause_max.
     assert!(
-        stalled_for < Duration::from_secs(6),
+        stalled_for >= Duration::from_millis(3900) && stalled_for < Duration::from_secs(10),
         "ended {stalled_for:?} after it stalled"
     );
     assert!(sample(&proxy, "tongs_streams_cut_total").await >= 1.0);
+    let stalls = sample(
+        &proxy,
+        &format!(
+            "tongs_endpoint_stalls_total{{endpoint=\"{}\"}}",
+            fleet.urls()[0]
+        ),
+    )
+    .await;
+    assert_eq!(stalls, 1.0, "its silence counted once against the node");
     let failures = sample(
         &proxy,
         &format!(
@@ -229,6 +242,64 @@ async fn a_stream_that_stalls_after_its_first_chunk_is_ended_within_its_idle_lim
     )
     .await;
     assert!(failures >= 1.0, "the stalled stream counts as a failure");
+    proxy.stop().await;
+}
+
+/// A stalled node may resume (a worker back from a hang): plain SSE streams tongs cannot continue are
+/// not cut for the stall, which a cut would turn into lost streams. The stalls still count, and the
+/// node is marked stalled so no new request goes there; when it resumes, its streams end whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_streams_on_a_stalled_node_that_resumes_end_whole() {
+    let fleet = sim_fleet(15, sse_nodes(1)).await;
+    let extra = format!("{HEALTH}breaker: {{ max_ejected_percent: 100 }}\n");
+    let proxy = start_proxy(config_with(&extra, &fleet.urls())).await;
+    let url = proxy.url("/v1/stream");
+    // A whole stream first, so the endpoint knows its typical gap between chunks.
+    assert_eq!(stream_until_it_ends(&url, |_| {}).await.1, Ok(()));
+    let node = &fleet.nodes()[0];
+    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            let (url, first_tx) = (url.clone(), first_tx.clone());
+            tokio::spawn(async move {
+                let counted = |chunk: &[u8]| {
+                    let _ = first_tx.send(chunk.len());
+                };
+                tokio::time::timeout(HANG, stream_until_it_ends(&url, counted)).await
+            })
+        })
+        .collect();
+    for _ in 0..2 {
+        first_rx.recv().await.expect("a first chunk");
+    }
+    node.set_condition(gray());
+    let wedged_at = Instant::now();
+    // Both streams go silent with their node: two stalls mark it stalled (idle limit 2 s).
+    eventually_async(
+        "the node is marked stalled",
+        Duration::from_secs(10),
+        || {
+            let (proxy, url) = (&proxy, fleet.urls()[0].clone());
+            async move { state_of(proxy, &url).await == "stalled" }
+        },
+    )
+    .await;
+    // The worker comes back after 4 s, well within stream.pause_max (30 s).
+    tokio::time::sleep(Duration::from_secs(4).saturating_sub(wedged_at.elapsed())).await;
+    node.set_condition(Condition::Up);
+    for stream in streams {
+        let (_, ended) = stream.await.unwrap().expect("the stream ends");
+        assert_eq!(ended, Ok(()), "whole after its node resumed");
+    }
+    let stalls = sample(
+        &proxy,
+        &format!(
+            "tongs_endpoint_stalls_total{{endpoint=\"{}\"}}",
+            fleet.urls()[0]
+        ),
+    )
+    .await;
+    assert!(stalls >= 2.0, "the stalls counted: {stalls}");
     proxy.stop().await;
 }
 
@@ -407,12 +478,11 @@ async fn streams_that_pause_while_their_node_serves_others_are_left_alone() {
 }
 
 /// A node whose streams stop together while its heartbeats pass is stalled (a gray failure): its
-/// streams are cut at their idle limit, two of them mark it stalled, and a stream still waiting for
-/// its first tokens, a pause while the node served the others, is cut with them. What its HTTP layer
-/// still sends is no progress: keep-alive comments on the wedged streams, and the first chunk of new
-/// requests (a server that sends a role chunk before its engine answers). What its HTTP layer
-/// still sends is no progress: keep-alive comments on the wedged streams, and the first chunk of new
-/// requests (a server that sends a role chunk before its engine answers).
+/// streams' silences count as stalls at their idle limit, and two of them mark it stalled. These are
+/// plain streams, which tongs cannot continue: they wait for the node until `stream.pause_max` (short
+/// here), the one still waiting for its first tokens (a pause while the node served the others) with
+/// them. What its HTTP layer still sends is no progress: keep-alive comments on the wedged streams,
+/// and the first chunk of new requests (a server that sends a role chunk before its engine answers).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end_at_once() {
     use std::sync::Arc;
@@ -456,7 +526,8 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
     })
     .await;
     let config = config_with(
-        "breaker: { max_ejected_percent: 100 }\nstream: { idle_min: 500ms }\n",
+        "breaker: { max_ejected_percent: 100 }\n\
+         stream: { idle_min: 500ms, first_token_idle: 1s, pause_max: 2s }\n",
         &[node.url()],
     );
     let proxy = start_proxy(config).await;
@@ -493,8 +564,8 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
         let (_, ended) = stream.await.unwrap().expect("every stream ends");
         assert!(ended.is_err(), "cut, not finished: {ended:?}");
     }
-    // The flowing streams' limit is 500 ms (10 gaps of 50 ms); the paused one's silence becomes a
-    // stall as soon as its node has been silent that long, or the node's ejection cuts it.
+    // The flowing streams' limit is 500 ms (10 gaps of 50 ms), the opening one's 1 s: stalls then;
+    // every stream ends at pause_max, 2 s after its last chunk.
     let took = wedged_at.elapsed();
     assert!(
         took < Duration::from_secs(5),
@@ -538,9 +609,10 @@ async fn a_stalled_nodes_probe_is_judged_by_its_stream_not_its_headers() {
         }
     })
     .await;
+    // Plain streams wait for a stalled node until pause_max: short here, so the test need not wait.
     let config = config_with(
         "breaker: { max_ejected_percent: 100, base_ejection: 300ms, max_ejection: 2s }\n\
-         stream: { idle_min: 500ms, first_token_idle: 500ms }\n",
+         stream: { idle_min: 500ms, first_token_idle: 500ms, pause_max: 1500ms }\n",
         &[node.url()],
     );
     let proxy = start_proxy(config).await;
