@@ -122,6 +122,10 @@ fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant)
         && endpoint.heard_ms() <= crate::endpoint::millis(started)
 }
 
+/// How often an attempt past its stall point with no second attempt beside it looks again: whether it
+/// now waits alone, and for room elsewhere.
+const STALLED_LOOK_AGAIN: Duration = Duration::from_millis(100);
+
 /// What a second attempt beside a running one is paid from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Spend {
@@ -202,8 +206,12 @@ impl Proxy {
         let replayable = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
         let mut may_hedge = replayable;
         let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
+        // The attempt reached its stall point.
         let mut first_stalled = false;
-        // One timer, set to the next moment that matters: the hedge, then the stall point.
+        // It was found waiting alone there or since (and its stall counted, if it was one).
+        let mut found_alone = false;
+        // One timer, set to the next moment that matters: the hedge, the stall point, then each look
+        // again past it.
         let timer = tokio::time::sleep_until(timing.hedge_at);
         tokio::pin!(timer);
         let (second, spent) = loop {
@@ -211,6 +219,8 @@ impl Proxy {
                 timing.hedge_at.min(sending.deadline)
             } else if !first_stalled {
                 timing.stall_at
+            } else if replayable && Instant::now() < sending.deadline {
+                (Instant::now() + STALLED_LOOK_AGAIN).min(sending.deadline)
             } else {
                 return first.await;
             };
@@ -221,10 +231,21 @@ impl Proxy {
                     let spend = if std::mem::take(&mut may_hedge) {
                         Spend::Hedge
                     } else {
+                        // Past its stall point and still unhedged (the hedge budget was spent, or
+                        // no endpoint had room then): a second attempt elsewhere beside it, as a
+                        // retry, once it waits alone. Looked at again and again until the deadline:
+                        // the rest of the fleet may answer only later, and room beside it (a queue
+                        // emptied, a slot freed, the retry budget refilled) may come later too; an
+                        // attempt left to itself would wait for its node's ejection, which may
+                        // never come.
                         first_stalled = true;
-                        // Stalled and still unhedged (the hedge budget was spent, or no endpoint had
-                        // room then): a second attempt elsewhere beside it, as a retry.
-                        if !self.stalled(settings, &first_endpoint, started) || !replayable {
+                        let alone = if found_alone {
+                            waiting_alone(&self.last_answer, &first_endpoint, started)
+                        } else {
+                            found_alone = self.stalled(settings, &first_endpoint, started);
+                            found_alone
+                        };
+                        if !alone || !replayable {
                             continue;
                         }
                         Spend::Retry

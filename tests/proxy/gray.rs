@@ -703,3 +703,59 @@ async fn a_stalled_nodes_probe_is_judged_by_its_stream_not_its_headers() {
     .await;
     proxy.stop().await;
 }
+
+/// An attempt on a hung node is not left to wait for the node's ejection when the rest of the fleet
+/// answers only after its stall point: it looks again until it waits alone and a second attempt
+/// elsewhere has room. Here the other node is busy (a static limit of 1: no room for a hedge) and
+/// answers after a second, long after the hung attempt's stall point; the hung node passes for healthy
+/// and is never ejected (`max_ejected_percent: 0`), so only a second attempt can answer the request
+/// before `timeouts.response_headers`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_on_a_hung_node_moves_once_the_rest_of_the_fleet_answers() {
+    let hung = backend(
+        |_request: http::Request<hyper::body::Incoming>| async move {
+            std::future::pending::<()>().await;
+            unreachable!()
+        },
+    )
+    .await;
+    let slow = backend(
+        |_request: http::Request<hyper::body::Incoming>| async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            http::Response::new(full("ok"))
+        },
+    )
+    .await;
+    let config = config_with(
+        "breaker: { max_ejected_percent: 0 }\n\
+         stream: { first_token_idle: 300ms }\n\
+         concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
+         timeouts: { response_headers: 20s, total: 25s }\n",
+        &[hung.url(), slow.url()],
+    );
+    let proxy = start_proxy(config).await;
+    let url = proxy.url("/v1/work");
+    let started = Instant::now();
+    // Two at once: one on each node (one slot each).
+    let requests: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let request = http::Request::post(&url).body(full("{}")).unwrap();
+                let response = tokio::time::timeout(HANG, client().request(request))
+                    .await
+                    .expect("an answer")
+                    .expect("response headers");
+                (response.status(), started.elapsed())
+            })
+        })
+        .collect();
+    for request in requests {
+        let (status, took) = request.await.unwrap();
+        println!("answered {status} after {took:?}");
+        assert_eq!(status, 200);
+        // The slow node answers its own at 1 s, then the moved one at about 2 s.
+        assert!(took < Duration::from_secs(6), "answered after {took:?}");
+    }
+    proxy.stop().await;
+}
