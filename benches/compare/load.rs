@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use hdrhistogram::Histogram;
-use http::{Request, StatusCode};
+use http::{Request, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -49,6 +49,22 @@ pub struct Tally {
     /// Each success as (sent, from the start of the measured window; took), both µs: where in the
     /// run a tail sits (written out with `SAMPLES`).
     pub samples: Vec<(u64, u64)>,
+    /// Every recorded request, whatever became of it (written out with `SAMPLES`).
+    pub records: Vec<Record>,
+}
+
+/// One recorded request as its client saw it.
+pub struct Record {
+    /// Sent, from the start of the measured window, µs.
+    pub start: u64,
+    /// To the end (or the failure), µs.
+    pub took: u64,
+    /// To the first body byte, µs, if one came.
+    pub first_byte: Option<u64>,
+    /// `whole`, `rejected` or the failure's kind.
+    pub outcome: String,
+    /// The node that answered, as its events name it (`"node":"…"`), if they do.
+    pub node: Option<String>,
 }
 
 impl Tally {
@@ -65,6 +81,7 @@ impl Tally {
             longest_gaps: Vec::new(),
             last_success: Duration::ZERO,
             samples: Vec::new(),
+            records: Vec::new(),
         }
     }
 
@@ -87,7 +104,130 @@ enum Outcome {
     },
 }
 
+/// What [`exchange`] saw besides the outcome: the first byte and the node that answered.
+#[derive(Default)]
+struct Seen {
+    first_byte: Option<Duration>,
+    node: Option<String>,
+}
+
+impl Seen {
+    fn of(first_byte: Option<Duration>, text: &[u8]) -> Seen {
+        const KEY: &[u8] = br#""node":""#;
+        let node = text
+            .windows(KEY.len())
+            .position(|window| window == KEY)
+            .and_then(|at| {
+                let rest = &text[at + KEY.len()..];
+                let end = rest.iter().position(|&b| b == b'"')?;
+                Some(String::from_utf8_lossy(&rest[..end]).into_owned())
+            });
+        Seen { first_byte, node }
+    }
+}
+
 type LoadClient = Client<HttpConnector, Full<Bytes>>;
+
+/// What each request of the load asks for, and what answer counts as a success.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ask {
+    /// `POST /v1/completions`, whole or streamed: the exact answer the simulated model writes
+    /// ([`check_completion`]).
+    Completion { stream: bool },
+    /// A plain (non-OpenAI) SSE stream, `POST /generate` with `Accept: text/event-stream`: the node's
+    /// own events `data: {"node":…,"token":N}` for N = 0 … `tokens` − 1 from one node, in order,
+    /// then `data: [DONE]` (see [`check_plain`]). Nothing in it can be continued on another node.
+    PlainStream { tokens: u32 },
+}
+
+impl Ask {
+    fn streams(self) -> bool {
+        match self {
+            Ask::Completion { stream } => stream,
+            Ask::PlainStream { .. } => true,
+        }
+    }
+
+    fn request(self, target: &str, index: u64) -> Request<Full<Bytes>> {
+        match self {
+            Ask::Completion { stream } => build_request(target, index, stream),
+            Ask::PlainStream { .. } => Request::post(format!("{target}/generate"))
+                .header(header::CONTENT_TYPE, "application/json")
+                .header(header::ACCEPT, "text/event-stream")
+                .body(Full::new(Bytes::from(format!(
+                    r#"{{"prompt":"request {index}"}}"#
+                ))))
+                .expect("a valid request"),
+        }
+    }
+
+    /// Whether `body`, the body of a 200, is the whole answer to request `index`.
+    fn check(self, index: u64, body: &[u8]) -> Result<(), AnswerFault> {
+        match self {
+            Ask::Completion { stream } => check_completion(index, stream, body),
+            Ask::PlainStream { tokens } => check_plain(tokens, body),
+        }
+    }
+}
+
+/// A whole plain stream: `tokens` events `data: {"node":"NAME","token":N}`, N from 0 in order, every
+/// one from the same node, then one `data: [DONE]` and nothing after it. A stream that ends early
+/// (or whose last event is cut) is incomplete; anything else out of place is inexact (a proxy that
+/// spliced two nodes' streams, or repeated one).
+pub fn check_plain(tokens: u32, body: &[u8]) -> Result<(), AnswerFault> {
+    let inexact = |why: String| Err(AnswerFault::Inexact(why));
+    let Ok(text) = std::str::from_utf8(body) else {
+        return inexact("not UTF-8".into());
+    };
+    let text = text.replace("\r\n", "\n");
+    let mut events: Vec<&str> = text.split("\n\n").collect();
+    // What follows the last blank line: nothing in a stream that ended with a whole event.
+    if events.pop().is_some_and(|tail| !tail.trim().is_empty()) {
+        return Err(AnswerFault::Incomplete);
+    }
+    let mut node: Option<&str> = None;
+    let mut next: u32 = 0;
+    let mut done = false;
+    for event in events {
+        if event.starts_with(':') {
+            continue; // a comment (keep-alive)
+        }
+        if done {
+            return inexact(format!("{event:?} after [DONE]"));
+        }
+        let Some(data) = event.strip_prefix("data: ") else {
+            return inexact(format!("event {event:?}"));
+        };
+        if data == "[DONE]" {
+            if next != tokens {
+                return inexact(format!("[DONE] after {next} of {tokens} tokens"));
+            }
+            done = true;
+            continue;
+        }
+        // `{"node":"NAME","token":N}`, as the simulator writes it.
+        let parsed = data
+            .strip_prefix(r#"{"node":""#)
+            .and_then(|rest| rest.split_once(r#"","token":"#))
+            .and_then(|(name, rest)| Some((name, rest.strip_suffix('}')?.parse::<u32>().ok()?)));
+        let Some((name, token)) = parsed else {
+            return inexact(format!("data {data:?}"));
+        };
+        if *node.get_or_insert(name) != name {
+            return inexact(format!(
+                "token {token} from {name}, earlier ones from {node:?}"
+            ));
+        }
+        if token != next {
+            return inexact(format!("token {token} where {next} was due"));
+        }
+        next += 1;
+    }
+    if !done {
+        return Err(AnswerFault::Incomplete);
+    }
+    Ok(())
+}
 
 /// Offers `rate` requests per second to `target` for `warmup` (not recorded) then `duration`
 /// (recorded), waiting at most the client timeout for the last ones.
@@ -96,7 +236,7 @@ pub async fn offer(
     rate: f64,
     warmup: Duration,
     duration: Duration,
-    stream: bool,
+    ask: Ask,
 ) -> Tally {
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
@@ -119,7 +259,7 @@ pub async fn offer(
         }
         tokio::time::sleep_until(due).await;
         let recorded = since >= warmup;
-        let request = build_request(target, index, stream);
+        let request = ask.request(target, index);
         let (client, tally) = (client.clone(), Arc::clone(&tally));
         {
             let mut tally = lock(&tally);
@@ -128,15 +268,30 @@ pub async fn offer(
         }
         tasks.spawn(async move {
             let began = Instant::now();
-            let outcome =
-                tokio::time::timeout(CLIENT_TIMEOUT, exchange(&client, request, index, stream))
+            let (outcome, seen) =
+                tokio::time::timeout(CLIENT_TIMEOUT, exchange(&client, request, index, ask))
                     .await
-                    .unwrap_or_else(|_| Outcome::Failed("client-timeout".into()));
+                    .unwrap_or_else(|_| {
+                        (Outcome::Failed("client-timeout".into()), Seen::default())
+                    });
             if !recorded {
                 return;
             }
             let took = micros(began.elapsed());
             let mut tally = lock(&tally);
+            let kind = match &outcome {
+                Outcome::Succeeded { .. } => "whole".to_owned(),
+                Outcome::Rejected => "rejected".to_owned(),
+                Outcome::Failed(kind) => kind.clone(),
+                Outcome::Broke { .. } => "broken".to_owned(),
+            };
+            tally.records.push(Record {
+                start: micros(since - warmup),
+                took,
+                first_byte: seen.first_byte.map(micros),
+                outcome: kind,
+                node: seen.node,
+            });
             match outcome {
                 Outcome::Succeeded {
                     first_byte,
@@ -177,19 +332,32 @@ async fn exchange(
     client: &LoadClient,
     request: Request<Full<Bytes>>,
     index: u64,
-    stream: bool,
-) -> Outcome {
+    ask: Ask,
+) -> (Outcome, Seen) {
     let began = Instant::now();
     let response = match client.request(request).await {
         Ok(response) => response,
-        Err(_) => return Outcome::Failed("broken".into()),
+        Err(_) => return (Outcome::Failed("broken".into()), Seen::default()),
     };
+    let mut first_byte = None;
+    let mut text = Vec::new();
+    let outcome = answer(response, index, ask, began, &mut first_byte, &mut text).await;
+    (outcome, Seen::of(first_byte, &text))
+}
+
+/// Reads the answer to request `index`, sent at `began`, into `text`, noting its `first_byte`.
+async fn answer(
+    response: http::Response<hyper::body::Incoming>,
+    index: u64,
+    ask: Ask,
+    began: Instant,
+    first_byte: &mut Option<Duration>,
+    text: &mut Vec<u8>,
+) -> Outcome {
     let status = response.status();
     let mut body = response.into_body();
-    let mut first_byte = None;
     let mut last_chunk: Option<Instant> = None;
     let mut longest_gap = Duration::ZERO;
-    let mut text = Vec::new();
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
             return match last_chunk {
@@ -201,7 +369,7 @@ async fn exchange(
         };
         if let Ok(data) = frame.into_data() {
             if first_byte.is_none() && !data.is_empty() {
-                first_byte = Some(began.elapsed());
+                *first_byte = Some(began.elapsed());
             }
             if !data.is_empty() {
                 let now = Instant::now();
@@ -216,12 +384,12 @@ async fn exchange(
         }
     }
     if status == StatusCode::OK {
-        // A success is the whole answer, exactly as the simulator's model writes it (it answers
+        // A success is the whole answer, exactly as the simulator writes it (it answers
         // `/v1/completions` as vLLM does), streamed or not.
-        return match (check_completion(index, stream, &text), first_byte) {
+        return match (ask.check(index, text), *first_byte) {
             (Ok(()), Some(first_byte)) => Outcome::Succeeded {
                 first_byte,
-                longest_gap: stream.then_some(longest_gap),
+                longest_gap: ask.streams().then_some(longest_gap),
             },
             (Err(AnswerFault::Inexact(why)), _) => {
                 // A few for the log: what went wrong, not only that it did.
@@ -233,7 +401,7 @@ async fn exchange(
             _ => Outcome::Failed("incomplete".into()),
         };
     }
-    let text = String::from_utf8_lossy(&text);
+    let text = String::from_utf8_lossy(text);
     if status == StatusCode::SERVICE_UNAVAILABLE
         && !NODE_503_BODIES.iter().any(|node| text.contains(node))
     {

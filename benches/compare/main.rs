@@ -20,6 +20,12 @@
 //!   resets, partitions and gray stalls spread over the run on different nodes (at most two out at
 //!   once); the share of streams that end complete and exact, and what a pause cost those that
 //!   survived one: their longest gap between two chunks (see `cuts.rs`, and its own table);
+//! - `plain`: plain (non-OpenAI) SSE streams, `POST /generate` with `Accept: text/event-stream`, which
+//!   no proxy can continue on another node: four nodes of 8 streams at once, 30 events over ~0.6 s,
+//!   at a fixed 25 streams/s (47 % of their capacity) for DURATION; one node goes gray (stalls its
+//!   streams after their first event) for 8 s, one is partitioned for 6 s, one refuses for 4 s, at
+//!   15, 45 and 75 % of the window; a success is a whole stream, every event and the end (see
+//!   `plain.rs`; `SAMPLES=DIR` also writes every stream's first byte, outcome and node);
 //! - `pauses`: no interruption at all, but healthy nodes that pause their streams as inference servers
 //!   do: the first token 0.3 to 5 s after the role chunk, or streams preempted mid-answer for ~3 s;
 //!   streams whole, and what tongs did about the pauses (see `pauses.rs`, and its own table);
@@ -51,6 +57,7 @@ mod cuts;
 mod load;
 mod pauses;
 mod peers;
+mod plain;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -62,7 +69,7 @@ use anyhow::{Context, Result, bail};
 use tokio::time::Instant;
 use tongs::sim::{Condition, Fleet, FleetConfig, InterruptionKind, ResponseKind};
 
-use load::{CLIENT_TIMEOUT, offer, wrk};
+use load::{Ask, CLIENT_TIMEOUT, offer, wrk};
 use peers::{Running, Upstream, origin_config, start_proxy};
 use support::stats::{self, max_ms, quantile_ms};
 use support::{Process, TempDir, env_duration, env_list, env_number, find_program, fleet};
@@ -83,7 +90,8 @@ const NODE_QUEUE: usize = 8;
 const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
-const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts pauses throughput";
+const ALL_SCENARIOS: &str =
+    "steady churn overload streaming gray stalls cuts plain pauses throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive tongs-capacity nginx haproxy caddy";
 
 fn main() -> Result<()> {
@@ -101,6 +109,7 @@ enum Scenario {
     Gray,
     Stalls,
     Cuts,
+    Plain,
     Pauses,
     Throughput,
 }
@@ -115,6 +124,7 @@ impl Scenario {
             "gray" => Scenario::Gray,
             "stalls" => Scenario::Stalls,
             "cuts" => Scenario::Cuts,
+            "plain" => Scenario::Plain,
             "pauses" => Scenario::Pauses,
             "throughput" => Scenario::Throughput,
             other => bail!("SCENARIOS: unknown scenario {other:?} (known: {ALL_SCENARIOS})"),
@@ -130,6 +140,7 @@ impl Scenario {
             Scenario::Gray => "gray",
             Scenario::Stalls => "stalls",
             Scenario::Cuts => "cuts",
+            Scenario::Plain => "plain",
             Scenario::Pauses => "pauses",
             Scenario::Throughput => "throughput",
         }
@@ -141,6 +152,14 @@ impl Scenario {
             Scenario::Churn | Scenario::Gray | Scenario::Stalls | Scenario::Cuts => 0.5,
             Scenario::Overload => 2.0,
             _ => 0.6,
+        }
+    }
+
+    /// Requests offered per second to a fleet of `capacity` requests per second.
+    fn rate(self, capacity: f64) -> f64 {
+        match self {
+            Scenario::Plain => plain::RATE,
+            _ => capacity * self.load(),
         }
     }
 }
@@ -266,12 +285,19 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
     } else {
         ResponseKind::Json
     };
-    let nodes: &[fleet::Node] = if scenario == Scenario::Cuts {
-        &cuts::NODES
-    } else {
-        &NODES
+    let nodes: &[fleet::Node] = match scenario {
+        Scenario::Cuts => &cuts::NODES,
+        Scenario::Plain => &plain::NODES,
+        _ => &NODES,
     };
-    fleet::config(seed, nodes, SPREAD, queue, response)
+    let mut config = fleet::config(seed, nodes, SPREAD, queue, response);
+    if scenario == Scenario::Plain {
+        for node in &mut config.nodes {
+            node.tokens = plain::TOKENS;
+            node.service_time.spread = plain::SPREAD;
+        }
+    }
+    config
 }
 
 /// The churn schedule, as shares of the measured window: (node, kind, starts at, lasts). Each kind hits
@@ -309,11 +335,49 @@ impl Scenario {
     fn streams(self) -> bool {
         matches!(
             self,
-            Scenario::Streaming | Scenario::Stalls | Scenario::Cuts
+            Scenario::Streaming | Scenario::Stalls | Scenario::Cuts | Scenario::Plain
         )
     }
 
-    /// The interruptions driven during the measured window, if any.
+    /// What each request asks for.
+    fn ask(self) -> Ask {
+        match self {
+            Scenario::Plain => Ask::PlainStream {
+                tokens: plain::TOKENS,
+            },
+            _ => Ask::Completion {
+                stream: self.streams(),
+            },
+        }
+    }
+
+    /// The measured window: the churn duration for the scenarios whose interruptions are given as
+    /// shares of it, DURATION for the others (`plain`'s interruptions last fixed times).
+    fn window(self, settings: &Settings) -> Duration {
+        if !self.schedule().is_empty() {
+            settings.churn_duration
+        } else {
+            settings.duration
+        }
+    }
+
+    /// The interruptions driven during a measured window of `window`: (node, kind, from the window's
+    /// start, lasts).
+    fn timeline(
+        self,
+        window: Duration,
+    ) -> Vec<(&'static str, InterruptionKind, Duration, Duration)> {
+        if self == Scenario::Plain {
+            return plain::timeline(window);
+        }
+        self.schedule()
+            .iter()
+            .map(|&(node, kind, at, lasts)| (node, kind, window.mul_f64(at), window.mul_f64(lasts)))
+            .collect()
+    }
+
+    /// The interruptions driven during the measured window as shares of it, if any (`plain` gives its
+    /// own in [`Scenario::timeline`]).
     fn schedule(self) -> &'static [(&'static str, InterruptionKind, f64, f64)] {
         match self {
             Scenario::Churn => &CHURN,
@@ -327,8 +391,9 @@ impl Scenario {
 
 /// With `SAMPLES=DIR`, writes each success of a run to `DIR/SCENARIO-PROXY.tsv` as its start (ms from
 /// the measured window's start) and its latency (ms): where in the run a tail sits, next to the
-/// schedule of interruptions.
-fn write_samples(scenario: Scenario, label: &str, samples: &[(u64, u64)]) {
+/// schedule of interruptions; and every request to `DIR/SCENARIO-PROXY-all.tsv` with its first byte,
+/// its outcome and the node that answered, where its events name it (`plain`).
+fn write_samples(scenario: Scenario, label: &str, tally: &load::Tally) {
     let Ok(dir) = std::env::var("SAMPLES") else {
         return;
     };
@@ -338,34 +403,48 @@ fn write_samples(scenario: Scenario, label: &str, samples: &[(u64, u64)]) {
         .collect();
     let path = std::path::Path::new(&dir).join(format!("{}-{name}.tsv", scenario.name()));
     let mut text = String::from("start_ms\tlatency_ms\n");
-    for (start, took) in samples {
+    for (start, took) in &tally.samples {
         text += &format!("{:.1}\t{:.1}\n", *start as f64 / 1e3, *took as f64 / 1e3);
     }
-    if let Err(error) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text)) {
+    let mut records = tally.records.iter().collect::<Vec<_>>();
+    records.sort_by_key(|record| record.start);
+    let mut all = String::from("start_ms\ttook_ms\tfirst_byte_ms\toutcome\tnode\n");
+    for record in records {
+        all += &format!(
+            "{:.1}\t{:.1}\t{}\t{}\t{}\n",
+            record.start as f64 / 1e3,
+            record.took as f64 / 1e3,
+            record
+                .first_byte
+                .map_or("-".to_owned(), |us| format!("{:.1}", us as f64 / 1e3)),
+            record.outcome,
+            record.node.as_deref().unwrap_or("-"),
+        );
+    }
+    let all_path = std::path::Path::new(&dir).join(format!("{}-{name}-all.tsv", scenario.name()));
+    let written = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&path, text))
+        .and_then(|()| std::fs::write(&all_path, all));
+    if let Err(error) = written {
         eprintln!("SAMPLES: cannot write {}: {error}", path.display());
     }
 }
 
-/// Drives `schedule` from `begin` (the start of the measured window) over `window`.
+/// Drives `timeline` (node, kind, from `begin`, lasts) from `begin`, the start of the measured window.
 async fn churn(
     fleet: Arc<Fleet>,
-    schedule: &[(&str, InterruptionKind, f64, f64)],
+    timeline: Vec<(&'static str, InterruptionKind, Duration, Duration)>,
     begin: Instant,
-    window: Duration,
 ) {
     let mut events: Vec<(Duration, &str, Condition)> = Vec::new();
-    for &(node, kind, at, lasts) in schedule {
+    for (node, kind, at, lasts) in timeline {
         let factor = if kind == InterruptionKind::Slow {
             SLOW_FACTOR
         } else {
             1.0
         };
-        events.push((
-            window.mul_f64(at),
-            node,
-            Condition::Interrupted { kind, factor },
-        ));
-        events.push((window.mul_f64(at + lasts), node, Condition::Up));
+        events.push((at, node, Condition::Interrupted { kind, factor }));
+        events.push((at + lasts, node, Condition::Up));
     }
     events.sort_by_key(|(at, _, _)| *at);
     for (at, name, condition) in events {
@@ -433,12 +512,8 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     let config = fleet_config(scenario, settings.seed);
     let (fleet, running) = fleet_and_proxy(&config, proxy, settings).await?;
     let fleet = Arc::new(fleet);
-    let duration = if !scenario.schedule().is_empty() {
-        settings.churn_duration
-    } else {
-        settings.duration
-    };
-    let rate = fleet::capacity(&config) * scenario.load();
+    let duration = scenario.window(settings);
+    let rate = scenario.rate(fleet::capacity(&config));
     eprintln!(
         "compare: {} through {} ({:.0} req/s for {:?})",
         scenario.name(),
@@ -448,15 +523,9 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     );
     let start = Instant::now();
     let received_before: u64 = fleet.requests_received();
-    let schedule = (!scenario.schedule().is_empty()).then(|| {
-        let events = scenario.schedule();
-        tokio::spawn(churn(
-            Arc::clone(&fleet),
-            events,
-            start + settings.warmup,
-            duration,
-        ))
-    });
+    let timeline = scenario.timeline(duration);
+    let schedule = (!timeline.is_empty())
+        .then(|| tokio::spawn(churn(Arc::clone(&fleet), timeline, start + settings.warmup)));
     let cpu_before = tokio::spawn({
         let pids = running.pids();
         let at = start + settings.warmup;
@@ -470,11 +539,11 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
         rate,
         settings.warmup,
         duration,
-        scenario.streams(),
+        scenario.ask(),
     )
     .await;
     let received: u64 = fleet.requests_received() - received_before;
-    write_samples(scenario, &running.label, &tally.samples);
+    write_samples(scenario, &running.label, &tally);
     let usage = running.usage();
     let cpu_before = cpu_before.await.unwrap_or_default();
     if let Some(schedule) = schedule {
@@ -651,17 +720,26 @@ async fn run(settings: Settings) -> Result<()> {
     if settings.scenarios.contains(&Scenario::Cuts) {
         writeln!(header, "{}", cuts::describe(settings.seed))?;
     }
+    if settings.scenarios.contains(&Scenario::Plain) {
+        writeln!(
+            header,
+            "{}",
+            plain::describe(settings.seed, settings.duration)
+        )?;
+    }
     if settings.scenarios.contains(&Scenario::Pauses) {
         writeln!(header, "{}", pauses::describe())?;
     }
     writeln!(
         header,
         "load: open loop, {} s measured after {} s unrecorded (churn, gray, stalls and cuts {} s); steady and \
-         streaming at 60 %, churn, gray, stalls and cuts at 50 %, overload at 200 % of capacity; client timeout {} s; \
+         streaming at 60 %, churn, gray, stalls and cuts at 50 %, overload at 200 % of capacity, plain at {} streams/s; \
+         client timeout {} s; \
          throughput: wrk -t1 -c{} for {} s",
         settings.duration.as_secs_f64(),
         settings.warmup.as_secs_f64(),
         settings.churn_duration.as_secs_f64(),
+        plain::RATE,
         CLIENT_TIMEOUT.as_secs(),
         settings.connections,
         settings.throughput_duration.as_secs_f64(),
@@ -811,6 +889,7 @@ fn verdicts(rows: &[Row]) -> String {
         Scenario::Gray,
         Scenario::Stalls,
         Scenario::Cuts,
+        Scenario::Plain,
     ] {
         let of: Vec<&Row> = rows.iter().filter(|r| r.scenario == scenario).collect();
         let peers: Vec<&&Row> = of
