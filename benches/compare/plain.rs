@@ -2,9 +2,10 @@
 //!
 //! Every request is `POST /generate` with `Accept: text/event-stream`, which the simulated nodes answer
 //! with their own event stream, `data: {"node":…,"token":N}` for N = 0 … 29, then `data: [DONE]`: no
-//! OpenAI answer, so no proxy can continue a stream on another node; a stream whose node fails under
-//! it is lost for every proxy. What a proxy can do is send new streams elsewhere quickly, and not
-//! make the others wait.
+//! OpenAI answer, so no proxy can continue a stream on another node; a stream whose node resets under
+//! it is lost for every proxy, one whose node stalls and then resumes (the gray node does) is whole
+//! for a proxy that waits for it. What a proxy can do is send new streams elsewhere quickly, not make
+//! the others wait, and not cut what it cannot repair.
 //!
 //! Four identical nodes serve 8 streams at once each, 30 events over about 0.6 s (the first after a
 //! tenth of it); the load is a fixed 25 streams a second (47 % of the fleet's 53 a second). During the
