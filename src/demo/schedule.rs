@@ -24,6 +24,17 @@ pub fn node_capacity(spec: &NodeSpec, per_node_limit: Option<usize>) -> f64 {
     at_once / spec.service_time.mean.get().as_secs_f64().max(1e-3)
 }
 
+/// Each node's capacity ([`node_capacity`]) and the fleet's.
+fn capacities(fleet: &FleetConfig, per_node_limit: Option<usize>) -> (Vec<f64>, f64) {
+    let each: Vec<f64> = fleet
+        .nodes
+        .iter()
+        .map(|spec| node_capacity(spec, per_node_limit))
+        .collect();
+    let total = each.iter().sum();
+    (each, total)
+}
+
 /// The share of its node's capacity an interruption takes: all of it, or for `slow` what the factor
 /// takes off.
 fn lost_share(interruption: &Interruption) -> f64 {
@@ -83,12 +94,7 @@ pub fn keep_capacity(
     rps: f64,
     per_node_limit: Option<usize>,
 ) {
-    let capacities: Vec<f64> = fleet
-        .nodes
-        .iter()
-        .map(|spec| node_capacity(spec, per_node_limit))
-        .collect();
-    let total: f64 = capacities.iter().sum();
+    let (capacities, total) = capacities(fleet, per_node_limit);
     let planned = fleet.planned(horizon);
     let mut kept: Vec<Out> = Vec::new();
     let mut random: Vec<Out> = Vec::new();
@@ -135,12 +141,7 @@ pub struct Shortfall {
 /// The capacity the fleet's fixed interruptions (after [`keep_capacity`], all of them) leave over
 /// time, against `rps`.
 pub fn shortfall(fleet: &FleetConfig, rps: f64, per_node_limit: Option<usize>) -> Shortfall {
-    let capacities: Vec<f64> = fleet
-        .nodes
-        .iter()
-        .map(|spec| node_capacity(spec, per_node_limit))
-        .collect();
-    let total: f64 = capacities.iter().sum();
+    let (capacities, total) = capacities(fleet, per_node_limit);
     let outs: Vec<Out> = fleet
         .nodes
         .iter()

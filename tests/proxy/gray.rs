@@ -57,6 +57,11 @@ async fn open_loop(url: &str, count: usize, rate: f64) -> Vec<(u16, Duration)> {
     results
 }
 
+/// A per-endpoint metric's value for the endpoint at `url`.
+async fn endpoint_sample(proxy: &TestProxy, metric: &str, url: &str) -> f64 {
+    sample(proxy, &format!("{metric}{{endpoint=\"{url}\"}}")).await
+}
+
 /// The state /debug/endpoints gives the endpoint at `url`.
 async fn state_of(proxy: &TestProxy, url: &str) -> String {
     let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
@@ -224,23 +229,9 @@ async fn a_plain_stream_that_stalls_counts_against_its_node_and_ends_at_pause_ma
         "ended {stalled_for:?} after it stalled"
     );
     assert!(sample(&proxy, "tongs_streams_cut_total").await >= 1.0);
-    let stalls = sample(
-        &proxy,
-        &format!(
-            "tongs_endpoint_stalls_total{{endpoint=\"{}\"}}",
-            fleet.urls()[0]
-        ),
-    )
-    .await;
+    let stalls = endpoint_sample(&proxy, "tongs_endpoint_stalls_total", &fleet.urls()[0]).await;
     assert_eq!(stalls, 1.0, "its silence counted once against the node");
-    let failures = sample(
-        &proxy,
-        &format!(
-            "tongs_endpoint_failures_total{{endpoint=\"{}\"}}",
-            fleet.urls()[0]
-        ),
-    )
-    .await;
+    let failures = endpoint_sample(&proxy, "tongs_endpoint_failures_total", &fleet.urls()[0]).await;
     assert!(failures >= 1.0, "the stalled stream counts as a failure");
     proxy.stop().await;
 }
@@ -291,14 +282,7 @@ async fn plain_streams_on_a_stalled_node_that_resumes_end_whole() {
         let (_, ended) = stream.await.unwrap().expect("the stream ends");
         assert_eq!(ended, Ok(()), "whole after its node resumed");
     }
-    let stalls = sample(
-        &proxy,
-        &format!(
-            "tongs_endpoint_stalls_total{{endpoint=\"{}\"}}",
-            fleet.urls()[0]
-        ),
-    )
-    .await;
+    let stalls = endpoint_sample(&proxy, "tongs_endpoint_stalls_total", &fleet.urls()[0]).await;
     assert!(stalls >= 2.0, "the stalls counted: {stalls}");
     proxy.stop().await;
 }
