@@ -223,9 +223,11 @@ async fn a_plain_stream_that_stalls_counts_against_its_node_and_ends_at_pause_ma
         ended.is_err(),
         "a stalled stream must end as an error the client sees"
     );
-    // Counted as a stall at the idle limit, max(10 x 27 ms, stream.idle_min = 2 s); ended at pause_max.
+    // Counted as a stall at the idle limit, max(10 x 27 ms, stream.idle_min = 2 s); ended at pause_max
+    // (4 s after tongs relayed the first chunk, a little less after the client read it), not at the
+    // idle limit.
     assert!(
-        stalled_for >= Duration::from_millis(3900) && stalled_for < Duration::from_secs(10),
+        stalled_for >= Duration::from_secs(3) && stalled_for < Duration::from_secs(10),
         "ended {stalled_for:?} after it stalled"
     );
     assert!(sample(&proxy, "tongs_streams_cut_total").await >= 1.0);
