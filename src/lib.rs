@@ -11,7 +11,6 @@ pub mod admission;
 pub mod app;
 pub mod balance;
 pub mod breaker;
-pub mod config;
 pub mod demo;
 pub mod discovery;
 pub mod endpoint;
@@ -19,7 +18,6 @@ pub mod health;
 pub mod http;
 pub mod limit;
 pub mod metrics;
-pub mod openai;
 pub mod proxy;
 pub mod readiness;
 pub mod registry;
@@ -32,3 +30,6 @@ pub mod trace;
 pub mod upstream;
 
 pub use app::{App, AppError};
+/// The configuration and the OpenAI protocol as tongs reads them live in `tongs-wire`, a crate kept
+/// pure by the compiler (`crates/wire/`); the proxy names them here, as before.
+pub use tongs_wire::{config, openai};

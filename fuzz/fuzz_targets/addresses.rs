@@ -3,8 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tongs::config::{AllowRule, EndpointUrl};
-use tongs::discovery::pods::parse_address;
+use tongs_wire::config::{AllowRule, EndpointUrl, parse_address};
 
 fuzz_target!(|text: &str| {
     if let Ok(url) = EndpointUrl::parse(text) {

@@ -5,7 +5,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|text: &str| {
-    if let Err(err) = tongs::config::Config::parse(text, "fuzz") {
+    if let Err(err) = tongs_wire::config::Config::parse(text, "fuzz") {
         assert!(!err.to_string().is_empty());
     }
 });

@@ -14,6 +14,6 @@ fuzz_target!(|bytes: &[u8]| {
     let mut headers = HeaderMap::new();
     headers.insert(RETRY_AFTER, value.clone());
     let cap = Duration::from_secs(30);
-    assert!(tongs::retry::retry_after(&headers, cap) <= cap);
-    let _ = tongs::admission::Priority::from_header(Some(&value));
+    assert!(tongs_wire::header::retry_after(&headers, cap) <= cap);
+    let _ = tongs_wire::header::Priority::from_header(Some(&value));
 });

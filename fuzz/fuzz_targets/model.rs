@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tongs::openai::{model_of, with_model};
+use tongs_wire::openai::{model_of, with_model};
 
 /// Starts of bodies the input's first byte picks, so that the inputs reach a model's value early (a
 /// fuzzer left alone takes long to spell `{"model":`): none, then ones with a key before the model, an

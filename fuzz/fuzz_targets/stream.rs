@@ -4,8 +4,8 @@
 
 use bytes::{Bytes, BytesMut};
 use libfuzzer_sys::fuzz_target;
-use tongs::openai::sse::Events;
-use tongs::openai::{AfterCut, Api, Continuable, Splicer};
+use tongs_wire::openai::sse::Events;
+use tongs_wire::openai::{AfterCut, Api, Continuable, Splicer};
 
 fuzz_target!(|input: &[u8]| {
     let Some((&flags, stream)) = input.split_first() else {

@@ -1,32 +1,6 @@
 //! A request's priority, and why tongs refuses one itself.
 
-use http::HeaderValue;
-
-/// A request's priority, from the configured header (`high`, `normal`, `low`; anything else is normal).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Priority {
-    High = 0,
-    Normal = 1,
-    Low = 2,
-}
-
-impl Priority {
-    pub fn from_header(value: Option<&HeaderValue>) -> Priority {
-        match value.map(HeaderValue::as_bytes) {
-            Some(v) if v.eq_ignore_ascii_case(b"high") => Priority::High,
-            Some(v) if v.eq_ignore_ascii_case(b"low") => Priority::Low,
-            _ => Priority::Normal,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::High => "high",
-            Priority::Normal => "normal",
-            Priority::Low => "low",
-        }
-    }
-}
+pub use tongs_wire::header::Priority;
 
 /// Why tongs refused a request itself (the `x-tongs-reject-reason` header and the JSON body say it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::Status;
 use super::kube::{Outlet, Tracker, Watched};
 use super::object::WatchedPod;
-use crate::config::KubernetesConfig;
+use crate::config::{KubernetesConfig, Requirement, parse_label_selector};
 
 /// Events already waiting are applied together, up to this many.
 const BATCH: usize = 1024;
@@ -223,6 +223,23 @@ fn take_picked(
     (changed, listed)
 }
 
+/// A pool's label selector as kube-core's matcher takes it (the parser is `config`'s: kube-core has
+/// none for the string form).
+pub(super) fn selector(text: &str) -> Result<Selector, String> {
+    let requirements = parse_label_selector(text)?.0;
+    Ok(requirements
+        .into_iter()
+        .map(|requirement| match requirement {
+            Requirement::Equal(key, value) => Expression::Equal(key, value),
+            Requirement::NotEqual(key, value) => Expression::NotEqual(key, value),
+            Requirement::In(key, values) => Expression::In(key, values),
+            Requirement::NotIn(key, values) => Expression::NotIn(key, values),
+            Requirement::Exists(key) => Expression::Exists(key),
+            Requirement::DoesNotExist(key) => Expression::DoesNotExist(key),
+        })
+        .collect())
+}
+
 /// The label selector the API server is asked for: the members' own when they are all equal, else the
 /// requirements all of them have (empty: every pod).
 fn common_selector(members: &[Arc<Member>]) -> Selector {
@@ -344,13 +361,9 @@ fn hand_over(members: &[Arc<Member>], batch: Vec<Result<Event<WatchedPod>, watch
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::parse_label_selector;
 
     fn common_of(texts: &[&str]) -> String {
-        let selectors: Vec<Selector> = texts
-            .iter()
-            .map(|t| parse_label_selector(t).unwrap())
-            .collect();
+        let selectors: Vec<Selector> = texts.iter().map(|t| selector(t).unwrap()).collect();
         common(&selectors.iter().collect::<Vec<_>>()).to_string()
     }
 
@@ -377,7 +390,7 @@ mod tests {
             false,
         ));
         let mut tracker = Tracker::new(rules);
-        let selector = parse_label_selector("app=llm,tier=a").unwrap();
+        let selector = selector("app=llm,tier=a").unwrap();
         let take = |tracker: &mut Tracker, events: Vec<Event<WatchedPod>>| {
             take_picked(tracker, &selector, &events, &status)
         };
@@ -423,7 +436,7 @@ mod tests {
             false,
         ));
         let mut tracker = Tracker::new(rules);
-        let selector = parse_label_selector("app=llm").unwrap();
+        let selector = selector("app=llm").unwrap();
         let listed = vec![Event::Init, Event::InitDone];
         take_picked(&mut tracker, &selector, &listed, &status);
         tracker.take_changes();
@@ -462,5 +475,34 @@ mod tests {
         );
         assert_eq!(common_of(&["tier=a", ""]), "");
         assert_eq!(common_of(&[]), "");
+    }
+
+    #[test]
+    fn what_parses_matches_as_the_api_server_would() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let picked = selector("app=llm,tier in (a,b),!canary").unwrap();
+        assert!(picked.matches(&labels(&[("app", "llm"), ("tier", "a")])));
+        assert!(!picked.matches(&labels(&[("app", "llm"), ("tier", "c")])));
+        assert!(!picked.matches(&labels(&[("app", "llm"), ("tier", "a"), ("canary", "")])));
+        assert!(!picked.matches(&labels(&[("tier", "a")])));
+        let not = selector("tier notin (a)").unwrap();
+        assert!(not.matches(&labels(&[])), "notin holds for a missing label");
+    }
+
+    #[test]
+    fn the_selector_asked_of_the_api_server_is_the_one_written() {
+        for text in [
+            "app=llm",
+            "a!=b,c in (x,y),!d,e",
+            "tongs.dev/pool notin (p)",
+        ] {
+            let ours = parse_label_selector(text).unwrap().to_string();
+            assert_eq!(selector(text).unwrap().to_string(), ours, "{text:?}");
+        }
     }
 }

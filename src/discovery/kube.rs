@@ -29,7 +29,7 @@ use super::lookups::{Lookups, write_back};
 use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::SaladApi;
-use crate::config::{KubernetesConfig, parse_label_selector};
+use crate::config::KubernetesConfig;
 use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 use crate::upstream::GatewayKey;
@@ -409,7 +409,7 @@ impl Discovery {
     /// dropped (which leaves the group).
     async fn watch(&self, config: &KubernetesConfig) {
         let status = Arc::clone(&self.status);
-        let selector = match parse_label_selector(&config.label_selector) {
+        let selector = match super::hub::selector(&config.label_selector) {
             Ok(selector) => selector,
             Err(err) => {
                 // Validation refuses such a configuration; this is never reached from a valid one.

@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use super::object::WatchedPod;
-use crate::config::{AllowRule, EndpointUrl, Guard, KubernetesConfig, Rule, guard};
+use crate::config::{AllowRule, EndpointUrl, Guard, KubernetesConfig, Rule, guard, parse_address};
 use crate::endpoint::Origin;
 use crate::registry::EndpointSpec;
 
@@ -496,17 +496,6 @@ impl Rules {
         }
         let url = format!("http://{}", SocketAddr::new(ip, port));
         EndpointUrl::parse(&url).ok().map(|parsed| (url, parsed))
-    }
-}
-
-/// Parses `IP:port` or `[IPv6]:port`.
-pub fn parse_address(text: &str) -> Result<SocketAddr, String> {
-    match text.parse::<SocketAddr>() {
-        Ok(address) if address.port() != 0 => Ok(address),
-        Ok(_) => Err(format!("{text:?} has port 0")),
-        Err(_) => Err(format!(
-            "{text:?} is not IP:port (like 100.101.102.103:8000 or [fd7a:115c:a1e0::1]:8000)"
-        )),
     }
 }
 

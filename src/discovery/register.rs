@@ -62,7 +62,7 @@ use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
 use super::Status;
-use super::pods::parse_address;
+use crate::config::parse_address;
 
 /// Largest registration body accepted.
 pub const MAX_BODY_BYTES: usize = 16 * 1024;

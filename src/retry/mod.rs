@@ -16,8 +16,9 @@ use tower::retry::budget::{Budget, TpsBudget};
 
 use crate::config::RetryConfig;
 
-pub use classify::{FailureKind, classify_status, retry_after};
+pub use classify::{FailureKind, classify_status};
 pub use replay::{BodyError, BodyIdle, BodyRules, BodyTooLarge, ReplayBody, ReplayBudget};
+pub use tongs_wire::header::retry_after;
 
 /// The retry rules of one configuration.
 #[derive(Clone, Debug)]

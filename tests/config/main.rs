@@ -1,4 +1,4 @@
-//! Configuration (`src/config/`, `src/reload.rs`, `src/main.rs`): the shipped example and the table of
+//! Configuration (`crates/wire/src/config/`, `src/reload.rs`, `src/main.rs`): the shipped example and the table of
 //! keys in `docs/configuration.md`, reload from a ConfigMap-style volume, and the `tongs` binary's config check and
 //! SIGTERM drain.
 //!

@@ -17,8 +17,8 @@ use proptest::prelude::*;
 use serde_json::{Value, json};
 
 use tongs::admission::Priority;
+use tongs::config::parse_address;
 use tongs::config::{AllowRule, Config, EndpointUrl};
-use tongs::discovery::pods::parse_address;
 use tongs::openai::sse::{Events, data};
 use tongs::openai::{AfterCut, Api, Continuable, Splicer};
 use tongs::retry::retry_after;

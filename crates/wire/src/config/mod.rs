@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use address::{Guard, guard};
+pub use address::{Guard, guard, parse_address};
 pub use auth::{AuthConfig, TenantConfig, TenantPriority, parse_keys, tenant_name};
 pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
 pub use duration::HumanDuration;
@@ -43,7 +43,7 @@ pub use pools::{DEFAULT_POOL, PoolConfig, PoolDiscovery, PoolMatch, PoolSpec, mo
 pub use replicas::ReplicasConfig;
 pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, RetryOn};
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
-pub use selector::{is_label_value, parse_label_selector};
+pub use selector::{LabelSelector, Requirement, is_label_value, parse_label_selector};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
 pub use upstream::{DomainPattern, ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
 pub use yaml::{load_validated, parse_validated, parse_yaml};

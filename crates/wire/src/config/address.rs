@@ -6,7 +6,7 @@
 //! Addresses are compared in canonical form: an IPv4-mapped IPv6 address (`::ffff:127.0.0.1`) is the
 //! IPv4 address it maps, and so is a mapped range.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
@@ -70,4 +70,15 @@ pub fn canonical_range(range: IpNet) -> IpNet {
 pub fn range_admits(range: &IpNet, ip: IpAddr) -> bool {
     let ip = ip.to_canonical();
     range.contains(&ip) && block_of(ip).is_none_or(|(block, _)| block.contains(range))
+}
+
+/// Parses a node's address, `IP:port` or `[IPv6]:port` (a registration's, a pod annotation's).
+pub fn parse_address(text: &str) -> Result<SocketAddr, String> {
+    match text.parse::<SocketAddr>() {
+        Ok(address) if address.port() != 0 => Ok(address),
+        Ok(_) => Err(format!("{text:?} has port 0")),
+        Err(_) => Err(format!(
+            "{text:?} is not IP:port (like 100.101.102.103:8000 or [fd7a:115c:a1e0::1]:8000)"
+        )),
+    }
 }

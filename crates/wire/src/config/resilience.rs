@@ -202,6 +202,11 @@ pub enum RetryOn {
 }
 
 impl RetryOn {
+    /// Whether the endpoint is at fault (feeds the breaker); back-pressure is not a fault.
+    pub fn is_endpoint_fault(self) -> bool {
+        self != RetryOn::BackPressure
+    }
+
     /// One of each kind (every status code counts as `status`).
     pub const KINDS: [RetryOn; 6] = [
         RetryOn::ConnectFailure,
