@@ -4,12 +4,12 @@
 //! Run with `cargo bench --bench pick`.
 
 use std::hint::black_box;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
-use tongs::balance::{PickContext, pick};
-use tongs::config::EndpointUrl;
+use tongs::balance::{PickContext, Pipeline, pick};
+use tongs::config::{BalancePolicy, EndpointUrl};
 use tongs::endpoint::{Endpoint, EndpointId, Outstanding};
 
 /// dhat's allocator counts every heap allocation while a profiler runs.
@@ -25,20 +25,31 @@ fn allocations() -> u64 {
 /// once outside the measured loop: the proxy reads the clock for its timeouts anyway, and in a bench
 /// build tokio's clock is slower than in the binary (its test-util feature is on for the tests). It is a
 /// minute after the fleet was built, so no endpoint is still in slow start (the steady state).
-fn context(neutral_latency_us: Option<u64>) -> PickContext {
-    static NOW: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+fn context(policy: BalancePolicy) -> PickContext<'static> {
+    static NOW: OnceLock<tokio::time::Instant> = OnceLock::new();
+    static PIPELINES: OnceLock<[Pipeline; 2]> = OnceLock::new();
     let now = *NOW.get_or_init(|| tokio::time::Instant::now() + Duration::from_secs(60));
+    let [expected, least] = PIPELINES.get_or_init(|| {
+        [
+            Pipeline::for_policy(BalancePolicy::ExpectedLatency),
+            Pipeline::for_policy(BalancePolicy::LeastOutstanding),
+        ]
+    });
     PickContext {
         slow_start_ms: 5_000,
-        neutral_latency_us,
+        pipeline: match policy {
+            BalancePolicy::ExpectedLatency => expected,
+            BalancePolicy::LeastOutstanding => least,
+        },
+        fleet_latency_us: 50_000,
         ..PickContext::at(now)
     }
 }
 
 /// The two balancer policies: expected latency (the default) and plain least outstanding.
-const POLICIES: [(&str, Option<u64>); 2] = [
-    ("expected_latency", Some(50_000)),
-    ("least_outstanding", None),
+const POLICIES: [(&str, BalancePolicy); 2] = [
+    ("expected_latency", BalancePolicy::ExpectedLatency),
+    ("least_outstanding", BalancePolicy::LeastOutstanding),
 ];
 
 const SIZES: [usize; 3] = [8, 64, 10_000];
@@ -65,7 +76,7 @@ fn fleet(n: usize) -> (Vec<Arc<Endpoint>>, Vec<Outstanding>) {
         .flat_map(|(i, endpoint)| (0..i % 5).map(|_| endpoint.start_request()))
         .collect();
     // Latency estimates from 20 to 200 ms, observed just before the picks, as under steady traffic.
-    let now_ms = tongs::endpoint::millis(context(None).now);
+    let now_ms = tongs::endpoint::millis(context(BalancePolicy::LeastOutstanding).now);
     for (i, endpoint) in endpoints.iter().enumerate() {
         endpoint.observe_latency(
             Duration::from_millis(20 + (i as u64 * 37) % 180),
@@ -82,12 +93,12 @@ fn exclusions(n: usize) -> Vec<EndpointId> {
 }
 
 fn bench_pick(c: &mut Criterion) {
-    for (policy, neutral) in POLICIES {
-        let mut group = c.benchmark_group(format!("pick_{policy}"));
+    for (name, policy) in POLICIES {
+        let mut group = c.benchmark_group(format!("pick_{name}"));
         for &n in &SIZES {
             let (endpoints, _held) = fleet(n);
             let exclude = exclusions(n);
-            let ctx = context(neutral);
+            let ctx = context(policy);
             group.bench_with_input(BenchmarkId::new("no_exclusions", n), &n, |b, _| {
                 b.iter(|| pick(black_box(&endpoints), black_box(&[]), &ctx).map(|(e, _)| e.id()))
             });
@@ -114,7 +125,11 @@ fn allocation_check() {
         );
         let exclude = exclusions(n);
         // One pick first, so any lazy one-time setup (e.g. the thread-local RNG) is not counted.
-        black_box(pick(&endpoints, &exclude, &context(Some(50_000))));
+        black_box(pick(
+            &endpoints,
+            &exclude,
+            &context(BalancePolicy::ExpectedLatency),
+        ));
         let before = allocations();
         let mut checksum = 0u64;
         for i in 0..ALLOC_CHECK_PICKS {
@@ -122,7 +137,7 @@ fn allocation_check() {
             let (picked, _) = pick(
                 black_box(&endpoints),
                 black_box(skip),
-                &context(Some(50_000)),
+                &context(BalancePolicy::ExpectedLatency),
             )
             .unwrap();
             checksum = checksum.wrapping_add(picked.id());

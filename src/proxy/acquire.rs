@@ -11,7 +11,6 @@ use super::{Proxy, ProxySettings, millis_of};
 use crate::admission::{Place, Refusal, Waited};
 use crate::balance::{self, PickContext};
 use crate::breaker::Admission;
-use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
 
 /// Endpoint ids a pick leaves out (no allocation; more than fit are not excluded).
@@ -216,10 +215,8 @@ impl Proxy {
             now,
             slow_start_ms: millis_of(settings.slow_start),
             ignore_health: false,
-            neutral_latency_us: match settings.policy {
-                BalancePolicy::ExpectedLatency => Some(self.fleet_latency_us()),
-                BalancePolicy::LeastOutstanding => None,
-            },
+            pipeline: &settings.pipeline,
+            fleet_latency_us: self.fleet_latency_us(),
             latency_decay_ms: millis_of(settings.latency_decay),
         };
         if let Some(slot) = self.slot_among(&snapshot, tried.ids, &mut ctx) {
@@ -260,7 +257,7 @@ impl Proxy {
         &self,
         snapshot: &[Arc<Endpoint>],
         mut exclude: Exclude,
-        ctx: &mut PickContext,
+        ctx: &mut PickContext<'_>,
     ) -> Option<Slot> {
         for _ in 0..6 {
             let Some((endpoint, eligibility)) = balance::pick(snapshot, exclude.as_slice(), ctx)

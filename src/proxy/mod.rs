@@ -43,6 +43,7 @@ pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
 pub use self::stream::StreamSettings;
 use crate::admission::{Queue, Refusal};
+use crate::balance::Pipeline;
 use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
 use crate::http::ProxyBody;
@@ -69,7 +70,9 @@ pub struct ProxySettings {
     pub retry: RetryPolicy,
     /// How long an attempt may wait on an endpoint whose last heartbeat failed before it moves on.
     pub suspect_grace: Duration,
+    /// `balancer.policy`, and the pick's filters and scorers it names.
     pub policy: BalancePolicy,
+    pub pipeline: Arc<Pipeline>,
     pub latency_decay: Duration,
     pub hedge_enabled: bool,
     pub hedge_after_multiplier: f64,
@@ -110,6 +113,7 @@ impl ProxySettings {
             retry: RetryPolicy::new(&config.retry),
             suspect_grace: config.health.timeout.get(),
             policy: config.balancer.policy,
+            pipeline: Arc::new(Pipeline::for_policy(config.balancer.policy)),
             latency_decay: config.balancer.latency_decay.get(),
             hedge_enabled: config.hedge.enabled,
             hedge_after_multiplier: config.hedge.after_multiplier,

@@ -1,63 +1,67 @@
-//! Picking an endpoint over a registry snapshot: by expected latency (`balancer.policy:
-//! expected-latency`, the default) or by outstanding requests alone (`least-outstanding`).
-//!
-//! The load of an endpoint is the time to first byte a new request there should expect, over its
-//! weight. Under `expected-latency` that is what its answers took when it held as many requests as it
-//! would with this one (`Endpoint::rank_latency_us`): a GPU server that answers eight at once in
-//! 120 ms keeps its share up to eight, where the single-worker model of linkerd's and Finagle's
-//! peak-EWMA cost, `(outstanding + 1) × latency`, would send the fourth request to an idle node four
-//! times slower. Loads not yet seen are assumed to queue (that same product), until answers show
-//! otherwise. Each request already there also adds an eighth of that, divided by the weight
-//! ([`LOAD_SPREAD`]), so nodes about as fast share the load in proportion to their weights. The expected latency is never below the endpoint's silence: how long attempts there have
-//! waited with none answered, so a node that stops answering loses its share as its silence grows.
-//! Under `least-outstanding` the load is `(outstanding + 1) / weight`: comparing `o + 1` rather than
-//! `o` makes weights matter even when every endpoint is idle, and spreads concurrent load in proportion
-//! to weight (weight 3 takes three requests for every one a weight-1 endpoint takes). Ratios are
-//! compared by cross-multiplication, so no floats. An endpoint without an estimate of its own is
-//! ranked by the fleet's.
-//!
-//! Small sets (up to [`FULL_SCAN_MAX`]) are scanned fully with a random tie-break, which is exact and
-//! cheap. Larger sets use the power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized
-//! Load Balancing", 2001): two random eligible endpoints, keep the less loaded. That is O(1) at 10,000
-//! endpoints and avoids the herd behaviour of an exact scan across many proxy replicas whose views lag.
+//! Picking an endpoint over a registry snapshot, as a pipeline: which endpoints may take this request
+//! (filters), what each costs (scorers, weighted and combined), then the pick (the cheapest, or the
+//! cheaper of two random choices at scale). The seams are in [`score`]; each scorer is a file of its
+//! own: [`expected_latency`] (`balancer.policy: expected-latency`, the default) and
+//! [`least_outstanding`].
 //!
 //! Only eligible endpoints are picked: below their limit, not draining, healthy and not suspect by
 //! heartbeats (unless the caller is in panic mode), not cooling down after back-pressure, breaker closed
-//! — or half-open with its one probe slot free, which the caller must then claim. When every endpoint is
-//! cooling down the pick finds none and the request waits in the queue. Slow start scales a new or
-//! recovered endpoint's weight from 10 % to 100 % over the configured window.
+//! — or half-open with its one probe slot free, which the caller must then claim. Then the pipeline's
+//! own filters are asked. When every endpoint is cooling down the pick finds none and the request waits
+//! in the queue. Slow start scales a new or recovered endpoint's weight from 10 % to 100 % over the
+//! configured window; scorers see the scaled weight.
 //!
-//! A pick never allocates: the exclusion set is a caller-owned slice (the endpoints a retry already tried).
+//! Small sets (up to [`FULL_SCAN_MAX`]) are scanned fully with a random tie-break, which is exact and
+//! cheap. Larger sets use the power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized
+//! Load Balancing", 2001): two random eligible endpoints, keep the cheaper. That is O(1) at 10,000
+//! endpoints and avoids the herd behaviour of an exact scan across many proxy replicas whose views lag.
+//!
+//! A pick never allocates: the exclusion set is a caller-owned slice (the endpoints a retry already tried),
+//! and the pipeline is built when the configuration is applied.
+
+pub mod expected_latency;
+pub mod least_outstanding;
+pub mod score;
 
 use std::cmp::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use tokio::time::Instant;
 
+pub use score::{Cost, Filter, Pipeline, SCORERS, Scorer, Sight, Total, UnknownScorer};
+
+use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
 
 /// What a pick needs besides the endpoints.
 #[derive(Clone, Copy, Debug)]
-pub struct PickContext {
+pub struct PickContext<'p> {
     pub now: Instant,
     /// Slow-start window in milliseconds (0: off).
     pub slow_start_ms: u64,
     /// Panic mode: every endpoint failed its heartbeats, so heartbeats are ignored.
     pub ignore_health: bool,
-    /// Rank by expected latency (`Some`: the fleet's estimate in microseconds, for endpoints without
-    /// one) or by outstanding count alone (`None`).
-    pub neutral_latency_us: Option<u64>,
+    /// The filters and scorers to pick with.
+    pub pipeline: &'p Pipeline,
+    /// The fleet's latency estimate in microseconds, for endpoints without one of their own.
+    pub fleet_latency_us: u64,
     /// Time constant of the latency estimates, milliseconds.
     pub latency_decay_ms: u64,
 }
 
-impl PickContext {
-    pub fn at(now: Instant) -> PickContext {
+/// `least-outstanding`, for [`PickContext::at`].
+static LEAST_OUTSTANDING: LazyLock<Pipeline> =
+    LazyLock::new(|| Pipeline::for_policy(BalancePolicy::LeastOutstanding));
+
+impl PickContext<'static> {
+    /// A pick at `now` by outstanding requests alone, no slow start, heartbeats respected.
+    pub fn at(now: Instant) -> PickContext<'static> {
         PickContext {
             now,
             slow_start_ms: 0,
             ignore_health: false,
-            neutral_latency_us: None,
+            pipeline: &LEAST_OUTSTANDING,
+            fleet_latency_us: 1000,
             latency_decay_ms: 10_000,
         }
     }
@@ -66,15 +70,6 @@ impl PickContext {
 /// An eligible endpoint and how it may be used.
 pub type Picked<'a> = (&'a Arc<Endpoint>, Eligibility);
 
-/// Under `expected-latency`, each request an endpoint already holds adds `1 ÷ (LOAD_SPREAD × weight)`
-/// of its expected latency to its cost, even where its answers show no slowdown yet: nodes about as
-/// fast share the load rather than the one measured a little faster taking all of it, a node not
-/// picked for a while is tried again (what was learnt of it does not go stale), and weights (slow
-/// start's included) set how many requests an endpoint takes for every one another takes. Small
-/// against a real difference in speed: a node twice as fast keeps its share up to eight requests
-/// ahead.
-const LOAD_SPREAD: u64 = 8;
-
 /// Largest set scanned fully; above it, power of two choices.
 pub const FULL_SCAN_MAX: usize = 32;
 
@@ -82,12 +77,12 @@ pub const FULL_SCAN_MAX: usize = 32;
 /// excluded or unavailable, sampling alone could miss the few eligible ones).
 const MAX_SAMPLES: usize = 8;
 
-/// Picks the eligible endpoint with the least load per unit of weight (see the module's doc), skipping
-/// those in `exclude`. `None` when no endpoint is eligible.
+/// Picks the eligible endpoint the pipeline finds cheapest (see the module's doc), skipping those in
+/// `exclude`. `None` when no endpoint is eligible.
 pub fn pick<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-    ctx: &PickContext,
+    ctx: &PickContext<'_>,
 ) -> Option<Picked<'a>> {
     let now_ms = crate::endpoint::millis(ctx.now);
     if endpoints.len() <= FULL_SCAN_MAX {
@@ -97,18 +92,18 @@ pub fn pick<'a>(
     }
 }
 
-/// An eligible candidate with its load as a fraction compared by cross-multiplication (see the
-/// module's doc).
+/// An eligible candidate and its cost.
 struct Candidate<'a> {
     endpoint: &'a Arc<Endpoint>,
     eligibility: Eligibility,
-    load: (u128, u64),
+    total: Total,
 }
 
+/// Filters, then scores, one endpoint.
 fn candidate<'a>(
     endpoint: &'a Arc<Endpoint>,
     exclude: &[EndpointId],
-    ctx: &PickContext,
+    ctx: &PickContext<'_>,
     now_ms: u64,
 ) -> Option<Candidate<'a>> {
     if exclude.contains(&endpoint.id()) {
@@ -118,40 +113,26 @@ fn candidate<'a>(
     if eligibility == Eligibility::No {
         return None;
     }
-    let weight = endpoint.effective_weight(now_ms, ctx.slow_start_ms);
-    let outstanding = endpoint.outstanding();
-    let load = match ctx.neutral_latency_us {
-        // expected × (SPREAD × w + o) ÷ (SPREAD × w), with the weight in thousandths.
-        Some(neutral) => {
-            let expected =
-                endpoint.rank_latency_us(now_ms, outstanding, neutral, ctx.latency_decay_ms);
-            let share = LOAD_SPREAD.saturating_mul(weight);
-            (
-                u128::from(expected)
-                    * u128::from(share.saturating_add(outstanding.saturating_mul(1000))),
-                share,
-            )
-        }
-        None => (u128::from(outstanding.saturating_add(1)), weight),
+    let sight = Sight {
+        endpoint,
+        now_ms,
+        weight: endpoint.effective_weight(now_ms, ctx.slow_start_ms),
+        outstanding: endpoint.outstanding(),
     };
+    if !ctx.pipeline.admits(&sight, ctx) {
+        return None;
+    }
     Some(Candidate {
         endpoint,
         eligibility,
-        load,
+        total: ctx.pipeline.total(&sight, ctx),
     })
-}
-
-fn compare(a: (u128, u64), b: (u128, u64)) -> Ordering {
-    // At most 2^64 × 2^64 × 10^7 on each side would overflow; saturating keeps the order sane far beyond
-    // any real outstanding count and latency.
-    a.0.saturating_mul(u128::from(b.1))
-        .cmp(&b.0.saturating_mul(u128::from(a.1)))
 }
 
 fn full_scan<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-    ctx: &PickContext,
+    ctx: &PickContext<'_>,
     now_ms: u64,
 ) -> Option<Picked<'a>> {
     let mut best: Option<Candidate<'a>> = None;
@@ -161,7 +142,7 @@ fn full_scan<'a>(
             continue;
         };
         match &best {
-            Some(current) => match compare(candidate.load, current.load) {
+            Some(current) => match candidate.total.compare(current.total) {
                 Ordering::Less => {
                     best = Some(candidate);
                     ties = 1;
@@ -187,7 +168,7 @@ fn full_scan<'a>(
 fn two_choices<'a>(
     endpoints: &'a [Arc<Endpoint>],
     exclude: &[EndpointId],
-    ctx: &PickContext,
+    ctx: &PickContext<'_>,
     now_ms: u64,
 ) -> Option<Picked<'a>> {
     let mut first: Option<Candidate<'a>> = None;
@@ -200,7 +181,7 @@ fn two_choices<'a>(
             None => first = Some(second),
             Some(ref chosen) if chosen.endpoint.id() == second.endpoint.id() => {}
             Some(chosen) => {
-                let winner = match compare(chosen.load, second.load) {
+                let winner = match chosen.total.compare(second.total) {
                     Ordering::Less => chosen,
                     Ordering::Greater => second,
                     Ordering::Equal if fastrand::bool() => chosen,
@@ -214,16 +195,25 @@ fn two_choices<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
 
     use crate::config::EndpointUrl;
     use crate::endpoint::Outstanding;
 
-    fn ctx() -> PickContext {
+    fn ctx() -> PickContext<'static> {
         PickContext::at(Instant::now())
     }
+
+    /// One endpoint of weight 1, for the scorers' own tests.
+    pub(crate) fn endpoint(id: EndpointId) -> Endpoint {
+        let url = format!("http://127.0.0.1:{}", 10_000 + id);
+        Endpoint::new(id, &url, EndpointUrl::parse(&url).unwrap(), 1)
+    }
+
+    static EXPECTED_LATENCY: LazyLock<Pipeline> =
+        LazyLock::new(|| Pipeline::for_policy(BalancePolicy::ExpectedLatency));
 
     fn fleet(weights: &[u32]) -> Vec<Arc<Endpoint>> {
         weights
@@ -272,7 +262,8 @@ mod tests {
             endpoint.observe_latency(Duration::from_millis(200), now_ms, 10_000);
         }
         let latency_ctx = || PickContext {
-            neutral_latency_us: Some(200_000),
+            pipeline: &EXPECTED_LATENCY,
+            fleet_latency_us: 200_000,
             ..PickContext::at(Instant::now())
         };
         // Endpoint 0 holds one attempt that has not answered; endpoint 1 holds two that did.
@@ -305,7 +296,8 @@ mod tests {
         let now_ms = crate::endpoint::millis(Instant::now());
         let ms = Duration::from_millis;
         let latency_ctx = || PickContext {
-            neutral_latency_us: Some(200_000),
+            pipeline: &EXPECTED_LATENCY,
+            fleet_latency_us: 200_000,
             ..PickContext::at(Instant::now())
         };
         // Endpoint 0 is a batching GPU server: 100 ms whether it holds 1 or 8. Endpoint 1 takes 300 ms.
@@ -458,5 +450,82 @@ mod tests {
             held.push(chosen.start_request());
         }
         assert!((1..=3).contains(&on_ramping), "{on_ramping}");
+    }
+
+    /// Admits only endpoints with an odd id.
+    #[derive(Debug)]
+    struct OddOnly;
+
+    impl Filter for OddOnly {
+        fn name(&self) -> &'static str {
+            "odd-only"
+        }
+
+        fn admits(&self, sight: &Sight<'_>, _ctx: &PickContext<'_>) -> bool {
+            sight.endpoint.id() % 2 == 1
+        }
+    }
+
+    #[test]
+    fn a_pipelines_filters_keep_endpoints_out_of_every_pick() {
+        let odd =
+            Pipeline::for_policy(BalancePolicy::LeastOutstanding).with_filter(Box::new(OddOnly));
+        let ctx = PickContext {
+            pipeline: &odd,
+            ..ctx()
+        };
+        // Scanned in full ...
+        let few = fleet(&[1, 1, 1]);
+        let _busy = few[1].start_request();
+        for _ in 0..50 {
+            assert_eq!(
+                pick(&few, &[], &ctx).unwrap().0.id(),
+                1,
+                "the idle ones are even"
+            );
+        }
+        assert!(pick(&few, &[1], &ctx).is_none());
+        // ... and by two choices at scale.
+        let many = fleet(&vec![1; 200]);
+        for _ in 0..200 {
+            assert_eq!(pick(&many, &[], &ctx).unwrap().0.id() % 2, 1);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn several_scorers_decide_by_their_weighted_sum() {
+        let endpoints = fleet(&[1, 1]);
+        let now_ms = crate::endpoint::millis(Instant::now());
+        let ms = Duration::from_millis;
+        // Endpoint 0 answers in 10 ms and holds two requests; endpoint 1 answers in 300 ms, idle.
+        endpoints[0].observe_latency(ms(10), now_ms, 10_000);
+        for in_flight in 1..=3 {
+            endpoints[0].observe_load_latency(ms(10), in_flight, now_ms, 10_000);
+        }
+        endpoints[1].observe_latency(ms(300), now_ms, 10_000);
+        endpoints[1].observe_load_latency(ms(300), 1, now_ms, 10_000);
+        drop(endpoints[1].start_waiting(Instant::now()));
+        let _held = [endpoints[0].start_request(), endpoints[0].start_request()];
+        let picked = |scorers: &[(&str, f64)]| {
+            let pipeline = Pipeline::of(scorers).unwrap();
+            let ctx = PickContext {
+                pipeline: &pipeline,
+                fleet_latency_us: 100_000,
+                ..PickContext::at(Instant::now())
+            };
+            pick(&endpoints, &[], &ctx).unwrap().0.id()
+        };
+        assert_eq!(picked(&[("least-outstanding", 1.0)]), 1);
+        assert_eq!(picked(&[("expected-latency", 1.0)]), 0);
+        // Costs: least-outstanding 3 ÷ 1000 vs 1 ÷ 1000 (the weight is in thousandths); expected latency
+        // in µs, 10,000 × 1.25 (two held, an eighth each) vs 300,000. Weighted, either can win.
+        assert_eq!(
+            picked(&[("least-outstanding", 1.0), ("expected-latency", 1.0)]),
+            0
+        );
+        assert_eq!(
+            picked(&[("least-outstanding", 1e9), ("expected-latency", 1.0)]),
+            1
+        );
     }
 }

@@ -1,0 +1,245 @@
+//! The pick's seams: a [`Scorer`] gives each candidate a cost for this request, a [`Filter`] says
+//! whether a candidate may take it at all, and a [`Pipeline`] is the weighted scorers and the filters a
+//! pool picks with. [`SCORERS`] names every scorer a pipeline can be built from.
+//!
+//! A new scorer is a file beside `expected_latency.rs` with a type implementing [`Scorer`], and one line
+//! in [`SCORERS`].
+
+use std::cmp::Ordering;
+use std::fmt;
+
+use crate::config::BalancePolicy;
+use crate::endpoint::Endpoint;
+
+use super::PickContext;
+use super::expected_latency::ExpectedLatency;
+use super::least_outstanding::LeastOutstanding;
+
+/// How a scorer is made when a pipeline names it.
+pub type Build = fn() -> Box<dyn Scorer>;
+
+/// Every scorer by name, and how to build it.
+pub const SCORERS: &[(&str, Build)] = &[
+    ("expected-latency", || Box::new(ExpectedLatency)),
+    ("least-outstanding", || Box::new(LeastOutstanding)),
+];
+
+/// What the pick already read off an eligible endpoint, handed to every scorer: each reads it once.
+#[derive(Clone, Copy, Debug)]
+pub struct Sight<'e> {
+    pub endpoint: &'e Endpoint,
+    /// The endpoint's clock (see [`crate::endpoint::millis`]).
+    pub now_ms: u64,
+    /// Its weight after slow start, in thousandths.
+    pub weight: u64,
+    /// Requests it holds now.
+    pub outstanding: u64,
+}
+
+/// A scorer's verdict on one endpoint for one request: lower is better. A fraction, so that a load
+/// per unit of weight compares exactly (by cross-multiplication) when one scorer decides alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cost {
+    pub numerator: u128,
+    /// Never zero.
+    pub denominator: u64,
+}
+
+impl Cost {
+    pub fn ratio(numerator: u128, denominator: u64) -> Cost {
+        Cost {
+            numerator,
+            denominator: denominator.max(1),
+        }
+    }
+
+    /// Exact order. At most 2^64 × 2^64 × 10^7 on each side would overflow; saturating keeps the order
+    /// sane far beyond any real outstanding count and latency.
+    pub fn cmp_exact(self, other: Cost) -> Ordering {
+        self.numerator
+            .saturating_mul(u128::from(other.denominator))
+            .cmp(&other.numerator.saturating_mul(u128::from(self.denominator)))
+    }
+
+    pub fn as_f64(self) -> f64 {
+        self.numerator as f64 / self.denominator as f64
+    }
+}
+
+/// One way to rank endpoints: a pure function from an endpoint's state and the request to a cost.
+pub trait Scorer: Send + Sync + fmt::Debug {
+    /// Its name in [`SCORERS`] (and in the configuration).
+    fn name(&self) -> &'static str;
+    fn cost(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Cost;
+}
+
+/// Whether an endpoint may take this request, beyond what every pick asks (its breaker, health, limit
+/// and back-off: [`Endpoint::eligibility`]).
+pub trait Filter: Send + Sync + fmt::Debug {
+    fn name(&self) -> &'static str;
+    fn admits(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> bool;
+}
+
+/// The filters and the weighted scorers a pool picks with.
+#[derive(Debug, Default)]
+pub struct Pipeline {
+    filters: Vec<Box<dyn Filter>>,
+    scorers: Vec<(Box<dyn Scorer>, f64)>,
+}
+
+/// A candidate's cost under a whole pipeline. One scorer's cost is kept exact; several are summed,
+/// each times its weight.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Total {
+    One(Cost),
+    Sum(f64),
+}
+
+impl Total {
+    pub fn compare(self, other: Total) -> Ordering {
+        match (self, other) {
+            (Total::One(a), Total::One(b)) => a.cmp_exact(b),
+            (a, b) => a.as_f64().total_cmp(&b.as_f64()),
+        }
+    }
+
+    fn as_f64(self) -> f64 {
+        match self {
+            Total::One(cost) => cost.as_f64(),
+            Total::Sum(sum) => sum,
+        }
+    }
+}
+
+/// A name that is no scorer's.
+#[derive(Debug, PartialEq, Eq)]
+pub struct UnknownScorer(pub String);
+
+impl fmt::Display for UnknownScorer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let known: Vec<&str> = SCORERS.iter().map(|(name, _)| *name).collect();
+        write!(
+            f,
+            "no scorer is named {:?}; there are {}",
+            self.0,
+            known.join(", ")
+        )
+    }
+}
+
+impl Pipeline {
+    /// The scorers named, each with its weight, and no filter.
+    pub fn of(scorers: &[(&str, f64)]) -> Result<Pipeline, UnknownScorer> {
+        let scorers = scorers
+            .iter()
+            .map(|&(wanted, weight)| {
+                SCORERS
+                    .iter()
+                    .find(|(name, _)| *name == wanted)
+                    .map(|(_, build)| (build(), weight))
+                    .ok_or_else(|| UnknownScorer(wanted.to_owned()))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Pipeline {
+            filters: Vec::new(),
+            scorers,
+        })
+    }
+
+    /// What `balancer.policy` names: its one scorer.
+    pub fn for_policy(policy: BalancePolicy) -> Pipeline {
+        let name = match policy {
+            BalancePolicy::ExpectedLatency => "expected-latency",
+            BalancePolicy::LeastOutstanding => "least-outstanding",
+        };
+        Pipeline::of(&[(name, 1.0)]).expect("every policy names a registered scorer")
+    }
+
+    /// Adds a filter, asked after the built-in eligibility.
+    pub fn with_filter(mut self, filter: Box<dyn Filter>) -> Pipeline {
+        self.filters.push(filter);
+        self
+    }
+
+    /// The scorers' names, in order.
+    pub fn scorer_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.scorers.iter().map(|(scorer, _)| scorer.name())
+    }
+
+    /// Whether every filter admits the endpoint.
+    pub fn admits(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> bool {
+        self.filters.iter().all(|filter| filter.admits(sight, ctx))
+    }
+
+    /// The endpoint's cost for this request.
+    pub fn total(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Total {
+        match self.scorers.as_slice() {
+            [(scorer, _)] => Total::One(scorer.cost(sight, ctx)),
+            scorers => Total::Sum(
+                scorers
+                    .iter()
+                    .map(|(scorer, weight)| weight * scorer.cost(sight, ctx).as_f64())
+                    .sum(),
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn costs_compare_exactly_as_fractions() {
+        assert_eq!(
+            Cost::ratio(1, 1000).cmp_exact(Cost::ratio(2, 2000)),
+            Ordering::Equal
+        );
+        assert_eq!(
+            Cost::ratio(1, 3).cmp_exact(Cost::ratio(1, 2)),
+            Ordering::Less
+        );
+        // A zero denominator is taken as one, never a division by zero.
+        assert_eq!(Cost::ratio(5, 0), Cost::ratio(5, 1));
+        // Far past any real load the order saturates rather than wraps.
+        assert_eq!(
+            Cost::ratio(u128::MAX, 1).cmp_exact(Cost::ratio(1, 1)),
+            Ordering::Greater
+        );
+    }
+
+    #[test]
+    fn totals_of_several_scorers_compare_by_weighted_sum() {
+        assert_eq!(Total::Sum(1.5).compare(Total::Sum(2.0)), Ordering::Less);
+        assert_eq!(
+            Total::One(Cost::ratio(3, 2)).compare(Total::One(Cost::ratio(6, 4))),
+            Ordering::Equal
+        );
+    }
+
+    #[test]
+    fn pipelines_are_built_by_name_and_unknown_names_are_refused_with_the_known_ones() {
+        let both = Pipeline::of(&[("least-outstanding", 1.0), ("expected-latency", 0.5)]).unwrap();
+        assert_eq!(
+            both.scorer_names().collect::<Vec<_>>(),
+            ["least-outstanding", "expected-latency"]
+        );
+        let err = Pipeline::of(&[("kv-cache", 1.0)]).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "no scorer is named \"kv-cache\"; there are expected-latency, least-outstanding"
+        );
+        for (name, _) in SCORERS {
+            assert_eq!(
+                Pipeline::of(&[(name, 1.0)]).unwrap().scorer_names().next(),
+                Some(*name)
+            );
+        }
+        assert_eq!(
+            Pipeline::for_policy(BalancePolicy::ExpectedLatency)
+                .scorer_names()
+                .collect::<Vec<_>>(),
+            ["expected-latency"]
+        );
+    }
+}
