@@ -19,7 +19,7 @@ use crate::registry::Registry;
 use crate::route::{Pool, PoolError, Router};
 use crate::server::{BindError, ServerSettings};
 use crate::upstream::{GatewayKey, UpstreamClient, UpstreamError};
-use crate::{admin, discovery, health, reload, server, upstream};
+use crate::{admin, health, reload, server, source, upstream};
 
 /// Why tongs could not start.
 #[derive(Debug, thiserror::Error)]
@@ -54,9 +54,9 @@ pub struct Parts {
     /// Secret takes effect without a restart.
     pub admin_token: Arc<ArcSwapOption<String>>,
     /// The pod watches, one per group of pools that can share it.
-    pub watches: Arc<discovery::hub::Hubs>,
+    pub watches: Arc<source::kubernetes::hub::Hubs>,
     /// How many tongs replicas share the fleets (`replicas`), for the pools' fixed limits.
-    pub replicas: Arc<discovery::replicas::Replicas>,
+    pub replicas: Arc<source::kubernetes::replicas::Replicas>,
 }
 
 impl Parts {
@@ -276,10 +276,6 @@ impl App {
             return Err(err);
         }
         upstream::build_client(config, Arc::clone(&parts.gateway_key))?;
-        // Static discovery is synced the moment it is applied; pod discovery once its first list is in.
-        if !config.discovery.kubernetes.enabled {
-            parts.readiness.set_synced();
-        }
         let proxy_listeners = server::bind_workers(
             config.listen,
             worker_count(config),
@@ -336,7 +332,7 @@ impl App {
     }
 
     /// The SaladCloud API client for gateway lookups, when `salad.api` and a key are configured.
-    fn salad_api(&self) -> Option<discovery::salad::SaladApi> {
+    fn salad_api(&self) -> Option<source::kubernetes::salad::SaladApi> {
         let salad = &self.config.salad;
         if !salad.api_enabled() {
             return None;
@@ -347,7 +343,7 @@ impl App {
         let client = upstream::build_client(&self.config, Arc::new(GatewayKey::default()))
             .map_err(|err| tracing::error!(error = %err, "SaladCloud API lookups are off"))
             .ok()?;
-        Some(discovery::salad::SaladApi::new(
+        Some(source::kubernetes::salad::SaladApi::new(
             &salad.api.url,
             &salad.api.organization,
             &salad.api.project,
@@ -441,10 +437,13 @@ impl App {
         match upstream::build_client(&self.config, Arc::clone(&parts.gateway_key)) {
             Ok(client) => {
                 let senders = health::Senders::new(client, senders);
-                let (readiness, gateway_key) =
-                    (Arc::clone(&parts.readiness), Arc::clone(&parts.gateway_key));
-                // One pod watch serves every pool that can share it (see `discovery::hub`).
-                let hubs = Arc::clone(&parts.watches);
+                // What every pool's sources share: one pod watch serves every pool that can share it
+                // (see `source::kubernetes::hub`).
+                let shared = source::Shared {
+                    watches: Arc::clone(&parts.watches),
+                    salad: salad.clone(),
+                    gateway_key: Arc::clone(&parts.gateway_key),
+                };
                 parts.router.start_pools(Box::new(move |pool: &Arc<Pool>| {
                     let stop = CancellationToken::new();
                     tokio::spawn(health::run(
@@ -453,18 +452,7 @@ impl App {
                         senders.clone(),
                         stop.clone(),
                     ));
-                    tokio::spawn(
-                        discovery::kube::Discovery {
-                            pool: Arc::clone(pool.name()),
-                            registry: Arc::clone(pool.registry()),
-                            status: Arc::clone(pool.discovery()),
-                            readiness: Arc::clone(&readiness),
-                            salad: salad.clone(),
-                            gateway_key: Arc::clone(&gateway_key),
-                            hubs: Arc::clone(&hubs),
-                        }
-                        .run(stop.clone()),
-                    );
+                    pool.sources().run(pool.name(), &shared, &stop);
                     pool.set_tasks(stop);
                 }));
             }

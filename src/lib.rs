@@ -12,7 +12,7 @@ pub mod app;
 pub mod balance;
 pub mod breaker;
 pub mod demo;
-pub mod discovery;
+
 pub mod endpoint;
 pub mod health;
 pub mod http;
@@ -26,6 +26,7 @@ pub mod retry;
 pub mod route;
 pub mod server;
 pub mod sim;
+pub mod source;
 pub mod trace;
 pub mod upstream;
 

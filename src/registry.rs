@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
 
-use crate::config::{Config, EndpointUrl};
+use crate::config::EndpointUrl;
 use crate::endpoint::{Endpoint, FleetCounts, Origin, SlotFreed};
 use crate::limit::LimitSettings;
 
@@ -36,22 +36,6 @@ impl EndpointSpec {
             weight,
             origin: Origin::default(),
         }
-    }
-
-    /// The static endpoints of a (validated) configuration.
-    pub fn from_config(config: &Config) -> Vec<EndpointSpec> {
-        config
-            .discovery
-            .static_endpoints
-            .iter()
-            .filter_map(|endpoint| {
-                // Validation already refused bad URLs; skipping keeps this total for unvalidated input.
-                let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
-                let mut spec = EndpointSpec::new(endpoint.url.clone(), parsed, endpoint.weight);
-                spec.origin.max_outstanding = endpoint.max_outstanding;
-                Some(spec)
-            })
-            .collect()
     }
 }
 

@@ -56,7 +56,7 @@ pub(super) fn authorized<B>(request: &Request<B>, token: &str) -> bool {
     };
     // Compared in time independent of where the first difference is, as registration compares its
     // fleet token (one comparison, `subtle`'s, for every secret tongs checks).
-    crate::discovery::register::secret_matches(given, token)
+    crate::source::kubernetes::register::secret_matches(given, token)
 }
 
 pub(super) fn unauthorized() -> Response<ProxyBody> {

@@ -41,6 +41,7 @@ use crate::metrics::{Front, Metrics, Scrape};
 use crate::readiness::Readiness;
 use crate::route::{Pool, Router};
 use crate::server;
+use crate::source::kubernetes;
 
 pub use register::REGISTER_PATH;
 
@@ -52,7 +53,7 @@ pub struct State {
     pub router: Arc<Router>,
     pub metrics: Arc<Metrics>,
     /// How many tongs replicas share the fleets' fixed limits.
-    pub replicas: Arc<crate::discovery::replicas::Replicas>,
+    pub replicas: Arc<crate::source::kubernetes::replicas::Replicas>,
 }
 
 impl State {
@@ -67,14 +68,14 @@ impl State {
             .collect()
     }
 
-    /// Ready: not draining, and every pool that watches pods has its first list in.
+    /// Ready: not draining, and every pool's every source has its first list in.
     pub(super) fn ready(&self) -> bool {
         self.readiness.is_ready()
             && self
                 .router
                 .pools()
                 .iter()
-                .all(|pool| !pool.discovery().wants_sync() || pool.discovery().synced())
+                .all(|pool| pool.sources().synced())
     }
 
     /// The `/metrics` page: recorded figures plus the state of things now.
@@ -100,7 +101,11 @@ impl State {
                         .collect(),
                     stats: pool.proxy().stats(),
                     endpoints,
-                    discovery: pool.discovery().figures(),
+                    discovery: pool
+                        .sources()
+                        .get::<kubernetes::Pods>()
+                        .map(|pods| pods.state().figures())
+                        .unwrap_or_default(),
                 }
             })
             .collect();

@@ -1,19 +1,20 @@
-//! `POST /v1/nodes/register`: a node tells tongs its address (see [`crate::discovery::register`]).
+//! `POST /v1/nodes/register`: a node tells tongs its address (see [`crate::source::kubernetes::register`]).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 
 use super::{answer, no_store, typed};
-use crate::discovery;
 use crate::http::ProxyBody;
 use crate::route::Router;
+use crate::source::kubernetes;
 
 /// Where nodes register their address.
 pub const REGISTER_PATH: &str = "/v1/nodes/register";
 
-/// `POST /v1/nodes/register`: see [`crate::discovery::register`].
+/// `POST /v1/nodes/register`: see [`crate::source::kubernetes::register`].
 pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Response<ProxyBody> {
     use http_body_util::BodyExt;
     if request.method() != Method::POST {
@@ -24,7 +25,7 @@ pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Res
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
-    let limit = crate::discovery::register::MAX_BODY_BYTES;
+    let limit = crate::source::kubernetes::register::MAX_BODY_BYTES;
     let body = match tokio::time::timeout(
         Duration::from_secs(10),
         http_body_util::Limited::new(request.into_body(), limit).collect(),
@@ -42,7 +43,7 @@ pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Res
     };
     let status = &*pool_of(router, &body);
     let token = status.registration_token();
-    let outcome = crate::discovery::register::register(
+    let outcome = crate::source::kubernetes::register::register(
         status,
         token.as_deref().map(String::as_str),
         authorization.as_deref(),
@@ -58,26 +59,31 @@ pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Res
 
 /// The discovery of the pool whose pod watch holds the pod `body` names; else the first that takes
 /// registrations (its answer says the pod is unknown), else the first pool's (registration is off).
-fn pool_of(router: &Router, body: &[u8]) -> std::sync::Arc<discovery::Status> {
+fn pool_of(router: &Router, body: &[u8]) -> Arc<kubernetes::Status> {
     let pools = router.pools();
-    let key = serde_json::from_slice::<discovery::register::Registration>(body)
+    let key = serde_json::from_slice::<kubernetes::register::Registration>(body)
         .ok()
         .map(|r| format!("{}/{}", r.namespace, r.pod));
-    let watching = |pool: &&std::sync::Arc<crate::route::Pool>| {
-        let (Some(key), Some(watched)) = (&key, pool.discovery().watched()) else {
+    let statuses: Vec<&Arc<kubernetes::Status>> = pools
+        .iter()
+        .filter_map(|pool| pool.sources().get::<kubernetes::Pods>())
+        .map(kubernetes::Pods::state)
+        .collect();
+    let watching = |status: &&&Arc<kubernetes::Status>| {
+        let (Some(key), Some(watched)) = (&key, status.watched()) else {
             return false;
         };
         watched.tracker().pod(key).is_some()
     };
-    pools
+    statuses
         .iter()
         .find(watching)
         .or_else(|| {
-            pools
+            statuses
                 .iter()
-                .find(|pool| pool.discovery().registration_token().is_some())
+                .find(|status| status.registration_token().is_some())
         })
-        .or(pools.first())
-        .map(|pool| std::sync::Arc::clone(pool.discovery()))
+        .or(statuses.first())
+        .map(|status| Arc::clone(status))
         .unwrap_or_default()
 }

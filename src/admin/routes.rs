@@ -47,8 +47,10 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
                     },
                     "balancer": {
                         "policy": proxy.settings().policy,
+                        "scorers": proxy.settings().pipeline.scorer_names().collect::<Vec<_>>(),
                         "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
                     },
+                    "sources": pool.sources().statuses(),
                 }));
             }
             // The top level keeps the shape it had before pools: the main pool's figures.
@@ -63,6 +65,7 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
                 "demand": demand(&pools),
                 "queue": main["queue"],
                 "balancer": main["balancer"],
+                "sources": main["sources"],
                 "pools": by_pool,
                 "replicas": state.replicas.view(),
             }))

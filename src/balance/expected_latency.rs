@@ -23,7 +23,7 @@ use super::score::{Cost, Scorer, Sight};
 /// twice as fast keeps its share up to eight requests ahead.
 const LOAD_SPREAD: u64 = 8;
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct ExpectedLatency;
 
 impl Scorer for ExpectedLatency {

@@ -7,7 +7,7 @@
 use super::PickContext;
 use super::score::{Cost, Scorer, Sight};
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct LeastOutstanding;
 
 impl Scorer for LeastOutstanding {

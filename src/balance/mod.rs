@@ -19,16 +19,30 @@
 //! A pick never allocates: the exclusion set is a caller-owned slice (the endpoints a retry already tried),
 //! and the pipeline is built when the configuration is applied.
 
-pub mod expected_latency;
-pub mod least_outstanding;
 pub mod score;
+
+/// Declares each scorer's module and registers the scorer under its name: one line per scorer.
+macro_rules! scorers {
+    ($($name:literal => $module:ident::$scorer:ident,)*) => {
+        $(pub mod $module;)*
+
+        /// Every scorer by name, and how to build it.
+        pub const SCORERS: &[(&str, score::Build)] =
+            &[$(($name, || Box::new(<$module::$scorer>::default()))),*];
+    };
+}
+
+scorers! {
+    "expected-latency" => expected_latency::ExpectedLatency,
+    "least-outstanding" => least_outstanding::LeastOutstanding,
+}
 
 use std::cmp::Ordering;
 use std::sync::{Arc, LazyLock};
 
 use tokio::time::Instant;
 
-pub use score::{Cost, Filter, Pipeline, SCORERS, Scorer, Sight, Total, UnknownScorer};
+pub use score::{Cost, Filter, Pipeline, Scorer, Sight, Total, UnknownScorer};
 
 use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};

@@ -2,8 +2,9 @@
 //! whether a candidate may take it at all, and a [`Pipeline`] is the weighted scorers and the filters a
 //! pool picks with. [`SCORERS`] names every scorer a pipeline can be built from.
 //!
-//! A new scorer is a file beside `expected_latency.rs` with a type implementing [`Scorer`], and one line
-//! in [`SCORERS`].
+//! A new scorer is a file beside `expected_latency.rs` with a type implementing [`Scorer`] and
+//! `Default`, and one line in the `scorers!` list of `balance/mod.rs`, which declares its module and
+//! registers it by name.
 
 use std::cmp::Ordering;
 use std::fmt;
@@ -11,18 +12,10 @@ use std::fmt;
 use crate::config::BalancePolicy;
 use crate::endpoint::Endpoint;
 
-use super::PickContext;
-use super::expected_latency::ExpectedLatency;
-use super::least_outstanding::LeastOutstanding;
+use super::{PickContext, SCORERS};
 
 /// How a scorer is made when a pipeline names it.
 pub type Build = fn() -> Box<dyn Scorer>;
-
-/// Every scorer by name, and how to build it.
-pub const SCORERS: &[(&str, Build)] = &[
-    ("expected-latency", || Box::new(ExpectedLatency)),
-    ("least-outstanding", || Box::new(LeastOutstanding)),
-];
 
 /// What the pick already read off an eligible endpoint, handed to every scorer: each reads it once.
 #[derive(Clone, Copy, Debug)]

@@ -1,5 +1,5 @@
-//! One pool as it runs: its fleet (registry, queue, request path, heartbeat settings, pod discovery
-//! status) and the rules that send requests to it.
+//! One pool as it runs: its fleet (registry, queue, request path, heartbeat settings, endpoint
+//! sources) and the rules that send requests to it.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -10,12 +10,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Queue, QueueSettings};
 use crate::config::{HealthConfig, PoolMatch, PoolSpec, model_matches};
-use crate::discovery;
 use crate::endpoint::SlotFreed;
 use crate::limit::LimitSettings;
 use crate::metrics::Metrics;
 use crate::proxy::{Intake, Proxy, ProxySettings};
-use crate::registry::{EndpointSpec, Registry};
+use crate::registry::Registry;
+use crate::source::{SourceError, Sources};
 
 /// What routing knows of a pool, replaced whole by a reload.
 #[derive(Debug, Default)]
@@ -34,8 +34,9 @@ pub struct Pool {
     proxy: Arc<Proxy>,
     /// Heartbeat settings, replaced by a reload.
     health: Arc<ArcSwap<HealthConfig>>,
-    discovery: Arc<discovery::Status>,
-    /// Stops the pool's background tasks (heartbeats, pod watch) once it is removed.
+    /// Where its endpoints come from, one source of each kind.
+    sources: Sources,
+    /// Stops the pool's background tasks (heartbeats, sources) once it is removed.
     tasks: Mutex<Option<CancellationToken>>,
 }
 
@@ -48,11 +49,8 @@ pub enum PoolError {
     /// Not a pool's either: the OTLP exporter (made once, at start).
     #[error(transparent)]
     Traces(#[from] crate::trace::ExporterError),
-    #[error("pool {pool}: cannot read discovery.kubernetes.registration.token_file: {source}")]
-    RegistrationToken {
-        pool: String,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Source(#[from] SourceError),
     #[error("pool {pool}: cannot read api_key_file {path}: {source}")]
     ApiKey {
         pool: String,
@@ -67,6 +65,7 @@ impl Pool {
         let queue = Arc::new(Queue::default());
         let woken = Arc::clone(&queue);
         let registry = Arc::new(Registry::new(SlotFreed::new(move || woken.wake_one())));
+        let sources = Sources::new(&registry);
         let proxy = Arc::new(Proxy::new(
             registry,
             queue,
@@ -79,7 +78,7 @@ impl Pool {
             rules: ArcSwap::default(),
             proxy,
             health: Arc::new(ArcSwap::from_pointee(HealthConfig::default())),
-            discovery: Arc::default(),
+            sources,
             tasks: Mutex::new(None),
         })
     }
@@ -103,13 +102,12 @@ impl Pool {
             health.models_interval = crate::config::HumanDuration::from_secs(0);
         }
         self.health.store(Arc::new(health));
-        registry.replace(EndpointSpec::from_config(config));
-        if let Err(source) = self.discovery.configure(&config.discovery.kubernetes) {
-            errors.push(PoolError::RegistrationToken {
-                pool: spec.name.clone(),
-                source,
-            });
-        }
+        errors.extend(
+            self.sources
+                .configure(&spec.name, config)
+                .into_iter()
+                .map(PoolError::Source),
+        );
         let old = self.rules.load();
         let authorization = match &spec.api_key_file {
             None => None,
@@ -162,8 +160,8 @@ impl Pool {
         &self.health
     }
 
-    pub fn discovery(&self) -> &Arc<discovery::Status> {
-        &self.discovery
+    pub fn sources(&self) -> &Sources {
+        &self.sources
     }
 
     /// Records the token that stops this pool's background tasks.

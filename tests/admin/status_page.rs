@@ -200,6 +200,10 @@ async fn chromium_shows_each_endpoint_with_its_state() {
         dom.contains(">expected-latency</b>"),
         "the policy shown:\n{dom}"
     );
+    assert!(
+        dom.contains("id=\"sources\">static</b>"),
+        "the sources shown:\n{dom}"
+    );
 
     let screenshot = dir.0.join("status.png");
     chromium(

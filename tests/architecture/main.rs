@@ -24,7 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     ("policies", &["retry", "health", "reload"]),
     ("request path", &["proxy"]),
-    ("edges", &["discovery"]),
+    ("edges", &["source"]),
     ("routing", &["route"]),
     ("serving", &["server"]),
     ("operators", &["admin"]),

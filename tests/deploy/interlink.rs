@@ -21,8 +21,8 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Toleration;
 use serde_json::{Value, json};
 use tongs::config::{Config, Rule};
-use tongs::discovery::object::WatchedPod;
-use tongs::discovery::pods::{PodFacts, PodState, Reason, Rules};
+use tongs::source::kubernetes::object::WatchedPod;
+use tongs::source::kubernetes::pods::{PodFacts, PodState, Reason, Rules};
 
 use crate::objects::name_of;
 use crate::pods::{named_port, pod_meta, pod_spec};

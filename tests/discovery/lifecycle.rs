@@ -163,6 +163,13 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
     cluster.finish(proxy).await;
 }
 
+/// The main pool's sources as `/debug/endpoints` reports them.
+async fn sources(proxy: &TestProxy) -> serde_json::Value {
+    let (status, body) = admin_get(proxy, "/debug/endpoints").await;
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["sources"].clone()
+}
+
 #[tokio::test]
 async fn readyz_waits_for_the_first_complete_list() {
     let cluster = Cluster::start("tongs-readyz").await;
@@ -182,6 +189,14 @@ async fn readyz_waits_for_the_first_complete_list() {
     );
     assert!(metric_or_zero(&proxy, "tongs_discovery_watch_errors_total").await >= 2.0);
     assert!(urls(&proxy).await.is_empty());
+    assert_eq!(
+        sources(&proxy).await,
+        serde_json::json!([
+            {"kind": "static", "enabled": true, "synced": true},
+            {"kind": "kubernetes", "enabled": true, "synced": false}
+        ]),
+        "/debug/endpoints says which source readiness waits for"
+    );
 
     api.heal_lists();
     until("/readyz answers 200", || async {
@@ -193,6 +208,7 @@ async fn readyz_waits_for_the_first_complete_list() {
         metric(&proxy, "tongs_discovery_lists_total").await,
         Some(1.0)
     );
+    assert_eq!(sources(&proxy).await[1]["synced"], true);
     assert_eq!(urls(&proxy).await, BTreeSet::from([node.url()]));
     assert_eq!(get(&proxy.url("/")).await, (200, "node".into()));
     cluster.finish(proxy).await;

@@ -30,7 +30,6 @@ use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::SaladApi;
 use crate::config::KubernetesConfig;
-use crate::readiness::Readiness;
 use crate::registry::{EndpointSpec, Registry};
 use crate::upstream::GatewayKey;
 
@@ -327,13 +326,12 @@ impl Tracker {
     }
 }
 
-/// Where a pool's tracker publishes: the pool's registry, status, readiness and gateway key.
+/// Where a pool's tracker publishes: the pool's registry, status and gateway key.
 #[derive(Clone)]
 pub(super) struct Outlet {
     pub(super) pool: Arc<str>,
     pub(super) registry: Arc<Registry>,
     pub(super) status: Arc<Status>,
-    pub(super) readiness: Arc<Readiness>,
     pub(super) gateway_key: Arc<GatewayKey>,
 }
 
@@ -361,7 +359,6 @@ pub struct Discovery {
     pub pool: Arc<str>,
     pub registry: Arc<Registry>,
     pub status: Arc<super::Status>,
-    pub readiness: Arc<Readiness>,
     pub salad: Option<SaladApi>,
     /// Told which gateway hosts the SaladCloud API confirmed.
     pub gateway_key: Arc<GatewayKey>,
@@ -380,7 +377,6 @@ impl Discovery {
                 status.set_watched(None);
                 self.registry.set_source(SOURCE, Vec::new());
                 self.gateway_key.confirm(&self.pool, HashSet::new());
-                self.readiness.set_synced();
             }
             tokio::select! {
                 () = stop.cancelled() => return,
@@ -400,7 +396,6 @@ impl Discovery {
             pool: Arc::clone(&self.pool),
             registry: Arc::clone(&self.registry),
             status: Arc::clone(&self.status),
-            readiness: Arc::clone(&self.readiness),
             gateway_key: Arc::clone(&self.gateway_key),
         }
     }

@@ -185,7 +185,6 @@ impl Member {
         }
         if listed && !status.synced() {
             status.set_synced();
-            self.outlet.readiness.set_synced();
             tracing::info!(
                 pool = %self.outlet.pool,
                 endpoints = tracker.specs().len(),
@@ -385,7 +384,7 @@ mod tests {
     #[test]
     fn a_pool_sees_only_the_pods_its_selector_picks() {
         let status = Status::default();
-        let rules = Arc::new(crate::discovery::pods::Rules::new(
+        let rules = Arc::new(crate::source::kubernetes::pods::Rules::new(
             &KubernetesConfig::default(),
             false,
         ));
@@ -431,7 +430,7 @@ mod tests {
     #[test]
     fn a_pod_that_comes_and_goes_in_one_batch_leaves_no_endpoint() {
         let status = Status::default();
-        let rules = Arc::new(crate::discovery::pods::Rules::new(
+        let rules = Arc::new(crate::source::kubernetes::pods::Rules::new(
             &KubernetesConfig::default(),
             false,
         ));

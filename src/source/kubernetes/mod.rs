@@ -1,4 +1,5 @@
-//! Where endpoints come from besides the static list: the pods a Virtual Kubelet runs remotely.
+//! `discovery.kubernetes`: the pods a Virtual Kubelet runs remotely, as a source of endpoints
+//! ([`Pods`]).
 //!
 //! - [`pods`]: a pod's facts and the rules that turn it into an endpoint (pure, unit-tested);
 //! - [`kube`]: a pool's pod discovery, which keeps its registry's `kubernetes` source equal to the
@@ -12,7 +13,7 @@
 //!
 //! What discovery writes: the registry's `kubernetes` source (the request path sees endpoints come and
 //! go through the registry's snapshot, nothing more), its own [`Status`] (counters, the registration
-//! token, the watch in force), readiness once the first list is in, and pod annotations through the
+//! token, the watch in force, whether the first list is in), and pod annotations through the
 //! Kubernetes API (a node's registered address, a SaladCloud gateway host found by lookup). It never
 //! touches the request path directly.
 
@@ -26,15 +27,89 @@ pub mod register;
 pub mod replicas;
 pub mod salad;
 
+use std::any::Any;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use arc_swap::ArcSwapOption;
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
 
 use self::kube::Watched;
 use self::pods::{PodState, Reason};
-use crate::config::KubernetesConfig;
+use super::{Shared, Source, SourceError, SourceStatus};
+use crate::config::{Config, KubernetesConfig};
 use crate::metrics::DiscoveryFigures;
+use crate::registry::Registry;
+
+/// The registry source this kind writes.
+pub const KIND: &str = kube::SOURCE;
+
+/// A pool's pod discovery as a source of endpoints.
+pub struct Pods {
+    registry: Arc<Registry>,
+    status: Arc<Status>,
+}
+
+impl Pods {
+    pub fn new(registry: &Arc<Registry>) -> Pods {
+        Pods {
+            registry: Arc::clone(registry),
+            status: Arc::default(),
+        }
+    }
+
+    /// Counters, the registration token and the watch in force.
+    pub fn state(&self) -> &Arc<Status> {
+        &self.status
+    }
+}
+
+impl Source for Pods {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn configure(&self, pool: &str, config: &Config) -> Result<(), SourceError> {
+        self.status
+            .configure(&config.discovery.kubernetes)
+            .map_err(|source| SourceError {
+                pool: pool.to_owned(),
+                field: "discovery.kubernetes.registration.token_file",
+                source,
+            })
+    }
+
+    fn run(
+        self: Arc<Self>,
+        pool: Arc<str>,
+        shared: Shared,
+        stop: CancellationToken,
+    ) -> BoxFuture<'static, ()> {
+        let discovery = kube::Discovery {
+            pool,
+            registry: Arc::clone(&self.registry),
+            status: Arc::clone(&self.status),
+            salad: shared.salad,
+            gateway_key: shared.gateway_key,
+            hubs: shared.watches,
+        };
+        Box::pin(discovery.run(stop))
+    }
+
+    fn status(&self) -> SourceStatus {
+        let enabled = self.status.wants_sync();
+        SourceStatus {
+            kind: KIND,
+            enabled,
+            synced: !enabled || self.status.synced(),
+        }
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
 
 /// Outcomes of a registration, as counted.
 pub const REGISTRATION_RESULTS: [&str; 9] = [
