@@ -381,8 +381,10 @@ struct Claim {
 }
 
 impl Wanted {
-    /// `source` wants `spec` (in place of what it wanted at that URL).
-    fn claim(&mut self, source: &'static str, spec: EndpointSpec) {
+    /// `source` wants `spec` (in place of what it wanted at that URL); its endpoint says it came from
+    /// `source`.
+    fn claim(&mut self, source: &'static str, mut spec: EndpointSpec) {
+        spec.origin.source = source;
         let specs = &mut self.by_url.entry(spec.url.clone()).or_default().specs;
         // Almost every URL has one source: room for one, not the four a first push makes.
         specs.reserve_exact(1);
@@ -493,6 +495,12 @@ mod tests {
         assert_eq!(serving(&registry, "http://c:1").unwrap().weight(), 4);
         // The pods no longer want `shared`; the static list still does.
         assert_eq!(serving(&registry, "http://shared:1").unwrap().weight(), 1);
+        // Each endpoint says which source it came from, whatever its spec said.
+        assert_eq!(serving(&registry, "http://c:1").unwrap().source(), "pods");
+        assert_eq!(
+            serving(&registry, "http://shared:1").unwrap().source(),
+            "static"
+        );
     }
 
     #[test]
