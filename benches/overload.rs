@@ -447,10 +447,10 @@ async fn run_tongs(
     sampling.cancel();
     let points = sampler.await.context("the limit sampler")?;
     let unloaded_us = by_node(&registry, &authorities, |endpoint| {
-        endpoint.unloaded_latency_us()
+        endpoint.limits().unloaded_latency_us()
     });
     let cooldowns = by_node(&registry, &authorities, |endpoint| {
-        Some(endpoint.cooldowns())
+        Some(endpoint.tally().cooldowns())
     });
     tongs.stop("overload").await;
     Ok((
@@ -475,7 +475,7 @@ fn by_node<T>(
         .map(|authority| {
             snapshot
                 .iter()
-                .find(|endpoint| endpoint.authority().as_str() == authority)
+                .find(|endpoint| endpoint.address().authority().as_str() == authority)
                 .and_then(|endpoint| read(endpoint))
         })
         .collect()

@@ -78,7 +78,7 @@ fn fleet(n: usize) -> (Vec<Arc<Endpoint>>, Vec<Outstanding>) {
     // Latency estimates from 20 to 200 ms, observed just before the picks, as under steady traffic.
     let now_ms = tongs::endpoint::millis(context(BalancePolicy::LeastOutstanding).now);
     for (i, endpoint) in endpoints.iter().enumerate() {
-        endpoint.observe_latency(
+        endpoint.latency().observe(
             Duration::from_millis(20 + (i as u64 * 37) % 180),
             now_ms,
             10_000,

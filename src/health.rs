@@ -254,16 +254,18 @@ async fn probe_loop(
             );
             tokio::spawn(async move {
                 if let Some(ids) = served_models(&endpoint, &config, &client).await {
-                    endpoint.set_served_models(ids);
+                    endpoint.served_models().set(ids);
                 }
             });
         }
-        endpoint.record_heartbeat(passed, now.saturating_duration_since(started), now);
+        endpoint
+            .heartbeat()
+            .record(passed, now.saturating_duration_since(started), now);
         if passed {
             endpoint.heartbeat_passed(now);
         }
-        let verdict = streak.record(passed, endpoint.is_healthy(), &config);
-        endpoint.set_suspect(!passed && endpoint.is_healthy() && verdict.is_none());
+        let verdict = streak.record(passed, endpoint.liveness().is_healthy(), &config);
+        endpoint.set_suspect(!passed && endpoint.liveness().is_healthy() && verdict.is_none());
         match verdict {
             Some(Verdict::Healthy) => {
                 endpoint.set_healthy(true, now);
@@ -273,7 +275,7 @@ async fn probe_loop(
             }
             None => {}
         }
-        let wait = if streak.changing(endpoint.is_healthy()) {
+        let wait = if streak.changing(endpoint.liveness().is_healthy()) {
             config.fast_interval.get()
         } else if std::mem::take(&mut first_regular_wait) {
             spread(config.interval.get(), config.jitter)
@@ -369,9 +371,9 @@ fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Reque
 /// endpoint's own `Host`, tongs' heartbeat user agent.
 fn request_to(endpoint: &Endpoint, path: &str, content: Bytes) -> Option<Request<UpstreamBody>> {
     let uri = Uri::builder()
-        .scheme(endpoint.scheme().clone())
-        .authority(endpoint.authority().clone())
-        .path_and_query(format!("{}{}", endpoint.path_prefix(), path))
+        .scheme(endpoint.address().scheme().clone())
+        .authority(endpoint.address().authority().clone())
+        .path_and_query(format!("{}{}", endpoint.address().path_prefix(), path))
         .build()
         .ok()?;
     let body: UpstreamBody = Full::new(content)
@@ -381,7 +383,7 @@ fn request_to(endpoint: &Endpoint, path: &str, content: Bytes) -> Option<Request
     *request.uri_mut() = uri;
     request
         .headers_mut()
-        .insert(header::HOST, endpoint.host_header().clone());
+        .insert(header::HOST, endpoint.address().host_header().clone());
     request.headers_mut().insert(
         header::USER_AGENT,
         header::HeaderValue::from_static("tongs-heartbeat"),

@@ -98,7 +98,7 @@ impl Registry {
         let mut endpoints = 0u64;
         for endpoint in snapshot.iter() {
             outstanding += endpoint.outstanding();
-            if endpoint.is_available() {
+            if endpoint.liveness().is_available() {
                 endpoints += 1;
                 capacity = capacity
                     .zip(endpoint.limit())
@@ -484,13 +484,13 @@ mod tests {
         assert!(Arc::ptr_eq(&serving(&registry, "http://a:1").unwrap(), &a));
         // Both sources want `shared`: the first in name order ("pods") is served.
         assert_eq!(serving(&registry, "http://shared:1").unwrap().weight(), 2);
-        assert!(!shared.is_available());
+        assert!(!shared.liveness().is_available());
         registry.update_source(
             "pods",
             &["http://a:1".to_owned(), "http://shared:1".to_owned()],
             vec![spec("http://c:1", 4)],
         );
-        assert!(!a.is_available(), "a left and drains");
+        assert!(!a.liveness().is_available(), "a left and drains");
         assert_eq!(urls(&registry), ["http://c:1", "http://shared:1"]);
         assert_eq!(serving(&registry, "http://c:1").unwrap().weight(), 4);
         // The pods no longer want `shared`; the static list still does.
@@ -523,7 +523,7 @@ mod tests {
             let now = serving(&registry, endpoint.url());
             if leaving.iter().any(|url| url == endpoint.url()) {
                 assert!(
-                    now.is_none() && !endpoint.is_available(),
+                    now.is_none() && !endpoint.liveness().is_available(),
                     "{}",
                     endpoint.url()
                 );
@@ -644,7 +644,7 @@ mod tests {
         registry.replace(vec![spec("http://a:1", 1)]);
         let old = Arc::clone(&registry.snapshot()[0]);
         registry.replace(vec![spec("http://a:1", 5)]);
-        assert!(!old.is_available());
+        assert!(!old.liveness().is_available());
         let new = &registry.snapshot()[0];
         assert_eq!(new.weight(), 5);
         assert_ne!(new.id(), old.id());
@@ -681,6 +681,6 @@ mod tests {
         let scanned =
             |test: fn(&Endpoint) -> bool| registry.snapshot().iter().filter(|e| test(e)).count();
         assert_eq!(scanned(|e| e.is_ejected()), counts.ejected());
-        assert_eq!(scanned(|e| e.is_healthy()), counts.healthy());
+        assert_eq!(scanned(|e| e.liveness().is_healthy()), counts.healthy());
     }
 }

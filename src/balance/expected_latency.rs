@@ -33,7 +33,7 @@ impl Scorer for ExpectedLatency {
 
     /// expected × (SPREAD × w + o) ÷ (SPREAD × w), with the weight in thousandths.
     fn cost(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Cost {
-        let expected = sight.endpoint.rank_latency_us(
+        let expected = sight.endpoint.latency().rank_us(
             sight.now_ms,
             sight.outstanding,
             ctx.fleet_latency_us,
@@ -78,12 +78,12 @@ mod tests {
     async fn a_faster_node_costs_less_and_weight_discounts_the_requests_held() {
         let now_ms = millis(Instant::now());
         let (fast, slow) = (endpoint(1), endpoint(2));
-        fast.observe_latency(Duration::from_millis(100), now_ms, 10_000);
-        fast.observe_load_latency(Duration::from_millis(100), 1, now_ms, 10_000);
-        slow.observe_latency(Duration::from_millis(200), now_ms, 10_000);
-        slow.observe_load_latency(Duration::from_millis(200), 1, now_ms, 10_000);
-        drop(fast.start_waiting(Instant::now()));
-        drop(slow.start_waiting(Instant::now()));
+        fast.latency().observe(Duration::from_millis(100), now_ms, 10_000);
+        fast.latency().observe_at_load(Duration::from_millis(100), 1, now_ms, 10_000);
+        slow.latency().observe(Duration::from_millis(200), now_ms, 10_000);
+        slow.latency().observe_at_load(Duration::from_millis(200), 1, now_ms, 10_000);
+        drop(fast.latency().start_waiting(Instant::now()));
+        drop(slow.latency().start_waiting(Instant::now()));
         // Idle, the node seen answering in 100 ms costs less than the one seen at 200 ms.
         assert_eq!(
             cost(&fast, 0, 1000).cmp_exact(cost(&slow, 0, 1000)),

@@ -21,14 +21,37 @@
 
 pub mod score;
 
-/// Declares each scorer's module and registers the scorer under its name: one line per scorer.
+/// Declares each scorer's module and registers the scorer under its name: one line per scorer. The
+/// registered scorers form an enum, so a pick calls each statically (and inlined), not through a
+/// vtable: it scores every candidate.
 macro_rules! scorers {
     ($($name:literal => $module:ident::$scorer:ident,)*) => {
         $(pub mod $module;)*
 
+        /// One of the registered scorers.
+        #[derive(Debug)]
+        pub enum Registered {
+            $($scorer($module::$scorer),)*
+        }
+
+        impl Registered {
+            #[inline]
+            pub fn cost(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Cost {
+                match self {
+                    $(Registered::$scorer(scorer) => scorer.cost(sight, ctx),)*
+                }
+            }
+
+            pub fn name(&self) -> &'static str {
+                match self {
+                    $(Registered::$scorer(scorer) => scorer.name(),)*
+                }
+            }
+        }
+
         /// Every scorer by name, and how to build it.
         pub const SCORERS: &[(&str, score::Build)] =
-            &[$(($name, || Box::new(<$module::$scorer>::default()))),*];
+            &[$(($name, || Registered::$scorer(<$module::$scorer>::default()))),*];
     };
 }
 
@@ -42,7 +65,7 @@ use std::sync::{Arc, LazyLock};
 
 use tokio::time::Instant;
 
-pub use score::{Cost, Filter, Pipeline, Scorer, Sight, Total, UnknownScorer};
+pub use score::{Cost, Filter, Pipeline, Scorer, Sight, UnknownScorer};
 
 use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
@@ -99,113 +122,149 @@ pub fn pick<'a>(
     ctx: &PickContext<'_>,
 ) -> Option<Picked<'a>> {
     let now_ms = crate::endpoint::millis(ctx.now);
+    // One scorer decides by its exact cost; several by their weighted sum. Each way is its own
+    // monomorphised scan, so the common case pays for no combination.
+    match ctx.pipeline.single() {
+        Some(scorer) => pick_by(
+            endpoints,
+            exclude,
+            ctx,
+            now_ms,
+            |sight| scorer.cost(sight, ctx),
+            Cost::cmp_exact,
+        ),
+        None => pick_by(
+            endpoints,
+            exclude,
+            ctx,
+            now_ms,
+            |sight| ctx.pipeline.weighted_sum(sight, ctx),
+            |a: f64, b: f64| a.total_cmp(&b),
+        ),
+    }
+}
+
+/// The pick, with `cost` giving each eligible candidate's cost and `order` comparing two.
+fn pick_by<'a, K: Copy>(
+    endpoints: &'a [Arc<Endpoint>],
+    exclude: &[EndpointId],
+    ctx: &PickContext<'_>,
+    now_ms: u64,
+    cost: impl Fn(&Sight<'_>) -> K,
+    order: fn(K, K) -> Ordering,
+) -> Option<Picked<'a>> {
+    let scan = Scan {
+        exclude,
+        ctx,
+        now_ms,
+        cost,
+        order,
+    };
     if endpoints.len() <= FULL_SCAN_MAX {
-        full_scan(endpoints, exclude, ctx, now_ms)
+        scan.full(endpoints)
     } else {
-        two_choices(endpoints, exclude, ctx, now_ms)
+        scan.two_choices(endpoints)
     }
 }
 
 /// An eligible candidate and its cost.
-struct Candidate<'a> {
+struct Candidate<'a, K> {
     endpoint: &'a Arc<Endpoint>,
     eligibility: Eligibility,
-    total: Total,
+    cost: K,
 }
 
-/// Filters, then scores, one endpoint.
-fn candidate<'a>(
-    endpoint: &'a Arc<Endpoint>,
-    exclude: &[EndpointId],
-    ctx: &PickContext<'_>,
+/// One pick's look over the endpoints.
+struct Scan<'x, 'p, F, K> {
+    exclude: &'x [EndpointId],
+    ctx: &'x PickContext<'p>,
     now_ms: u64,
-) -> Option<Candidate<'a>> {
-    if exclude.contains(&endpoint.id()) {
-        return None;
-    }
-    let eligibility = endpoint.eligibility(now_ms, ctx.ignore_health);
-    if eligibility == Eligibility::No {
-        return None;
-    }
-    let sight = Sight {
-        endpoint,
-        now_ms,
-        weight: endpoint.effective_weight(now_ms, ctx.slow_start_ms),
-        outstanding: endpoint.outstanding(),
-    };
-    if !ctx.pipeline.admits(&sight, ctx) {
-        return None;
-    }
-    Some(Candidate {
-        endpoint,
-        eligibility,
-        total: ctx.pipeline.total(&sight, ctx),
-    })
+    cost: F,
+    order: fn(K, K) -> Ordering,
 }
 
-fn full_scan<'a>(
-    endpoints: &'a [Arc<Endpoint>],
-    exclude: &[EndpointId],
-    ctx: &PickContext<'_>,
-    now_ms: u64,
-) -> Option<Picked<'a>> {
-    let mut best: Option<Candidate<'a>> = None;
-    let mut ties = 0u32;
-    for endpoint in endpoints {
-        let Some(candidate) = candidate(endpoint, exclude, ctx, now_ms) else {
-            continue;
+impl<F: Fn(&Sight<'_>) -> K, K: Copy> Scan<'_, '_, F, K> {
+    /// Filters, then scores, one endpoint.
+    fn candidate<'a>(&self, endpoint: &'a Arc<Endpoint>) -> Option<Candidate<'a, K>> {
+        if self.exclude.contains(&endpoint.id()) {
+            return None;
+        }
+        let ctx = self.ctx;
+        let eligibility = endpoint.eligibility(self.now_ms, ctx.ignore_health);
+        if eligibility == Eligibility::No {
+            return None;
+        }
+        let sight = Sight {
+            endpoint,
+            now_ms: self.now_ms,
+            weight: endpoint.effective_weight(self.now_ms, ctx.slow_start_ms),
+            outstanding: endpoint.outstanding(),
         };
-        match &best {
-            Some(current) => match candidate.total.compare(current.total) {
-                Ordering::Less => {
+        if !ctx.pipeline.admits(&sight, ctx) {
+            return None;
+        }
+        Some(Candidate {
+            endpoint,
+            eligibility,
+            cost: (self.cost)(&sight),
+        })
+    }
+
+    fn full<'a>(&self, endpoints: &'a [Arc<Endpoint>]) -> Option<Picked<'a>> {
+        let mut best: Option<Candidate<'a, K>> = None;
+        let mut ties = 0u32;
+        for endpoint in endpoints {
+            let Some(candidate) = self.candidate(endpoint) else {
+                continue;
+            };
+            match &best {
+                Some(current) => match (self.order)(candidate.cost, current.cost) {
+                    Ordering::Less => {
+                        best = Some(candidate);
+                        ties = 1;
+                    }
+                    Ordering::Equal => {
+                        // Reservoir sampling: each of the k tied endpoints ends up chosen with
+                        // probability 1/k.
+                        ties += 1;
+                        if fastrand::u32(..ties) == 0 {
+                            best = Some(candidate);
+                        }
+                    }
+                    Ordering::Greater => {}
+                },
+                None => {
                     best = Some(candidate);
                     ties = 1;
                 }
-                Ordering::Equal => {
-                    // Reservoir sampling: each of the k tied endpoints ends up chosen with probability 1/k.
-                    ties += 1;
-                    if fastrand::u32(..ties) == 0 {
-                        best = Some(candidate);
-                    }
-                }
-                Ordering::Greater => {}
-            },
-            None => {
-                best = Some(candidate);
-                ties = 1;
             }
         }
+        best.map(|c| (c.endpoint, c.eligibility))
     }
-    best.map(|c| (c.endpoint, c.eligibility))
-}
 
-fn two_choices<'a>(
-    endpoints: &'a [Arc<Endpoint>],
-    exclude: &[EndpointId],
-    ctx: &PickContext<'_>,
-    now_ms: u64,
-) -> Option<Picked<'a>> {
-    let mut first: Option<Candidate<'a>> = None;
-    for _ in 0..MAX_SAMPLES {
-        let endpoint = &endpoints[fastrand::usize(..endpoints.len())];
-        let Some(second) = candidate(endpoint, exclude, ctx, now_ms) else {
-            continue;
-        };
-        match first {
-            None => first = Some(second),
-            Some(ref chosen) if chosen.endpoint.id() == second.endpoint.id() => {}
-            Some(chosen) => {
-                let winner = match chosen.total.compare(second.total) {
-                    Ordering::Less => chosen,
-                    Ordering::Greater => second,
-                    Ordering::Equal if fastrand::bool() => chosen,
-                    Ordering::Equal => second,
-                };
-                return Some((winner.endpoint, winner.eligibility));
+    fn two_choices<'a>(&self, endpoints: &'a [Arc<Endpoint>]) -> Option<Picked<'a>> {
+        let mut first: Option<Candidate<'a, K>> = None;
+        for _ in 0..MAX_SAMPLES {
+            let endpoint = &endpoints[fastrand::usize(..endpoints.len())];
+            let Some(second) = self.candidate(endpoint) else {
+                continue;
+            };
+            match first {
+                None => first = Some(second),
+                Some(ref chosen) if chosen.endpoint.id() == second.endpoint.id() => {}
+                Some(chosen) => {
+                    let winner = match (self.order)(chosen.cost, second.cost) {
+                        Ordering::Less => chosen,
+                        Ordering::Greater => second,
+                        Ordering::Equal if fastrand::bool() => chosen,
+                        Ordering::Equal => second,
+                    };
+                    return Some((winner.endpoint, winner.eligibility));
+                }
             }
         }
+        self.full(endpoints)
     }
-    full_scan(endpoints, exclude, ctx, now_ms)
 }
 
 #[cfg(test)]
@@ -273,7 +332,9 @@ pub(crate) mod tests {
         let endpoints = fleet(&[1, 1]);
         let now_ms = crate::endpoint::millis(Instant::now());
         for endpoint in &endpoints {
-            endpoint.observe_latency(Duration::from_millis(200), now_ms, 10_000);
+            endpoint
+                .latency()
+                .observe(Duration::from_millis(200), now_ms, 10_000);
         }
         let latency_ctx = || PickContext {
             pipeline: &EXPECTED_LATENCY,
@@ -282,7 +343,7 @@ pub(crate) mod tests {
         };
         // Endpoint 0 holds one attempt that has not answered; endpoint 1 holds two that did.
         let _quiet = endpoints[0].start_request();
-        let _waiting = endpoints[0].start_waiting(Instant::now());
+        let _waiting = endpoints[0].latency().start_waiting(Instant::now());
         let _answered = [endpoints[1].start_request(), endpoints[1].start_request()];
         assert_eq!(
             pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
@@ -296,7 +357,9 @@ pub(crate) mod tests {
             "700 ms of silence ranks it as a 700 ms endpoint: 2 × 700 ms > 3 × 200 ms"
         );
         let later = crate::endpoint::millis(Instant::now());
-        endpoints[0].observe_latency(Duration::from_millis(150), later, 10_000);
+        endpoints[0]
+            .latency()
+            .observe(Duration::from_millis(150), later, 10_000);
         assert_eq!(
             pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
             0,
@@ -316,13 +379,17 @@ pub(crate) mod tests {
         };
         // Endpoint 0 is a batching GPU server: 100 ms whether it holds 1 or 8. Endpoint 1 takes 300 ms.
         for in_flight in 1..=8 {
-            endpoints[0].observe_latency(ms(100), now_ms, 10_000);
-            endpoints[0].observe_load_latency(ms(100), in_flight, now_ms, 10_000);
+            endpoints[0].latency().observe(ms(100), now_ms, 10_000);
+            endpoints[0]
+                .latency()
+                .observe_at_load(ms(100), in_flight, now_ms, 10_000);
         }
-        endpoints[1].observe_latency(ms(300), now_ms, 10_000);
-        endpoints[1].observe_load_latency(ms(300), 1, now_ms, 10_000);
+        endpoints[1].latency().observe(ms(300), now_ms, 10_000);
+        endpoints[1]
+            .latency()
+            .observe_at_load(ms(300), 1, now_ms, 10_000);
         // Tried just now (an endpoint idle and untried for the decay time is tried at once).
-        drop(endpoints[1].start_waiting(Instant::now()));
+        drop(endpoints[1].latency().start_waiting(Instant::now()));
         let held: Vec<_> = (0..5).map(|_| endpoints[0].start_request()).collect();
         assert_eq!(
             pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(),
@@ -336,7 +403,9 @@ pub(crate) mod tests {
         drop(more);
         // Seen slowing down at its current load (queueing inside), it loses its share.
         for _ in 0..8 {
-            endpoints[0].observe_load_latency(ms(900), 6, now_ms, 10_000);
+            endpoints[0]
+                .latency()
+                .observe_at_load(ms(900), 6, now_ms, 10_000);
         }
         assert_eq!(pick(&endpoints, &[], &latency_ctx()).unwrap().0.id(), 1);
         drop(held);
@@ -512,13 +581,17 @@ pub(crate) mod tests {
         let now_ms = crate::endpoint::millis(Instant::now());
         let ms = Duration::from_millis;
         // Endpoint 0 answers in 10 ms and holds two requests; endpoint 1 answers in 300 ms, idle.
-        endpoints[0].observe_latency(ms(10), now_ms, 10_000);
+        endpoints[0].latency().observe(ms(10), now_ms, 10_000);
         for in_flight in 1..=3 {
-            endpoints[0].observe_load_latency(ms(10), in_flight, now_ms, 10_000);
+            endpoints[0]
+                .latency()
+                .observe_at_load(ms(10), in_flight, now_ms, 10_000);
         }
-        endpoints[1].observe_latency(ms(300), now_ms, 10_000);
-        endpoints[1].observe_load_latency(ms(300), 1, now_ms, 10_000);
-        drop(endpoints[1].start_waiting(Instant::now()));
+        endpoints[1].latency().observe(ms(300), now_ms, 10_000);
+        endpoints[1]
+            .latency()
+            .observe_at_load(ms(300), 1, now_ms, 10_000);
+        drop(endpoints[1].latency().start_waiting(Instant::now()));
         let _held = [endpoints[0].start_request(), endpoints[0].start_request()];
         let picked = |scorers: &[(&str, f64)]| {
             let pipeline = Pipeline::of(scorers).unwrap();

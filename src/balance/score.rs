@@ -12,10 +12,10 @@ use std::fmt;
 use crate::config::BalancePolicy;
 use crate::endpoint::Endpoint;
 
-use super::{PickContext, SCORERS};
+use super::{PickContext, Registered, SCORERS};
 
 /// How a scorer is made when a pipeline names it.
-pub type Build = fn() -> Box<dyn Scorer>;
+pub type Build = fn() -> Registered;
 
 /// What the pick already read off an eligible endpoint, handed to every scorer: each reads it once.
 #[derive(Clone, Copy, Debug)]
@@ -77,31 +77,7 @@ pub trait Filter: Send + Sync + fmt::Debug {
 #[derive(Debug, Default)]
 pub struct Pipeline {
     filters: Vec<Box<dyn Filter>>,
-    scorers: Vec<(Box<dyn Scorer>, f64)>,
-}
-
-/// A candidate's cost under a whole pipeline. One scorer's cost is kept exact; several are summed,
-/// each times its weight.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Total {
-    One(Cost),
-    Sum(f64),
-}
-
-impl Total {
-    pub fn compare(self, other: Total) -> Ordering {
-        match (self, other) {
-            (Total::One(a), Total::One(b)) => a.cmp_exact(b),
-            (a, b) => a.as_f64().total_cmp(&b.as_f64()),
-        }
-    }
-
-    fn as_f64(self) -> f64 {
-        match self {
-            Total::One(cost) => cost.as_f64(),
-            Total::Sum(sum) => sum,
-        }
-    }
+    scorers: Vec<(Registered, f64)>,
 }
 
 /// A name that is no scorer's.
@@ -160,21 +136,26 @@ impl Pipeline {
     }
 
     /// Whether every filter admits the endpoint.
+    #[inline]
     pub fn admits(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> bool {
         self.filters.iter().all(|filter| filter.admits(sight, ctx))
     }
 
-    /// The endpoint's cost for this request.
-    pub fn total(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Total {
+    /// The one scorer, when there is one.
+    pub fn single(&self) -> Option<&Registered> {
         match self.scorers.as_slice() {
-            [(scorer, _)] => Total::One(scorer.cost(sight, ctx)),
-            scorers => Total::Sum(
-                scorers
-                    .iter()
-                    .map(|(scorer, weight)| weight * scorer.cost(sight, ctx).as_f64())
-                    .sum(),
-            ),
+            [(scorer, _)] => Some(scorer),
+            _ => None,
         }
+    }
+
+    /// The scorers' costs for the endpoint, each times its weight, summed.
+    #[inline]
+    pub fn weighted_sum(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> f64 {
+        self.scorers
+            .iter()
+            .map(|(scorer, weight)| weight * scorer.cost(sight, ctx).as_f64())
+            .sum()
     }
 }
 
@@ -198,15 +179,6 @@ mod tests {
         assert_eq!(
             Cost::ratio(u128::MAX, 1).cmp_exact(Cost::ratio(1, 1)),
             Ordering::Greater
-        );
-    }
-
-    #[test]
-    fn totals_of_several_scorers_compare_by_weighted_sum() {
-        assert_eq!(Total::Sum(1.5).compare(Total::Sum(2.0)), Ordering::Less);
-        assert_eq!(
-            Total::One(Cost::ratio(3, 2)).compare(Total::One(Cost::ratio(6, 4))),
-            Ordering::Equal
         );
     }
 

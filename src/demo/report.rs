@@ -68,7 +68,7 @@ pub fn snapshot(
                 condition: node.condition().label(),
                 // The one word `/debug/endpoints` says: cooldown after a 503, probing, ejected too.
                 health: endpoint.map_or("-", |e| e.view(now, slow_start).state.as_str()),
-                circuit: endpoint.map_or("-", |e| match e.breaker_state() {
+                circuit: endpoint.map_or("-", |e| match e.circuit().state() {
                     State::Closed { .. } => "closed",
                     State::Open { .. } => "open",
                     State::HalfOpen { .. } => "half-open",
@@ -76,7 +76,9 @@ pub fn snapshot(
                 outstanding: endpoint.map_or(0, |e| e.outstanding()),
                 limit: endpoint.and_then(|e| e.limit()),
                 served: stats.served,
-                errors: endpoint.map_or(0, |e| e.failures()) + stats.gateway_503 + stats.shed,
+                errors: endpoint.map_or(0, |e| e.tally().failures())
+                    + stats.gateway_503
+                    + stats.shed,
             }
         })
         .collect();

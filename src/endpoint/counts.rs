@@ -42,7 +42,7 @@ pub(super) struct Counted(AtomicU8);
 impl Endpoint {
     /// Counts this endpoint in `counts` from now on (set once, by the registry, as it joins the set).
     pub fn count_in(&self, counts: Arc<FleetCounts>) {
-        let _breaker = self.lock_breaker();
+        let _breaker = self.circuit.lock();
         if self.counts.set(counts).is_ok() {
             self.recount();
         }
@@ -55,9 +55,9 @@ impl Endpoint {
         let Some(counts) = self.counts.get() else {
             return;
         };
-        let in_set = !self.draining.load(Ordering::Relaxed);
+        let in_set = !self.liveness.draining.load(Ordering::Relaxed);
         let closed = self.gate.load(Ordering::Relaxed) == GATE_CLOSED;
-        let healthy = in_set && self.healthy.load(Ordering::Relaxed);
+        let healthy = in_set && self.liveness.healthy.load(Ordering::Relaxed);
         let now = [in_set && !closed, healthy, healthy && closed]
             .iter()
             .enumerate()

@@ -1,7 +1,8 @@
 //! The circuit breaker's state machine behind one small lock, mirrored into a single atomic "gate" so a
 //! pick can skip ejected endpoints without locking.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use tokio::time::Instant;
 
@@ -16,7 +17,7 @@ pub(super) const GATE_PROBING: u64 = u64::MAX;
 impl Endpoint {
     /// Asks the breaker for a request now (claims the half-open probe when that is what is left).
     pub fn admit(&self, now: Instant) -> Admission {
-        let mut breaker = self.lock_breaker();
+        let mut breaker = self.circuit.lock();
         let (admission, transition) = breaker.admit(now);
         self.publish(&breaker, now, transition);
         admission
@@ -26,19 +27,19 @@ impl Endpoint {
     pub fn record_success(&self, now: Instant) {
         // The common case, a closed breaker with no failure streak, takes no lock.
         if self.gate.load(Ordering::Relaxed) == GATE_CLOSED
-            && self.streak.load(Ordering::Relaxed) == 0
+            && self.circuit.streak.load(Ordering::Relaxed) == 0
         {
             return;
         }
-        let mut breaker = self.lock_breaker();
+        let mut breaker = self.circuit.lock();
         let transition = breaker.on_success(now);
         self.publish(&breaker, now, transition);
     }
 
     /// A request failed at this endpoint. `may_eject`: the fleet can afford one more ejection.
     pub fn record_failure(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
-        self.failures.fetch_add(1, Ordering::Relaxed);
-        let mut breaker = self.lock_breaker();
+        self.tally.failures.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.circuit.lock();
         let transition = breaker.on_failure(settings, now, may_eject, fastrand::f64());
         self.publish(&breaker, now, transition);
     }
@@ -49,8 +50,8 @@ impl Endpoint {
     /// once rather than each waiting out its own limit). Otherwise a plain failure. Counted in the
     /// endpoint's failures either way.
     pub fn record_stream_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
-        if self.is_healthy() {
-            self.failures.fetch_add(1, Ordering::Relaxed);
+        if self.liveness().is_healthy() {
+            self.tally.failures.fetch_add(1, Ordering::Relaxed);
             self.record_stall(settings, now, may_eject);
         } else {
             self.record_failure(settings, now, may_eject);
@@ -61,11 +62,11 @@ impl Endpoint {
     /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
     /// the endpoint stalled: ejected, with its waiting attempts told to move at once.
     pub fn record_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) -> bool {
-        if !self.is_healthy() {
+        if !self.liveness().is_healthy() {
             return false;
         }
-        self.stall_events.fetch_add(1, Ordering::Relaxed);
-        let mut breaker = self.lock_breaker();
+        self.tally.stalls.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.circuit.lock();
         let transition = breaker.on_stall(settings, now, may_eject, fastrand::f64());
         self.publish(&breaker, now, transition);
         drop(breaker);
@@ -81,29 +82,9 @@ impl Endpoint {
         stalled
     }
 
-    /// Claims the endpoint's one background attempt that finds out whether it is slow or hung (see
-    /// `proxy::hedge`); false when one is already under way.
-    pub fn begin_investigation(&self) -> bool {
-        !self.investigating.swap(true, Ordering::Relaxed)
-    }
-
-    pub fn end_investigation(&self) {
-        self.investigating.store(false, Ordering::Relaxed);
-    }
-
-    /// Whether the breaker keeps the endpoint out because its requests stalled (a gray failure).
-    pub fn is_stalled(&self) -> bool {
-        self.stalled.load(Ordering::Relaxed)
-    }
-
-    /// Attempts here that stalled (lost to a hedge, or waited far past the expected latency).
-    pub fn stalls(&self) -> u64 {
-        self.stall_events.load(Ordering::Relaxed)
-    }
-
     /// A half-open probe ended without a verdict (its client left): let another request probe.
     pub fn release_probe(&self, now: Instant) {
-        let mut breaker = self.lock_breaker();
+        let mut breaker = self.circuit.lock();
         breaker.release_probe();
         self.publish(&breaker, now, None);
     }
@@ -113,7 +94,7 @@ impl Endpoint {
         if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
             return;
         }
-        let mut breaker = self.lock_breaker();
+        let mut breaker = self.circuit.lock();
         let transition = breaker.on_heartbeat_success(now);
         self.publish(&breaker, now, transition);
     }
@@ -123,29 +104,13 @@ impl Endpoint {
         self.gate.load(Ordering::Relaxed) != GATE_CLOSED
     }
 
-    /// The breaker's state, for debug output and tests.
-    pub fn breaker_state(&self) -> State {
-        self.lock_breaker().state()
-    }
-
-    /// Times the breaker opened.
-    pub fn ejections(&self) -> u64 {
-        self.ejections.load(Ordering::Relaxed)
-    }
-
-    pub(super) fn lock_breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
-        self.breaker
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
     /// Mirrors the breaker into the gate and logs a transition once.
     pub(super) fn publish(&self, breaker: &Breaker, now: Instant, transition: Option<Transition>) {
         let streak = match breaker.state() {
             State::Closed { failures } => failures,
             _ => 0,
         };
-        self.streak.store(streak, Ordering::Relaxed);
+        self.circuit.streak.store(streak, Ordering::Relaxed);
         let gate = match breaker.state() {
             State::Closed { .. } => GATE_CLOSED,
             State::HalfOpen {
@@ -158,11 +123,13 @@ impl Endpoint {
             State::Open { until } => self.millis(until).max(1),
         };
         self.gate.store(gate, Ordering::Relaxed);
-        self.stalled.store(breaker.is_stalled(), Ordering::Relaxed);
+        self.circuit
+            .stalled
+            .store(breaker.is_stalled(), Ordering::Relaxed);
         self.recount();
         match transition {
             Some(Transition::Opened { for_ }) => {
-                self.ejections.fetch_add(1, Ordering::Relaxed);
+                self.tally.ejections.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     endpoint = self.url(),
                     ejected_ms = for_.as_millis() as u64,
@@ -181,5 +148,43 @@ impl Endpoint {
             }
             None => {}
         }
+    }
+}
+
+/// The breaker behind the gate, and what goes with it off the pick's path.
+#[derive(Debug, Default)]
+pub struct Circuit {
+    pub(super) breaker: Mutex<Breaker>,
+    /// The closed breaker's failure streak, mirrored so a success needs no lock when it is zero.
+    pub(super) streak: AtomicU32,
+    /// The breaker is open because requests stalled while heartbeats passed (mirrored from it).
+    pub(super) stalled: AtomicBool,
+    /// A beaten attempt goes on in the background to tell slow from hung.
+    pub(super) investigating: AtomicBool,
+}
+
+impl Circuit {
+    /// Claims the one background look at whether the endpoint is slow or hung (false: one runs).
+    pub fn begin_investigation(&self) -> bool {
+        !self.investigating.swap(true, Ordering::Relaxed)
+    }
+
+    pub fn end_investigation(&self) {
+        self.investigating.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether the breaker keeps the endpoint out because its requests stalled (a gray failure).
+    pub fn is_stalled(&self) -> bool {
+        self.stalled.load(Ordering::Relaxed)
+    }
+
+    pub fn state(&self) -> State {
+        self.lock().state()
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, Breaker> {
+        self.breaker
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }

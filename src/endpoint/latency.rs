@@ -1,18 +1,38 @@
-//! The endpoint's expected latency (time to first byte): a peak EWMA the balancer ranks endpoints by.
+//! The endpoint's latency model (time to first byte): a peak EWMA, what answers took by the load they
+//! started at, and the attempts waiting for a first byte now. The balancer ranks endpoints by it.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::Endpoint;
+use tokio::time::Instant;
 
-impl Endpoint {
+/// What an endpoint's answers took, and who waits for one now. Read by every pick, so an endpoint keeps
+/// it among the fields a pick reads first.
+#[derive(Debug, Default)]
+pub struct LatencyModel {
+    /// Peak-EWMA latency estimate, microseconds as f64 bits (0.0: nothing observed yet) ...
+    latency: AtomicU64,
+    /// ... and the millisecond of its last observation.
+    latency_at: AtomicU64,
+    /// Time to first byte by the requests in flight when an attempt started (see `latency`): an EWMA
+    /// in microseconds per load bucket (0: none seen at that load).
+    by_load: [AtomicU64; LOAD_BUCKETS],
+    /// Attempts here waiting for their first byte ...
+    waiting: AtomicU64,
+    /// ... and the millisecond the endpoint last went from none waiting to some ...
+    waiting_since: AtomicU64,
+    /// ... and the millisecond an attempt last started here (0: never).
+    tried_at: AtomicU64,
+}
+
+impl LatencyModel {
     /// Records how long the endpoint took to start answering (see `proxy::attempt` for what is measured).
     ///
     /// Peak EWMA (Finagle, linkerd): a sample above the estimate replaces it at once, so a node that slows
     /// down loses its share on its first slow answer; lower samples pull the estimate down with a weight
     /// that grows with the time since the last one (time constant `decay_ms`). Two threads observing at
     /// once may lose one sample; the next corrects it.
-    pub fn observe_latency(&self, sample: Duration, now_ms: u64, decay_ms: u64) {
+    pub fn observe(&self, sample: Duration, now_ms: u64, decay_ms: u64) {
         let sample = (sample.as_secs_f64() * 1e6).max(1.0);
         let estimate = f64::from_bits(self.latency.load(Ordering::Relaxed));
         let elapsed = now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) as f64;
@@ -31,7 +51,7 @@ impl Endpoint {
     /// The latency estimate to rank this endpoint by, in microseconds: the fleet's (`neutral_us`) until
     /// the endpoint has answered, and drifting back to it linearly over `decay_ms` while the endpoint
     /// gets no traffic, so a node that was slow once is tried again.
-    pub fn latency_estimate(&self, now_ms: u64, neutral_us: u64, decay_ms: u64) -> u64 {
+    pub fn estimate(&self, now_ms: u64, neutral_us: u64, decay_ms: u64) -> u64 {
         let estimate = f64::from_bits(self.latency.load(Ordering::Relaxed));
         if estimate <= 0.0 {
             return neutral_us.max(1);
@@ -48,14 +68,8 @@ impl Endpoint {
     /// itself included. An EWMA per load bucket, weight 1/4: the buckets the endpoint works in follow
     /// it within a few answers. What was learnt before a spell of `decay_ms` without answers is
     /// forgotten, so a node that comes back is judged by what it does now. Call before
-    /// [`Endpoint::observe_latency`], which marks the answer.
-    pub fn observe_load_latency(
-        &self,
-        sample: Duration,
-        in_flight: u64,
-        now_ms: u64,
-        decay_ms: u64,
-    ) {
+    /// [`LatencyModel::observe`], which marks the answer.
+    pub fn observe_at_load(&self, sample: Duration, in_flight: u64, now_ms: u64, decay_ms: u64) {
         if now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) >= decay_ms {
             for slot in &self.by_load {
                 slot.store(0, Ordering::Relaxed);
@@ -85,13 +99,7 @@ impl Endpoint {
     /// Never below the endpoint's silence: while it keeps attempts waiting and has answered none of
     /// them for longer, a node that went quiet (a wedged worker behind a live health check) ranks worse
     /// with every moment, before any hedge or stall timer judges it; its first answer ends it.
-    pub fn rank_latency_us(
-        &self,
-        now_ms: u64,
-        outstanding: u64,
-        neutral_us: u64,
-        decay_ms: u64,
-    ) -> u64 {
+    pub fn rank_us(&self, now_ms: u64, outstanding: u64, neutral_us: u64, decay_ms: u64) -> u64 {
         let n = outstanding.saturating_add(1);
         let tried_at = self.tried_at.load(Ordering::Relaxed);
         if outstanding == 0 && (tried_at == 0 || now_ms.saturating_sub(tried_at) >= decay_ms) {
@@ -114,7 +122,7 @@ impl Endpoint {
             None
         };
         let expected = seen.unwrap_or_else(|| {
-            self.latency_estimate(now_ms, neutral_us, decay_ms)
+            self.estimate(now_ms, neutral_us, decay_ms)
                 .saturating_mul(n)
         });
         expected.max(self.silence_ms(now_ms).saturating_mul(1000))
@@ -126,12 +134,53 @@ impl Endpoint {
     }
 
     /// The raw estimate in microseconds (0 before the first observation), for debug output.
-    pub fn latency_us(&self) -> u64 {
+    pub fn estimate_us(&self) -> u64 {
         f64::from_bits(self.latency.load(Ordering::Relaxed)) as u64
+    }
+
+    /// Counts an attempt as waiting for its first byte here until the guard is dropped.
+    pub fn start_waiting(&self, now: Instant) -> Waiting<'_> {
+        let now_ms = super::millis(now).max(1);
+        self.tried_at.store(now_ms, Ordering::Relaxed);
+        if self.waiting.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.waiting_since.store(now_ms, Ordering::Relaxed);
+        }
+        Waiting { model: self }
+    }
+
+    /// Attempts here waiting for their first byte now.
+    pub fn waiting_attempts(&self) -> u64 {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// How long the endpoint has kept attempts waiting without answering any, in milliseconds at
+    /// `now_ms` (0 while none waits): since its last answer or since attempts began to wait, whichever
+    /// is later. A stream that is flowing does not count; only attempts still without a first byte do.
+    pub fn silence_ms(&self, now_ms: u64) -> u64 {
+        if self.waiting.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let since = self
+            .waiting_since
+            .load(Ordering::Relaxed)
+            .max(self.last_answer_ms());
+        now_ms.saturating_sub(since)
     }
 }
 
-/// Load buckets of [`Endpoint::observe_load_latency`]: requests in flight 1, 2, 3–4, 5–8, 9–16, 17+.
+/// An attempt waiting for its endpoint's first byte, from its start until it answered or failed.
+#[derive(Debug)]
+pub struct Waiting<'a> {
+    model: &'a LatencyModel,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.model.waiting.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Load buckets of [`LatencyModel::observe_at_load`]: requests in flight 1, 2, 3–4, 5–8, 9–16, 17+.
 pub const LOAD_BUCKETS: usize = 6;
 
 fn load_bucket(in_flight: u64) -> usize {

@@ -1,8 +1,9 @@
 //! How loaded the endpoint is and may be: outstanding requests and the slots they hold, the
 //! concurrency limit (static or adaptive), and back-off the endpoint asked for.
 
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -20,7 +21,7 @@ impl Endpoint {
     /// limit (upgrades and tests; the request path uses [`Endpoint::try_start_request`]).
     pub fn start_request(self: &Arc<Self>) -> Outstanding {
         let in_flight = self.outstanding.fetch_add(1, Ordering::Relaxed) + 1;
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.tally.requests.fetch_add(1, Ordering::Relaxed);
         Outstanding {
             endpoint: Arc::clone(self),
             in_flight,
@@ -46,7 +47,7 @@ impl Endpoint {
                 Err(actual) => current = actual,
             }
         }
-        self.requests.fetch_add(1, Ordering::Relaxed);
+        self.tally.requests.fetch_add(1, Ordering::Relaxed);
         Some(Outstanding {
             endpoint: Arc::clone(self),
             in_flight: current + 1,
@@ -61,14 +62,6 @@ impl Endpoint {
         }
     }
 
-    /// The adaptive limiter's unloaded latency in microseconds, if it measured one.
-    pub fn unloaded_latency_us(&self) -> Option<u64> {
-        self.lock_limiter()
-            .as_ref()
-            .map(Limiter::unloaded_us)
-            .filter(|&us| us > 0)
-    }
-
     /// What to call when a slot comes free (set once, by the registry).
     pub fn set_slot_freed(&self, slot_freed: SlotFreed) {
         let _ = self.slot_freed.set(slot_freed);
@@ -79,18 +72,20 @@ impl Endpoint {
     pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
         self.held_until.store(0, Ordering::Relaxed);
         let cap = self.origin.max_outstanding.unwrap_or(u64::MAX).max(1);
-        self.limit_cap.store(settings.share(cap), Ordering::Relaxed);
-        let mut limiter = self.lock_limiter();
+        self.limits
+            .cap
+            .store(settings.share(cap), Ordering::Relaxed);
+        let mut limiter = self.limits.lock();
         let limit = match settings.mode {
             LimitMode::None => {
                 *limiter = None;
-                self.configured_limit.store(u64::MAX, Ordering::Relaxed);
+                self.limits.configured.store(u64::MAX, Ordering::Relaxed);
                 u64::MAX
             }
             LimitMode::Static => {
                 *limiter = None;
                 let limit = settings.share(u64::from(settings.initial));
-                self.configured_limit.store(limit, Ordering::Relaxed);
+                self.limits.configured.store(limit, Ordering::Relaxed);
                 limit
             }
             LimitMode::Adaptive => {
@@ -111,7 +106,7 @@ impl Endpoint {
 
     /// Feeds the adaptive limiter a committed request's time to first byte.
     pub fn observe_limit_sample(&self, sample: Duration, in_flight: u64, now: Instant) {
-        let mut limiter = self.lock_limiter();
+        let mut limiter = self.limits.lock();
         if let Some(state) = limiter.as_mut() {
             let limit = state.on_sample(sample, in_flight, self.millis(now));
             drop(limiter);
@@ -126,7 +121,7 @@ impl Endpoint {
     pub fn limit_back_pressure(&self, now: Instant) {
         // The refused request still counts as outstanding here; the node holds the others.
         let holding = self.outstanding().saturating_sub(1);
-        let mut limiter = self.lock_limiter();
+        let mut limiter = self.limits.lock();
         let limit = match limiter.as_mut() {
             Some(state) => u64::from(state.on_back_pressure(self.millis(now), holding)),
             None => {
@@ -134,7 +129,7 @@ impl Endpoint {
                 self.held_until.store(until, Ordering::Relaxed);
                 holding
                     .max(1)
-                    .min(self.configured_limit.load(Ordering::Relaxed))
+                    .min(self.limits.configured.load(Ordering::Relaxed))
             }
         };
         drop(limiter);
@@ -151,12 +146,12 @@ impl Endpoint {
                 .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            self.store_limit(self.configured_limit.load(Ordering::Relaxed));
+            self.store_limit(self.limits.configured.load(Ordering::Relaxed));
         }
     }
 
     fn store_limit(&self, limit: u64) {
-        let limit = limit.min(self.limit_cap.load(Ordering::Relaxed));
+        let limit = limit.min(self.limits.cap.load(Ordering::Relaxed));
         let old = self.limit.swap(limit, Ordering::Relaxed);
         if limit > old
             && let Some(slot_freed) = self.slot_freed.get()
@@ -165,22 +160,11 @@ impl Endpoint {
         }
     }
 
-    fn lock_limiter(&self) -> std::sync::MutexGuard<'_, Option<Limiter>> {
-        self.limiter
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Times the endpoint asked for back-off (429, 503 with Retry-After), paused or not.
-    pub fn cooldowns(&self) -> u64 {
-        self.cooldowns.load(Ordering::Relaxed)
-    }
-
     /// Back-pressure from the endpoint: no new requests for `pause` (it is not a failure).
     pub fn cool_down(&self, pause: Duration, now: Instant) {
         let until = self.millis(now + pause);
         self.cooldown_until.fetch_max(until, Ordering::Relaxed);
-        self.cooldowns.fetch_add(1, Ordering::Relaxed);
+        self.tally.cooldowns.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             endpoint = self.url(),
             pause_ms = pause.as_millis() as u64,
@@ -192,7 +176,7 @@ impl Endpoint {
     /// cuts an adaptive limit instead). Logged at debug: under standing overload it happens many times
     /// a second.
     pub fn pushed_back_while_busy(&self) {
-        self.cooldowns.fetch_add(1, Ordering::Relaxed);
+        self.tally.cooldowns.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(endpoint = self.url(), "busy endpoint refused a request");
     }
 
@@ -202,51 +186,45 @@ impl Endpoint {
     }
 }
 
+/// An endpoint's concurrency limit as the configuration, its pod and the adaptive limiter set it, off
+/// the pick's path (the limit in force is the endpoint's own `limit`).
+#[derive(Debug)]
+pub struct LimitState {
+    /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
+    pub(super) limiter: Mutex<Option<Limiter>>,
+    /// The limit the configuration sets without an adaptive limiter (`u64::MAX`: none).
+    pub(super) configured: AtomicU64,
+    /// A cap on the concurrency limit, whatever the mode says: this replica's share of a pod's own
+    /// annotation (see [`crate::limit::LimitSettings::share`]).
+    pub(super) cap: AtomicU64,
+}
+
+impl LimitState {
+    pub(super) fn new(cap: u64) -> LimitState {
+        LimitState {
+            limiter: Mutex::new(None),
+            configured: AtomicU64::new(u64::MAX),
+            cap: AtomicU64::new(cap),
+        }
+    }
+
+    /// The adaptive limiter's unloaded latency in microseconds, if it measured one.
+    pub fn unloaded_latency_us(&self) -> Option<u64> {
+        self.lock()
+            .as_ref()
+            .map(Limiter::unloaded_us)
+            .filter(|&us| us > 0)
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, Option<Limiter>> {
+        self.limiter
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
 /// How long a node that refused while busy is held to what it held, without an adaptive limit.
 pub const HOLD: Duration = Duration::from_secs(2);
-
-/// An attempt waiting for its endpoint's first byte, from its start until it answered or failed.
-#[derive(Debug)]
-pub struct Waiting<'a> {
-    endpoint: &'a Endpoint,
-}
-
-impl Endpoint {
-    /// Counts an attempt as waiting for its first byte here until the guard is dropped.
-    pub fn start_waiting(&self, now: Instant) -> Waiting<'_> {
-        let now_ms = self.millis(now).max(1);
-        self.tried_at.store(now_ms, Ordering::Relaxed);
-        if self.waiting.fetch_add(1, Ordering::Relaxed) == 0 {
-            self.waiting_since.store(now_ms, Ordering::Relaxed);
-        }
-        Waiting { endpoint: self }
-    }
-
-    /// Attempts here waiting for their first byte now.
-    pub fn waiting_attempts(&self) -> u64 {
-        self.waiting.load(Ordering::Relaxed)
-    }
-
-    /// How long the endpoint has kept attempts waiting without answering any, in milliseconds at
-    /// `now_ms` (0 while none waits): since its last answer or since attempts began to wait, whichever
-    /// is later. A stream that is flowing does not count; only attempts still without a first byte do.
-    pub fn silence_ms(&self, now_ms: u64) -> u64 {
-        if self.waiting.load(Ordering::Relaxed) == 0 {
-            return 0;
-        }
-        let since = self
-            .waiting_since
-            .load(Ordering::Relaxed)
-            .max(self.last_answer_ms());
-        now_ms.saturating_sub(since)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.endpoint.waiting.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// RAII count of one in-flight request on an endpoint.
 ///

@@ -11,6 +11,7 @@
 //! silences normally are, by phase, and when it was last heard from), [`liveness`] (heartbeats'
 //! verdicts), [`models`] (what it says it serves) and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
 
+mod address;
 mod counts;
 mod gate;
 mod latency;
@@ -18,26 +19,28 @@ mod liveness;
 mod load;
 mod models;
 mod pace;
+mod tally;
 mod view;
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
-use http::HeaderValue;
-use http::uri::{Authority, Scheme};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use crate::breaker::Breaker;
 use crate::config::EndpointUrl;
-use crate::limit::Limiter;
 
+pub use self::address::Address;
 use self::counts::Counted;
 pub use self::counts::FleetCounts;
+pub use self::gate::Circuit;
 use self::gate::{GATE_CLOSED, GATE_PROBING};
-pub use self::latency::LOAD_BUCKETS;
-pub use self::load::Outstanding;
+pub use self::latency::{LOAD_BUCKETS, LatencyModel, Waiting};
+pub use self::liveness::{LastHeartbeat, Liveness};
+pub use self::load::{LimitState, Outstanding};
+pub use self::models::ServedModels;
 pub use self::pace::{OPENING_GAPS, Pace, Typical};
+pub use self::tally::Tally;
 pub use self::view::{EndpointState, EndpointView};
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
@@ -92,75 +95,31 @@ pub struct Endpoint {
     /// millisecond (0: not held).
     held_until: AtomicU64,
     weight: u32,
-    /// A draining endpoint takes no new requests; in-flight ones finish.
-    draining: AtomicBool,
-    /// Heartbeats' verdict (true until heartbeats say otherwise).
-    healthy: AtomicBool,
-    /// The last heartbeat of a healthy endpoint failed: no new requests until the verdict.
-    suspect: AtomicBool,
-    /// Peak-EWMA latency estimate, microseconds as f64 bits (0.0: nothing observed yet) ...
-    latency: AtomicU64,
-    /// ... and the millisecond of its last observation.
-    latency_at: AtomicU64,
-    /// Time to first byte by the requests in flight when an attempt started (see `latency`): an EWMA
-    /// in microseconds per load bucket (0: none seen at that load).
-    by_load: [AtomicU64; LOAD_BUCKETS],
-    /// Attempts here waiting for their first byte ...
-    waiting: AtomicU64,
-    /// ... and the millisecond the endpoint last went from none waiting to some ...
-    waiting_since: AtomicU64,
-    /// ... and the millisecond an attempt last started here (0: never).
-    tried_at: AtomicU64,
+    /// Draining, healthy, suspect.
+    liveness: Liveness,
+    /// What its answers took, and the attempts waiting for one now.
+    latency: LatencyModel,
     // Everything below is read off the pick's path.
-    /// The URL as configured or discovered, for logs and debug output.
-    url: String,
-    scheme: Scheme,
-    authority: Authority,
-    path_prefix: String,
-    /// `Host` sent upstream: the endpoint's own authority (a gateway routes by it).
-    host_header: HeaderValue,
-    /// Requests ever sent here (for tests, debug and, later, metrics).
-    requests: AtomicU64,
-    /// Requests here that failed at the endpoint (connect error, broken connection, timeout).
-    failures: AtomicU64,
-    breaker: Mutex<Breaker>,
-    /// The closed breaker's failure streak, mirrored so a success needs no lock when it is zero.
-    streak: AtomicU32,
+    address: Address,
+    tally: Tally,
+    heartbeat: LastHeartbeat,
+    /// The breaker behind the gate.
+    circuit: Circuit,
     /// Bumped when heartbeats declare the endpoint gone or it stalls; waiting attempts fail over at once.
     gone: watch::Sender<u64>,
-    /// The breaker is open because requests stalled while heartbeats passed (mirrored from it).
-    stalled: AtomicBool,
-    /// Attempts that stalled here.
-    stall_events: AtomicU64,
-    /// A beaten attempt goes on in the background to tell slow from hung.
-    investigating: AtomicBool,
     /// What its streams' silences normally are, by phase, and when it was last heard from.
     pace: Pace,
     /// The model ids its own `/v1/models` gave when last asked.
-    served_models: Mutex<Arc<[String]>>,
-    ejections: AtomicU64,
-    /// Times heartbeats marked the endpoint unhealthy.
-    unhealthy_marks: AtomicU64,
-    /// Times the endpoint asked for back-off.
-    cooldowns: AtomicU64,
-    /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
-    limiter: Mutex<Option<Limiter>>,
-    /// The limit the configuration sets without an adaptive limiter (`u64::MAX`: none).
-    configured_limit: AtomicU64,
+    served_models: ServedModels,
+    /// The limit as the configuration, the pod and the adaptive limiter set it.
+    limits: LimitState,
     /// Called when a slot here comes free (wakes whoever waits for one).
     slot_freed: OnceLock<SlotFreed>,
     /// The registry's counts this endpoint is counted in, and what it adds to them now.
     counts: OnceLock<Arc<FleetCounts>>,
     counted: Counted,
-    /// The last heartbeat: when it ended (ms, 0: none yet), how long it took (µs), and whether it passed.
-    heartbeat_at: AtomicU64,
-    heartbeat_rtt_us: AtomicU64,
-    heartbeat_ok: AtomicBool,
     /// Where the endpoint came from (`static` or `kubernetes`, and the pod).
     origin: Origin,
-    /// A cap on the concurrency limit, whatever the mode says: this replica's share of a pod's own
-    /// annotation (see [`crate::limit::LimitSettings::share`]).
-    limit_cap: AtomicU64,
 }
 
 /// Where an endpoint came from, and what its source says about it beyond the address.
@@ -204,62 +163,36 @@ pub enum Eligibility {
 impl Endpoint {
     /// Builds an endpoint from a parsed URL.
     pub fn new(id: EndpointId, url: &str, parsed: EndpointUrl, weight: u32) -> Endpoint {
-        // An Authority is always a valid header value (it was parsed from visible ASCII).
-        let host_header = HeaderValue::from_str(parsed.authority.as_str())
-            .unwrap_or_else(|_| HeaderValue::from_static("invalid"));
         Endpoint {
             id,
-            url: url.to_owned(),
-            scheme: parsed.scheme,
-            authority: parsed.authority,
-            path_prefix: parsed.path_prefix,
-            host_header,
+            address: Address::new(url, parsed),
+            tally: Tally::default(),
+            heartbeat: LastHeartbeat::default(),
             weight: weight.max(1),
             outstanding: AtomicU64::new(0),
             limit: AtomicU64::new(u64::MAX),
-            requests: AtomicU64::new(0),
-            failures: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            healthy: AtomicBool::new(true),
-            suspect: AtomicBool::new(false),
-            latency: AtomicU64::new(0),
-            latency_at: AtomicU64::new(0),
-            by_load: Default::default(),
-            waiting: AtomicU64::new(0),
-            waiting_since: AtomicU64::new(0),
-            tried_at: AtomicU64::new(0),
+            liveness: Liveness::default(),
+            latency: LatencyModel::default(),
             gate: AtomicU64::new(GATE_CLOSED),
-            breaker: Mutex::new(Breaker::default()),
-            streak: AtomicU32::new(0),
+            circuit: Circuit::default(),
             cooldown_until: AtomicU64::new(0),
             ramp_start: AtomicU64::new(0),
             held_until: AtomicU64::new(0),
             gone: watch::channel(0).0,
-            stalled: AtomicBool::new(false),
-            stall_events: AtomicU64::new(0),
-            investigating: AtomicBool::new(false),
             pace: Pace::default(),
-            served_models: Mutex::new(Arc::from(Vec::new())),
-            ejections: AtomicU64::new(0),
-            unhealthy_marks: AtomicU64::new(0),
-            cooldowns: AtomicU64::new(0),
-            limiter: Mutex::new(None),
+            served_models: ServedModels::default(),
+            limits: LimitState::new(u64::MAX),
             slot_freed: OnceLock::new(),
             counts: OnceLock::new(),
             counted: Counted::default(),
-            heartbeat_at: AtomicU64::new(0),
-            heartbeat_rtt_us: AtomicU64::new(0),
-            heartbeat_ok: AtomicBool::new(false),
             origin: Origin::default(),
-            limit_cap: AtomicU64::new(u64::MAX),
-            configured_limit: AtomicU64::new(u64::MAX),
         }
     }
 
     /// Sets where the endpoint came from and its own concurrency cap (before it serves).
     pub fn with_origin(mut self, origin: &Origin) -> Endpoint {
         self.origin = origin.clone();
-        self.limit_cap = AtomicU64::new(origin.max_outstanding.unwrap_or(u64::MAX).max(1));
+        self.limits = LimitState::new(origin.max_outstanding.unwrap_or(u64::MAX).max(1));
         self
     }
 
@@ -285,9 +218,10 @@ impl Endpoint {
     /// Whether a new request may go here at `now_ms` (see [`millis`]).
     pub fn eligibility(&self, now_ms: u64, ignore_health: bool) -> Eligibility {
         self.lift_hold(now_ms);
-        let unwell = !self.healthy.load(Ordering::Relaxed) || self.suspect.load(Ordering::Relaxed);
+        let unwell = !self.liveness.healthy.load(Ordering::Relaxed)
+            || self.liveness.suspect.load(Ordering::Relaxed);
         if self.outstanding.load(Ordering::Relaxed) >= self.limit.load(Ordering::Relaxed)
-            || self.draining.load(Ordering::Relaxed)
+            || self.liveness.draining.load(Ordering::Relaxed)
             || (!ignore_health && unwell)
             || self.cooldown_until.load(Ordering::Relaxed) > now_ms
         {
@@ -325,40 +259,61 @@ impl Endpoint {
             .store(self.millis(now).max(1), Ordering::Relaxed);
     }
 
+    /// What its answers took, and the attempts waiting for one now.
+    pub fn latency(&self) -> &LatencyModel {
+        &self.latency
+    }
+
     pub fn id(&self) -> EndpointId {
         self.id
     }
 
     pub fn url(&self) -> &str {
-        &self.url
+        self.address.url()
     }
 
-    pub fn scheme(&self) -> &Scheme {
-        &self.scheme
+    /// Where it is, parsed.
+    pub fn address(&self) -> &Address {
+        &self.address
     }
 
-    pub fn authority(&self) -> &Authority {
-        &self.authority
+    /// What its streams' silences normally are, and when it was last heard from.
+    pub fn pace(&self) -> &Pace {
+        &self.pace
     }
 
-    pub fn path_prefix(&self) -> &str {
-        &self.path_prefix
+    /// The limit as the configuration, the pod and the adaptive limiter set it.
+    pub fn limits(&self) -> &LimitState {
+        &self.limits
     }
 
-    pub fn host_header(&self) -> &HeaderValue {
-        &self.host_header
+    /// The breaker behind the gate.
+    pub fn circuit(&self) -> &Circuit {
+        &self.circuit
+    }
+
+    /// Draining, healthy, suspect.
+    pub fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    /// The model ids its own `/v1/models` gave when last asked.
+    pub fn served_models(&self) -> &ServedModels {
+        &self.served_models
+    }
+
+    /// What happened here, counted.
+    pub fn tally(&self) -> &Tally {
+        &self.tally
+    }
+
+    /// Its last heartbeat.
+    pub fn heartbeat(&self) -> &LastHeartbeat {
+        &self.heartbeat
     }
 
     pub fn weight(&self) -> u32 {
         self.weight
-    }
-
-    pub fn requests(&self) -> u64 {
-        self.requests.load(Ordering::Relaxed)
-    }
-
-    pub fn failures(&self) -> u64 {
-        self.failures.load(Ordering::Relaxed)
     }
 }
 
@@ -380,7 +335,7 @@ mod tests {
         assert_eq!(ep.outstanding(), 1);
         drop(b);
         assert_eq!(ep.outstanding(), 0);
-        assert_eq!(ep.requests(), 2);
+        assert_eq!(ep.tally().requests(), 2);
     }
 
     #[tokio::test(start_paused = true)]
@@ -423,9 +378,9 @@ mod tests {
     #[test]
     fn host_header_is_the_endpoint_authority() {
         let ep = endpoint("https://tamarind-navybean.salad.cloud");
-        assert_eq!(ep.host_header(), "tamarind-navybean.salad.cloud");
+        assert_eq!(ep.address().host_header(), "tamarind-navybean.salad.cloud");
         let ep = endpoint("http://[::1]:8000/v1");
-        assert_eq!(ep.host_header(), "[::1]:8000");
-        assert_eq!(ep.path_prefix(), "/v1");
+        assert_eq!(ep.address().host_header(), "[::1]:8000");
+        assert_eq!(ep.address().path_prefix(), "/v1");
     }
 }

@@ -2,18 +2,20 @@
 //! heartbeats (see `health`), for tongs' `/v1/models`. What a node says is only listed, never
 //! routed on: which pool serves a model is the configuration's say.
 
-use std::sync::Arc;
-
-use super::Endpoint;
+use std::sync::{Arc, Mutex};
 
 /// Most model ids kept per node, and the longest one: a node's answer is outside input.
 pub const MAX_MODELS: usize = 1024;
 pub const MAX_MODEL_ID: usize = 256;
 
-impl Endpoint {
+/// The model ids a node's own `/v1/models` gave when last asked.
+#[derive(Debug, Default)]
+pub struct ServedModels(Mutex<Arc<[String]>>);
+
+impl ServedModels {
     /// Keeps what the node said it serves last: the first [`MAX_MODELS`] ids that are no longer than
     /// [`MAX_MODEL_ID`] and printable, each once.
-    pub fn set_served_models(&self, ids: impl IntoIterator<Item = String>) {
+    pub fn set(&self, ids: impl IntoIterator<Item = String>) {
         let mut kept: Vec<String> = Vec::new();
         for id in ids {
             let fits =
@@ -26,16 +28,16 @@ impl Endpoint {
             }
         }
         *self
-            .served_models
+            .0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner()) = kept.into();
     }
 
     /// What the node said it serves when last asked (empty before, or when it would not say).
-    pub fn served_models(&self) -> Arc<[String]> {
+    pub fn get(&self) -> Arc<[String]> {
         Arc::clone(
             &self
-                .served_models
+                .0
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner()),
         )
@@ -48,10 +50,9 @@ mod tests {
 
     #[test]
     fn a_nodes_list_is_kept_bounded_printable_and_once_each() {
-        let url = "http://node:8000";
-        let endpoint = Endpoint::new(1, url, crate::config::EndpointUrl::parse(url).unwrap(), 1);
-        assert!(endpoint.served_models().is_empty());
-        endpoint.set_served_models(
+        let models = ServedModels::default();
+        assert!(models.get().is_empty());
+        models.set(
             [
                 "beta-1",
                 "beta-1",
@@ -62,8 +63,8 @@ mod tests {
             ]
             .map(str::to_owned),
         );
-        assert_eq!(&*endpoint.served_models(), ["beta-1", "beta-2"]);
-        endpoint.set_served_models((0..5000).map(|i| format!("m{i}")));
-        assert_eq!(endpoint.served_models().len(), MAX_MODELS);
+        assert_eq!(&*models.get(), ["beta-1", "beta-2"]);
+        models.set((0..5000).map(|i| format!("m{i}")));
+        assert_eq!(models.get().len(), MAX_MODELS);
     }
 }

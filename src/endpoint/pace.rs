@@ -20,8 +20,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::Endpoint;
-
 /// The gaps after a stream's first chunk that make up its opening.
 pub const OPENING_GAPS: u32 = 2;
 
@@ -103,29 +101,29 @@ impl Typical {
     }
 }
 
-impl Endpoint {
+impl Pace {
     /// A stream here sent a chunk after tongs had waited `gap` for it, at place `place` (1: the first
     /// chunk after the one that started the answer). Opening gaps are kept by the stream until its
-    /// opening is over (see [`Endpoint::observe_opening`]); later ones feed the token gap, an EWMA
+    /// opening is over (see [`Pace::observe_opening`]); later ones feed the token gap, an EWMA
     /// with weight 1/16: steady enough that one slow chunk does not move it much, quick enough to
     /// follow a node that changes pace.
     pub fn observe_chunk_gap(&self, place: u32, gap: Duration) {
         if place > OPENING_GAPS {
-            self.pace.gap.observe(gap, 16);
+            self.gap.observe(gap, 16);
         }
     }
 
     /// A stream here, asked with a body of `prompt_bytes`, finished its opening (or ended within it)
     /// whose longest gap was `longest`: one sample of the wait for the first tokens, weight 1/8.
     pub fn observe_opening(&self, longest: Duration, prompt_bytes: u64) {
-        self.pace.opening.observe(longest, 8);
-        let old = self.pace.prompt_bytes.load(Ordering::Relaxed);
+        self.opening.observe(longest, 8);
+        let old = self.prompt_bytes.load(Ordering::Relaxed);
         let next = if old == 0 {
             prompt_bytes.max(1)
         } else {
             (old - old / 8 + prompt_bytes / 8).max(1)
         };
-        self.pace.prompt_bytes.store(next, Ordering::Relaxed);
+        self.prompt_bytes.store(next, Ordering::Relaxed);
     }
 
     /// How many times longer than the node's typical opening a request with a body of `prompt_bytes`
@@ -133,7 +131,7 @@ impl Endpoint {
     /// so small prompts all count as alike), from 1 to [`MAX_PROMPT_FACTOR`]. Before any opening was
     /// timed, against a body of [`PROMPT_SMOOTHING`].
     pub fn prompt_factor(&self, prompt_bytes: u64) -> f64 {
-        let typical = match self.pace.prompt_bytes.load(Ordering::Relaxed) {
+        let typical = match self.prompt_bytes.load(Ordering::Relaxed) {
             0 => PROMPT_SMOOTHING,
             typical => typical,
         };
@@ -144,14 +142,14 @@ impl Endpoint {
 
     /// The node showed progress at `now_ms`: a chunk of one of its streams, past the first.
     pub fn heard(&self, now_ms: u64) {
-        if self.pace.heard_ms.load(Ordering::Relaxed) < now_ms {
-            self.pace.heard_ms.fetch_max(now_ms, Ordering::Relaxed);
+        if self.heard_ms.load(Ordering::Relaxed) < now_ms {
+            self.heard_ms.fetch_max(now_ms, Ordering::Relaxed);
         }
     }
 
     /// When the node last showed progress (ms on the [`super::millis`] clock; 0: never).
     pub fn heard_ms(&self) -> u64 {
-        self.pace.heard_ms.load(Ordering::Relaxed)
+        self.heard_ms.load(Ordering::Relaxed)
     }
 
     /// The typical gap between chunks after a stream's opening (`None` before any was seen).
@@ -161,16 +159,14 @@ impl Endpoint {
 
     /// What gaps between tokens typically are here, and how much they vary.
     pub fn token_gap(&self) -> Option<Typical> {
-        self.pace
-            .gap
+        self.gap
             .get()
             .map(|(mean, deviation)| Typical { mean, deviation })
     }
 
     /// What this node's streams' openings typically take (`None` before any opening was timed).
     pub fn opening(&self) -> Option<Typical> {
-        self.pace
-            .opening
+        self.opening
             .get()
             .map(|(mean, deviation)| Typical { mean, deviation })
     }
@@ -212,9 +208,7 @@ mod tests {
 
     #[test]
     fn opening_gaps_do_not_feed_the_token_gap() {
-        let url = "http://node:8000";
-        let parsed = crate::config::EndpointUrl::parse(url).unwrap();
-        let endpoint = Endpoint::new(1, url, parsed, 1);
+        let endpoint = Pace::default();
         endpoint.observe_chunk_gap(1, ms(2000));
         endpoint.observe_chunk_gap(2, ms(5));
         assert_eq!(endpoint.chunk_gap(), None);

@@ -106,15 +106,15 @@ impl Endpoint {
     /// breaker's and the limiter's).
     pub fn view(&self, now: Instant, slow_start: Duration) -> EndpointView {
         let now_ms = self.millis(now);
-        let breaker_state = self.breaker_state();
+        let breaker_state = self.circuit().state();
         let breaker = match breaker_state {
             State::Closed { .. } => "closed",
             State::Open { .. } => "open",
             State::HalfOpen { .. } => "half-open",
         };
-        let healthy = self.is_healthy();
-        let suspect = self.is_suspect();
-        let draining = !self.is_available();
+        let healthy = self.liveness().is_healthy();
+        let suspect = self.liveness().is_suspect();
+        let draining = !self.liveness().is_available();
         let cooling_down = self.cooling_down(now_ms);
         let window = u64::try_from(slow_start.as_millis()).unwrap_or(u64::MAX);
         let slow =
@@ -123,7 +123,7 @@ impl Endpoint {
             EndpointState::Draining
         } else if !healthy {
             EndpointState::Unhealthy
-        } else if self.is_stalled() && !matches!(breaker_state, State::Closed { .. }) {
+        } else if self.circuit().is_stalled() && !matches!(breaker_state, State::Closed { .. }) {
             EndpointState::Stalled
         } else if let State::Open { .. } = breaker_state {
             EndpointState::Ejected
@@ -139,10 +139,10 @@ impl Endpoint {
             EndpointState::Healthy
         };
         let ms = |us: u64| (us > 0).then(|| us as f64 / 1000.0);
-        let heartbeat = self.last_heartbeat();
-        let opening = self.opening();
+        let heartbeat = self.heartbeat().get();
+        let opening = self.pace().opening();
         EndpointView {
-            url: self.url.clone(),
+            url: self.url().to_owned(),
             source: self.origin.source,
             pod: self.origin.pod.as_deref().map(str::to_owned),
             weight: self.weight,
@@ -156,17 +156,20 @@ impl Endpoint {
             outstanding: self.outstanding(),
             limit: self.limit(),
             max_outstanding: self.origin.max_outstanding,
-            requests: self.requests(),
-            failures: self.failures(),
-            ejections: self.ejections(),
-            stalls: self.stalls(),
-            cooldowns: self.cooldowns(),
-            latency_ms: ms(self.latency_us()),
-            unloaded_latency_ms: self.unloaded_latency_us().and_then(ms),
+            requests: self.tally().requests(),
+            failures: self.tally().failures(),
+            ejections: self.tally().ejections(),
+            stalls: self.tally().stalls(),
+            cooldowns: self.tally().cooldowns(),
+            latency_ms: ms(self.latency().estimate_us()),
+            unloaded_latency_ms: self.limits().unloaded_latency_us().and_then(ms),
             first_token_ms: opening.map(|typical| typical.mean.as_secs_f64() * 1000.0),
             first_token_deviation_ms: opening
                 .map(|typical| typical.deviation.as_secs_f64() * 1000.0),
-            token_gap_ms: self.chunk_gap().map(|gap| gap.as_secs_f64() * 1000.0),
+            token_gap_ms: self
+                .pace()
+                .chunk_gap()
+                .map(|gap| gap.as_secs_f64() * 1000.0),
             last_heartbeat_age_s: heartbeat
                 .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
             last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),

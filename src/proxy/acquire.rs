@@ -88,9 +88,9 @@ impl Tried {
 
     /// Whether a busy endpoint that may free a slot is still up: worth waiting for.
     fn busy_may_free(&self) -> bool {
-        self.busy
-            .iter()
-            .any(|(busy, _)| busy.is_available() && busy.is_healthy() && !busy.is_ejected())
+        self.busy.iter().any(|(busy, _)| {
+            busy.liveness().is_available() && busy.liveness().is_healthy() && !busy.is_ejected()
+        })
     }
 }
 
@@ -230,8 +230,8 @@ impl Proxy {
         let now_ms = crate::endpoint::millis(now);
         let worth_waiting = snapshot.iter().any(|e| {
             !tried.ids.as_slice().contains(&e.id())
-                && e.is_available()
-                && e.is_healthy()
+                && e.liveness().is_available()
+                && e.liveness().is_healthy()
                 && !e.is_ejected()
                 && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
         });

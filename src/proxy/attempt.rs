@@ -187,7 +187,7 @@ impl Proxy {
         };
         let attempt_started = Instant::now();
         // Until this attempt answers or fails, it counts towards the endpoint's silence (see `balance`).
-        let _waiting = endpoint.start_waiting(attempt_started);
+        let _waiting = endpoint.latency().start_waiting(attempt_started);
         let mut gone = endpoint.gone_signal();
         let grace = settings.suspect_grace;
         let per_try = (attempt_started + settings.response_headers_timeout).min(deadline);
@@ -321,7 +321,7 @@ impl Proxy {
         // answer by its start. An endpoint ejected for failures failed before its answers started, and
         // holding it out for a whole stream longer would only cost the fleet its capacity.
         let streams_on = first.is_some() && !response.body().is_end_stream();
-        let probe = (probe && streams_on && endpoint.is_stalled()).then(|| {
+        let probe = (probe && streams_on && endpoint.circuit().is_stalled()).then(|| {
             probe_guard.pending = false;
             Probe::new(Arc::clone(endpoint))
         });
@@ -331,7 +331,7 @@ impl Proxy {
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
-        endpoint.observe_load_latency(
+        endpoint.latency().observe_at_load(
             first_byte,
             outstanding.in_flight_at_start(),
             crate::endpoint::millis(now),
@@ -362,7 +362,7 @@ impl Proxy {
         sample: Duration,
         now: Instant,
     ) {
-        endpoint.observe_latency(
+        endpoint.latency().observe(
             sample,
             crate::endpoint::millis(now),
             millis_of(settings.latency_decay),
@@ -385,7 +385,7 @@ impl Proxy {
     /// The failure of an attempt whose endpoint was declared gone (by heartbeats) or stalled while it
     /// waited.
     pub(super) fn gone(&self, endpoint: &Arc<Endpoint>) -> Failure {
-        let stalled = endpoint.is_stalled();
+        let stalled = endpoint.circuit().is_stalled();
         Failure {
             kind: FailureKind::Unhealthy,
             error: ProxyError::Upstream {
@@ -461,10 +461,10 @@ async fn wait_gone(
     let mut signalled = false;
     loop {
         if signalled {
-            if !endpoint.is_healthy() || endpoint.is_stalled() {
+            if !endpoint.liveness().is_healthy() || endpoint.circuit().is_stalled() {
                 return;
             }
-            if endpoint.is_suspect() {
+            if endpoint.liveness().is_suspect() {
                 let waited = started.elapsed();
                 if waited >= grace {
                     return;

@@ -111,7 +111,7 @@ impl Timing {
 /// since it started (`last_answer`, ms on the endpoints' clock) but this one did not.
 fn waiting_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
     let since = crate::endpoint::millis(started);
-    last_answer.load(Ordering::Relaxed) > since && endpoint.last_answer_ms() <= since
+    last_answer.load(Ordering::Relaxed) > since && endpoint.latency().last_answer_ms() <= since
 }
 
 /// Whether such an attempt is a stall of its endpoint: alone in waiting, and the endpoint showed no
@@ -119,7 +119,7 @@ fn waiting_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant)
 /// others while a new request waits (its prefill, a queue behind a full KV cache) is busy, not hung.
 fn stalled_alone(last_answer: &AtomicU64, endpoint: &Endpoint, started: Instant) -> bool {
     waiting_alone(last_answer, endpoint, started)
-        && endpoint.heard_ms() <= crate::endpoint::millis(started)
+        && endpoint.pace().heard_ms() <= crate::endpoint::millis(started)
 }
 
 /// How often an attempt past its stall point with no second attempt beside it looks again: whether it
@@ -151,7 +151,7 @@ impl Proxy {
         endpoint: &Endpoint,
         now: Instant,
     ) -> Duration {
-        let micros = endpoint.latency_estimate(
+        let micros = endpoint.latency().estimate(
             crate::endpoint::millis(now),
             self.fleet_latency_us(),
             super::millis_of(settings.latency_decay),
@@ -193,7 +193,7 @@ impl Proxy {
         let settings = &*sending.settings;
         let first_endpoint = Arc::clone(slot.outstanding.endpoint());
         let started = Instant::now();
-        let own = match first_endpoint.latency_us() {
+        let own = match first_endpoint.latency().estimate_us() {
             0 => None,
             us => Some(Duration::from_micros(us)),
         };
@@ -301,7 +301,7 @@ impl Proxy {
         timing: Timing,
         stall_counted: bool,
     ) {
-        if stall_counted || !endpoint.begin_investigation() {
+        if stall_counted || !endpoint.circuit().begin_investigation() {
             return;
         }
         let endpoint = Arc::clone(endpoint);
@@ -314,7 +314,7 @@ impl Proxy {
                     proxy.stalled(&settings, &endpoint, timing.started);
                 }
             }
-            endpoint.end_investigation();
+            endpoint.circuit().end_investigation();
         });
     }
 
@@ -457,7 +457,7 @@ mod tests {
             "others answered, it did not"
         );
         // A token of a stream it holds: it is busy, not hung, though this attempt waits alone.
-        endpoint.heard(later);
+        endpoint.pace().heard(later);
         assert!(
             !stalled_alone(&fleet, &endpoint, started),
             "it showed progress too"
@@ -466,7 +466,9 @@ mod tests {
             waiting_alone(&fleet, &endpoint, started),
             "worth a second attempt"
         );
-        endpoint.observe_latency(Duration::from_millis(5), later, 10_000);
+        endpoint
+            .latency()
+            .observe(Duration::from_millis(5), later, 10_000);
         assert!(!waiting_alone(&fleet, &endpoint, started), "it answered");
     }
 }

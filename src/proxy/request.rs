@@ -170,7 +170,7 @@ impl Template {
             slot.span = Some(trace.attempt(
                 kind,
                 endpoint.url(),
-                endpoint.authority(),
+                endpoint.address().authority(),
                 request.headers_mut(),
             ));
         }
@@ -185,7 +185,7 @@ impl Template {
         // switches to HTTP/2 by itself when ALPN chose it.
         *request.version_mut() = Version::HTTP_11;
         let mut headers = self.headers.clone();
-        headers.insert(header::HOST, endpoint.host_header().clone());
+        headers.insert(header::HOST, endpoint.address().host_header().clone());
         *request.headers_mut() = headers;
         request
     }
@@ -228,15 +228,19 @@ fn opted_out(headers: &HeaderMap) -> bool {
 /// The endpoint's scheme and authority, its path prefix, then the client's path and query.
 fn upstream_uri(endpoint: &Endpoint, path_and_query: &PathAndQuery) -> Uri {
     let path_and_query = path_and_query.clone();
-    let path_and_query = if endpoint.path_prefix().is_empty() {
+    let path_and_query = if endpoint.address().path_prefix().is_empty() {
         path_and_query
     } else {
-        let joined = format!("{}{}", endpoint.path_prefix(), path_and_query.as_str());
+        let joined = format!(
+            "{}{}",
+            endpoint.address().path_prefix(),
+            path_and_query.as_str()
+        );
         joined.parse().unwrap_or(path_and_query)
     };
     let mut parts = http::uri::Parts::default();
-    parts.scheme = Some(endpoint.scheme().clone());
-    parts.authority = Some(endpoint.authority().clone());
+    parts.scheme = Some(endpoint.address().scheme().clone());
+    parts.authority = Some(endpoint.address().authority().clone());
     parts.path_and_query = Some(path_and_query);
     // Scheme, authority and path were each valid on their own, so the whole is valid.
     Uri::from_parts(parts).unwrap_or_else(|_| Uri::from_static("/"))

@@ -186,7 +186,7 @@ impl Streamed {
                 mean,
                 deviation: Duration::ZERO,
             });
-            idle_limit(&self.idle, endpoint.token_gap().or(first_byte))
+            idle_limit(&self.idle, endpoint.pace().token_gap().or(first_byte))
         }
     }
 
@@ -194,8 +194,8 @@ impl Streamed {
         let endpoint = self.outstanding.endpoint();
         opening_limit(
             &self.idle,
-            endpoint.opening(),
-            endpoint.prompt_factor(self.prompt_bytes),
+            endpoint.pace().opening(),
+            endpoint.pace().prompt_factor(self.prompt_bytes),
         )
     }
 
@@ -203,7 +203,9 @@ impl Streamed {
     /// with requests waiting for their first byte may be prefilling them, which on servers without
     /// chunked prefill stops every stream there for as long: that much silence is its opening's.
     fn node_limit(&self, limit: Duration) -> Duration {
-        if self.chunks >= OPENING_GAPS && self.outstanding.endpoint().waiting_attempts() > 0 {
+        if self.chunks >= OPENING_GAPS
+            && self.outstanding.endpoint().latency().waiting_attempts() > 0
+        {
             limit.max(self.opening_limit())
         } else {
             limit
@@ -215,6 +217,7 @@ impl Streamed {
         if let Some(longest) = self.opening_longest.take() {
             self.outstanding
                 .endpoint()
+                .pace()
                 .observe_opening(longest, self.prompt_bytes);
         }
     }
@@ -229,12 +232,12 @@ impl StreamGuard for Streamed {
         let was_paused = std::mem::take(&mut self.paused) || stall_ended;
         let endpoint = self.outstanding.endpoint();
         // A token is the node's progress, whether tongs waited for it or found it already there.
-        endpoint.heard(millis(Instant::now()));
+        endpoint.pace().heard(millis(Instant::now()));
         if let Some(gap) = waited {
             if self.chunks <= OPENING_GAPS {
                 self.opening_longest = Some(self.opening_longest.unwrap_or_default().max(gap));
             } else if !was_paused {
-                endpoint.observe_chunk_gap(self.chunks, gap);
+                endpoint.pace().observe_chunk_gap(self.chunks, gap);
             }
         }
         if self.chunks == OPENING_GAPS {
@@ -256,7 +259,7 @@ impl StreamGuard for Streamed {
         let endpoint = self.outstanding.endpoint();
         let verdict = judge(
             millis(since),
-            endpoint.heard_ms(),
+            endpoint.pace().heard_ms(),
             millis(now),
             (
                 super::millis_of(self.node_limit(limit)),
@@ -385,8 +388,8 @@ fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, outlives_stall: bool
     let registry = Arc::clone(registry);
     Box::pin(async move {
         loop {
-            let unhealthy = !endpoint.is_healthy() && registry.counts().healthy() > 0;
-            if unhealthy || (endpoint.is_stalled() && !outlives_stall) {
+            let unhealthy = !endpoint.liveness().is_healthy() && registry.counts().healthy() > 0;
+            if unhealthy || (endpoint.circuit().is_stalled() && !outlives_stall) {
                 return;
             }
             if signal.changed().await.is_err() {

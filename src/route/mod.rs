@@ -545,7 +545,7 @@ fn models_list(pools: &[Arc<Pool>]) -> Option<Response<ProxyBody>> {
     let no_headers = http::HeaderMap::new();
     for pool in pools {
         for endpoint in pool.registry().snapshot().iter() {
-            for id in endpoint.served_models().iter() {
+            for id in endpoint.served_models().get().iter() {
                 if seen.contains(id) {
                     continue;
                 }

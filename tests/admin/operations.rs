@@ -55,7 +55,7 @@ async fn metrics_count_requests_by_outcome_and_show_each_endpoint() {
     assert_eq!(send(bad).await.0, 400);
     let metrics_url = format!("http://{}/metrics", proxy.admin);
     eventually("a heartbeat", Duration::from_secs(5), || {
-        proxy.app_registry.snapshot()[0].last_heartbeat().is_some()
+        proxy.app_registry.snapshot()[0].heartbeat().get().is_some()
     })
     .await;
     let (status, text) = get(&metrics_url).await;
@@ -187,7 +187,7 @@ async fn debug_endpoints_shows_state_limit_and_heartbeats() {
         Duration::from_secs(5),
         || {
             let snapshot = proxy.app_registry.snapshot();
-            snapshot.iter().any(|e| !e.is_healthy())
+            snapshot.iter().any(|e| !e.liveness().is_healthy())
         },
     )
     .await;

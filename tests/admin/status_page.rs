@@ -111,10 +111,10 @@ async fn proxy_with_a_good_and_a_dead_endpoint() -> (TestProxy, Backend, String)
         Duration::from_secs(10),
         || {
             let snapshot = proxy.app_registry.snapshot();
-            snapshot.iter().any(|e| !e.is_healthy())
-                && snapshot
-                    .iter()
-                    .any(|e| e.is_healthy() && e.last_heartbeat().is_some_and(|(_, _, ok)| ok))
+            snapshot.iter().any(|e| !e.liveness().is_healthy())
+                && snapshot.iter().any(|e| {
+                    e.liveness().is_healthy() && e.heartbeat().get().is_some_and(|(_, _, ok)| ok)
+                })
         },
     )
     .await;

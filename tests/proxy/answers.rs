@@ -137,7 +137,7 @@ async fn an_unsolicited_101_is_a_502_and_a_failure_of_its_endpoint() {
     assert!(error.contains("101"), "{error}");
     let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
     assert_eq!(
-        endpoint.failures(),
+        endpoint.tally().failures(),
         1,
         "the 101 counts against its endpoint"
     );

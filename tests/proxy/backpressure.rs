@@ -424,8 +424,12 @@ async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
         "the cooldown was respected: {pushed:?}"
     );
     let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
-    assert_eq!(endpoint.cooldowns(), 1);
-    assert_eq!(endpoint.failures(), 0, "back-pressure is not a failure");
+    assert_eq!(endpoint.tally().cooldowns(), 1);
+    assert_eq!(
+        endpoint.tally().failures(),
+        0,
+        "back-pressure is not a failure"
+    );
     assert_eq!(
         hits.load(Ordering::SeqCst),
         2,
@@ -442,7 +446,7 @@ async fn an_endpoint_that_pushes_back_cools_down_then_takes_traffic_again() {
     eventually_async(
         "the node refused the first request",
         Duration::from_secs(10),
-        || async { endpoint.cooldowns() == 2 },
+        || async { endpoint.tally().cooldowns() == 2 },
     )
     .await;
     let waited = ask(&url, &[]).await;

@@ -119,7 +119,7 @@ async fn a_paused_streamed_upload_gets_408_and_is_not_held_against_the_endpoint(
         assert!(status.contains(" 408 "), "{status}");
     }
     assert_eq!(
-        endpoint.failures(),
+        endpoint.tally().failures(),
         0,
         "the client's pause is not the endpoint's failure"
     );
@@ -149,7 +149,7 @@ async fn a_streamed_body_over_the_limit_is_not_held_against_the_endpoint() {
         assert!(status.contains(" 413 "), "{status}");
     }
     assert_eq!(
-        endpoint.failures(),
+        endpoint.tally().failures(),
         0,
         "the client's oversized body is not the endpoint's failure"
     );

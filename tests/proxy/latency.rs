@@ -66,8 +66,8 @@ async fn idle_for(proxy: &TestProxy, url: &str, idle: Duration) {
         idle * 3,
         || {
             let now_ms = endpoint.millis(tokio::time::Instant::now());
-            endpoint.latency_us() > 0
-                && endpoint.latency_estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
+            endpoint.latency().estimate_us() > 0
+                && endpoint.latency().estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
         },
     )
     .await;

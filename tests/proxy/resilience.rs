@@ -187,7 +187,7 @@ async fn connect_failure_is_retried_elsewhere() {
     }
     assert_eq!(good_hits.load(Ordering::SeqCst), 20);
     assert!(
-        endpoint(&proxy, &refused).failures() >= 1,
+        endpoint(&proxy, &refused).tally().failures() >= 1,
         "the refusing endpoint was tried (and its failure hidden)"
     );
     proxy.stop().await;
@@ -213,11 +213,11 @@ async fn gateway_503_is_retried_and_trips_the_breaker() {
     assert_eq!(good_hits.load(Ordering::SeqCst), 30);
     let ejected = endpoint(&proxy, &bad.url());
     assert!(
-        matches!(ejected.breaker_state(), State::Open { .. }),
+        matches!(ejected.circuit().state(), State::Open { .. }),
         "{:?}",
-        ejected.breaker_state()
+        ejected.circuit().state()
     );
-    assert_eq!(ejected.ejections(), 1);
+    assert_eq!(ejected.tally().ejections(), 1);
     proxy.stop().await;
 }
 
@@ -249,13 +249,16 @@ async fn back_pressure_is_not_a_failure() {
         assert!(hits >= 5, "{url} was asked {hits} times; too few to tell");
         let pressed = endpoint(&proxy, url);
         assert_eq!(
-            pressed.breaker_state(),
+            pressed.circuit().state(),
             State::Closed { failures: 0 },
             "{url}"
         );
-        assert_eq!(pressed.ejections(), 0, "{url}");
-        assert_eq!(pressed.failures(), 0, "{url}");
-        assert!(pressed.cooldowns() >= 1, "{url}: back-pressure is counted");
+        assert_eq!(pressed.tally().ejections(), 0, "{url}");
+        assert_eq!(pressed.tally().failures(), 0, "{url}");
+        assert!(
+            pressed.tally().cooldowns() >= 1,
+            "{url}: back-pressure is counted"
+        );
     }
     proxy.stop().await;
 }
@@ -381,7 +384,7 @@ async fn body_over_the_replay_limit_is_not_replayed() {
     assert_eq!(b_hits.load(Ordering::SeqCst), 20);
     assert!(b_seen.lock().unwrap().iter().all(|&n| n == 10 * 1024));
     assert!(
-        endpoint(&proxy, &refused).failures() >= 1,
+        endpoint(&proxy, &refused).tally().failures() >= 1,
         "the refusing endpoint was tried first at least once"
     );
     proxy.stop().await;
@@ -529,7 +532,7 @@ async fn steady_load_with_interruption(kind: InterruptionKind, factor: f64) -> L
         .saturating_sub(stats.served + stats.shed + stats.gateway_503);
     // Failed there, or (hedged elsewhere first) stalled there.
     let interrupted = endpoint(&proxy, &interrupted.url());
-    let interrupted_node_failures = interrupted.failures() + interrupted.stalls();
+    let interrupted_node_failures = interrupted.tally().failures() + interrupted.tally().stalls();
     proxy.stop().await;
     LoadRun {
         label: Condition::Interrupted { kind, factor }.label(),
@@ -661,7 +664,7 @@ async fn blackholed_in_flight_requests_complete_elsewhere_quickly() {
     assert!(slowest < Duration::from_secs(10), "{slowest:?}");
     let victim_endpoint = endpoint(&proxy, &fleet.nodes()[victim].url());
     assert!(
-        victim_endpoint.failures() >= 1,
+        victim_endpoint.tally().failures() >= 1,
         "requests stranded on the blackholed node were failed over"
     );
     proxy.stop().await;
@@ -676,7 +679,7 @@ async fn heartbeats_mark_unhealthy_and_back() {
     let proxy = start_proxy(config_with(config, &[node.url(), good.url()])).await;
     let watched = endpoint(&proxy, &node.url());
     let healthy_one = endpoint(&proxy, &good.url());
-    assert!(watched.is_healthy());
+    assert!(watched.liveness().is_healthy());
 
     node.set_condition(Condition::Interrupted {
         kind: InterruptionKind::Gateway503,
@@ -685,7 +688,7 @@ async fn heartbeats_mark_unhealthy_and_back() {
     eventually(
         "the gateway-503 node is marked unhealthy",
         Duration::from_secs(10),
-        || !watched.is_healthy(),
+        || !watched.liveness().is_healthy(),
     )
     .await;
     // While it is unhealthy, requests go to the healthy endpoint only.
@@ -696,16 +699,19 @@ async fn heartbeats_mark_unhealthy_and_back() {
 
     node.set_condition(Condition::Up);
     eventually("the node is healthy again", Duration::from_secs(10), || {
-        watched.is_healthy()
+        watched.liveness().is_healthy()
     })
     .await;
-    assert!(healthy_one.is_healthy(), "the good endpoint never flapped");
+    assert!(
+        healthy_one.liveness().is_healthy(),
+        "the good endpoint never flapped"
+    );
     assert_eq!(
-        watched.unhealthy_marks(),
+        watched.tally().unhealthy_marks(),
         1,
         "the transition is counted once"
     );
-    assert_eq!(healthy_one.unhealthy_marks(), 0);
+    assert_eq!(healthy_one.tally().unhealthy_marks(), 0);
     proxy.stop().await;
 }
 
