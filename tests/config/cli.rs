@@ -4,7 +4,7 @@
 //! The endpoints are in-process backends standing in for GPU nodes.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
@@ -21,6 +21,15 @@ fn write_config(name: &str, text: &str) -> PathBuf {
     let path = std::env::temp_dir().join(format!("tongs-cli-{}-{name}.yaml", std::process::id()));
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// Replaces `path`'s content the way editors save: a new file beside it, renamed over it. A reload
+/// never reads it half written (`std::fs::write` truncates first: a reload reading in between finds an
+/// empty file, which is a valid configuration of defaults).
+fn replace(path: &Path, text: &str) {
+    let staging = path.with_extension("yaml.new");
+    std::fs::write(&staging, text).unwrap();
+    std::fs::rename(&staging, path).unwrap();
 }
 
 #[test]
@@ -355,17 +364,18 @@ async fn sighup_reloads_the_configuration() {
     assert_eq!(reloaded["trigger"], "SIGHUP", "{reloaded}");
 
     // A changed file is picked up (by the directory watch, or by SIGHUP; either way once applied).
-    std::fs::write(&config, text(&b.url())).unwrap();
+    // Saved whole (see `replace`): the log line awaited may be the watch's reload, and a SIGHUP still
+    // to be handled must then not read the next version half written.
+    replace(&config, &text(&b.url()));
     running.signal("HUP");
     running.wait_for_log("configuration reloaded");
     eventually_answer(&format!("http://{listen}/"), "B").await;
 
     // A listen address cannot change without a restart: applied otherwise, and the log says so.
-    std::fs::write(
+    replace(
         &config,
-        text(&b.url()).replace("listen: 127.0.0.1:0\n", "listen: 127.0.0.1:1\n"),
-    )
-    .unwrap();
+        &text(&b.url()).replace("listen: 127.0.0.1:0\n", "listen: 127.0.0.1:1\n"),
+    );
     running.signal("HUP");
     let restart = running.wait_for_log("these changed keys take effect only after a restart");
     assert_eq!(restart["keys"], "listen", "{restart}");

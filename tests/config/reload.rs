@@ -229,6 +229,7 @@ async fn a_bad_version_is_reported_once_and_reads_do_not_trigger_reloads() {
         metric(&proxy, invalid).await == Some(2.0)
     })
     .await;
+    // The same window on purpose: nothing may happen during it, which no poll can show sooner.
     tokio::time::sleep(Duration::from_millis(1400)).await;
     assert_eq!(metric(&proxy, invalid).await, Some(2.0), "counted once");
     assert_eq!(get(&proxy.url("/")).await, (200, "A".to_owned()));

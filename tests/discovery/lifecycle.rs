@@ -65,7 +65,15 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
     let mover = gated("127.0.0.2", "mover").await;
     let mover_pod = PodBuilder::new("mover").http_port(mover.port());
     api.create(mover_pod.clone().phase("Pending").ready(false).json());
-    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS], COIN_TOSS)).await;
+    // Without slow start: the mover joins a serving set four times, and each time it would ramp in
+    // from 10 % over 5 s, during which one client sending one request at a time always finds `steady`
+    // less loaded, so each `hold_one_request` waited out the whole ramp. What this test checks (who is
+    // an endpoint, and that leaving drains) does not depend on the ramp.
+    let proxy = start_proxy(cluster.config(
+        &[LOOPBACK_PODS],
+        "balancer: { policy: least-outstanding, slow_start: 0s }\n",
+    ))
+    .await;
     until_urls(&proxy, &[&steady.url()]).await;
 
     // Pending → Running but not Ready: still not an endpoint.

@@ -247,7 +247,8 @@ async fn the_salad_key_goes_only_to_gateways_the_salad_api_or_static_config_vouc
     let top = format!(
         "salad:\n  api_key_file: {}\n  gateways: [127.0.0.0/8]\n  api: {{ url: \"{}\", organization: acme, project: llm }}\n\
          upstream: {{ extra_ca_file: {} }}\n\
-         health: {{ interval: 100ms, timeout: 2s }}\n{COIN_TOSS}",
+         health: {{ interval: 100ms, timeout: 2s }}\n\
+         balancer: {{ policy: least-outstanding, slow_start: 0s }}\n",
         key_file.display(),
         salad.url(),
         ca_file.display()
@@ -260,8 +261,9 @@ async fn the_salad_key_goes_only_to_gateways_the_salad_api_or_static_config_vouc
     )
     .await;
 
-    // Heartbeats and client traffic (with a key of the client's own) reach every gateway; the new
-    // endpoints start slowly, so requests go on until each has had some.
+    // Heartbeats and client traffic (with a key of the client's own) reach every gateway; requests go
+    // on until each has had some. Without slow start (the config above): endpoints joining the static
+    // one would ramp in from 10 % over 5 s, and these requests would wait out the ramp.
     let request = || {
         http::Request::get(proxy.url("/v1/models"))
             .header("salad-api-key", "sk-client-own")

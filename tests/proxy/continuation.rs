@@ -278,6 +278,10 @@ async fn a_stream_whose_node_heartbeats_declare_gone_is_continued() {
             fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
         })
         .await;
+        // A fixed wait on purpose: the stream must have reached its stall (right after " 102") on
+        // this node before the node goes down. Were the node declared gone first, the continuation
+        // would stream " 102" elsewhere, stall there too, and wait out the 60 s idle limits. The
+        // client's progress is inside `stream`, where this future cannot poll it.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let node = fleet_ref
             .nodes()

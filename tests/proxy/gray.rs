@@ -63,6 +63,19 @@ async fn endpoint_sample(proxy: &TestProxy, metric: &str, url: &str) -> f64 {
 }
 
 /// The state /debug/endpoints gives the endpoint at `url`.
+/// The endpoint's typical gap between its streams' chunks, as /debug/endpoints shows it (`None` before
+/// one was seen).
+async fn token_gap_ms(proxy: &TestProxy, url: &str) -> Option<f64> {
+    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    json["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["url"] == url)
+        .and_then(|e| e["token_gap_ms"].as_f64())
+}
+
 async fn state_of(proxy: &TestProxy, url: &str) -> String {
     let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
     let json: serde_json::Value = serde_json::from_str(&body).unwrap();
@@ -423,15 +436,21 @@ async fn streams_that_pause_while_their_node_serves_others_are_left_alone() {
     );
     let proxy = start_proxy(config).await;
     let (flow_url, hang_url) = (proxy.url("/flow"), proxy.url("/hang"));
+    let (flow_started_tx, flow_started) = tokio::sync::oneshot::channel();
     let flowing = tokio::spawn(async move {
         tokio::time::timeout(
             Duration::from_secs(20),
-            stream_until_it_ends(&flow_url, |_| {}),
+            stream_until_it_ends(&flow_url, move |_| {
+                let _ = flow_started_tx.send(());
+            }),
         )
         .await
     });
-    // The paused streams start once the flowing one is under way.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The paused streams start once the flowing one is under way: its first chunk has arrived.
+    tokio::time::timeout(HANG, flow_started)
+        .await
+        .expect("the flowing stream's first chunk")
+        .unwrap();
     let hanging: Vec<_> = (0..2)
         .map(|_| {
             let url = hang_url.clone();
@@ -517,17 +536,32 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
         &[node.url()],
     );
     let proxy = start_proxy(config).await;
+    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
     let streams: Vec<_> = ["/flow", "/flow", "/flow", "/opening"]
         .into_iter()
         .map(|path| {
-            let url = proxy.url(path);
+            let (url, first_tx) = (proxy.url(path), first_tx.clone());
             tokio::spawn(async move {
-                tokio::time::timeout(HANG, stream_until_it_ends(&url, |_| {})).await
+                let started = move |_: &[u8]| {
+                    let _ = first_tx.send(());
+                };
+                tokio::time::timeout(HANG, stream_until_it_ends(&url, started)).await
             })
         })
         .collect();
-    // Let the streams flow, then wedge the node's worker: every stream stops at once.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Let the streams flow (each has its first chunk, and tongs has timed the flowing ones' gaps
+    // between chunks), then wedge the node's worker: every stream stops at once.
+    for _ in 0..4 {
+        tokio::time::timeout(HANG, first_rx.recv())
+            .await
+            .expect("every stream's first chunk")
+            .expect("a first chunk");
+    }
+    eventually_async("tongs knows the streams' gap between chunks", HANG, || {
+        let (proxy, url) = (&proxy, node.url());
+        async move { token_gap_ms(proxy, &url).await.is_some() }
+    })
+    .await;
     let wedged_at = Instant::now();
     wedged.store(true, Ordering::SeqCst);
     // New requests still get their first chunk, then keep-alives only (whatever becomes of them: one
@@ -619,7 +653,9 @@ async fn a_stalled_nodes_probe_is_judged_by_its_stream_not_its_headers() {
     assert_eq!(state_of(&proxy, &node.url()).await, "stalled");
     assert_eq!(arrived.load(Ordering::SeqCst), 2);
 
-    // After the ejection, the probe: headers and a first chunk, then silence, as before.
+    // After the ejection, the probe: headers and a first chunk, then silence, as before. A fixed wait
+    // on purpose: it outlasts base_ejection (300 ms), so the probe is sent once the node may be
+    // probed; /debug/endpoints shows no end of the ejection to poll for.
     tokio::time::sleep(Duration::from_millis(400)).await;
     let (first_chunk_tx, first_chunk) = tokio::sync::oneshot::channel();
     let probe = tokio::spawn({
