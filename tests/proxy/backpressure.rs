@@ -707,6 +707,11 @@ async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold
         || refusals.load(Ordering::SeqCst) == 1,
     )
     .await;
+    // The node counts its refusal before tongs has read it: the hold follows a moment later.
+    eventually("held to what it held", Duration::from_secs(10), || {
+        endpoint.limit() == Some(1)
+    })
+    .await;
     assert_eq!(endpoint.limit(), Some(1), "held to what it held");
     let third = send();
     queued(&proxy, 2).await;
