@@ -38,4 +38,13 @@ if ((${#need[@]})); then
 fi
 command -v cargo >/dev/null 2>&1 || { echo "test.sh: cargo is missing (install Rust with rustup)" >&2; exit 1; }
 
+# More tests at once than cores: the integration tests mostly wait on sockets, timers and child processes,
+# so libtest's default (one test per core) leaves a 2-core machine idle. Measured on a shared 2-core
+# machine, whole suite: 181 s and 199 s at the default, 137 s and 141 s at 4, 123 s and 125 s at 8.
+# The benches' smoke passes run one binary at a time either way. An explicit RUST_TEST_THREADS wins.
+if [ -z "${RUST_TEST_THREADS:-}" ]; then
+  cores=$(nproc)
+  RUST_TEST_THREADS=$((cores > 8 ? cores : 8))
+  export RUST_TEST_THREADS
+fi
 cargo test --locked --all-targets "$@"
