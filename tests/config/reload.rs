@@ -174,6 +174,16 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     assert_eq!(proxy.app_registry.snapshot().len(), 1);
     assert_eq!(proxy.app_registry.snapshot()[0].url(), b.url());
 
+    // An empty version (a ConfigMap emptied or caught half written): rejected too, not read as "every
+    // default", which would have dropped every endpoint.
+    volume.publish("# nothing yet\n");
+    eventually_async("the empty reload counted", TEN_SECONDS, || async {
+        metric(&proxy, r#"tongs_config_reloads_total{result="invalid"}"#).await == Some(2.0)
+    })
+    .await;
+    assert_eq!(get(&url).await, (200, "B".to_owned()));
+    assert_eq!(proxy.app_registry.snapshot().len(), 1);
+
     // Fixed again: applied.
     volume.publish(&config_text(&a.url(), ""));
     eventually_async("the fixed version applied", TEN_SECONDS, || async {

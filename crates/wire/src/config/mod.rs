@@ -175,11 +175,34 @@ fn list(problems: &[Problem]) -> String {
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        load_validated(path, Config::validate)
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text, &path.display().to_string())
     }
 
     /// Parses and validates config text; `origin` names it in errors (a file path, usually).
+    ///
+    /// A text with no key at all (empty, or only comments) is refused: it is far more often a
+    /// ConfigMap caught half-written, or mounted before it was filled, than a wish for every default,
+    /// and on a reload it would drop every configured endpoint. `{}` asks for every default.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let blank = text.lines().all(|line| {
+            let line = line.trim();
+            line.is_empty() || line.starts_with('#') || line == "---" || line == "..."
+        });
+        if blank {
+            return Err(ConfigError::Invalid {
+                origin: origin.to_owned(),
+                problems: vec![Problem {
+                    field: "(the file)".into(),
+                    message: "is empty (no key, only blanks or comments); write {} to run on \
+                              every default"
+                        .into(),
+                }],
+            });
+        }
         parse_validated(text, origin, Config::validate)
     }
 
@@ -350,8 +373,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn empty_file_means_defaults() {
-        let config = Config::parse("# nothing\n", "test").unwrap();
+    fn an_empty_file_is_refused_and_braces_mean_defaults() {
+        for blank in ["", "\n  \n", "# nothing\n", "---\n# only a comment\n..."] {
+            let err = Config::parse(blank, "test").unwrap_err();
+            assert_eq!(err.problems().len(), 1, "{blank:?}");
+            assert!(err.to_string().contains("is empty"), "{err}");
+        }
+        let config = Config::parse("{}\n", "test").unwrap();
         assert_eq!(config.listen, SocketAddr::from(([0, 0, 0, 0], 8080)));
         assert_eq!(config.timeouts.total.get().as_secs(), 100);
     }

@@ -493,7 +493,7 @@ mod tests {
 
     #[test]
     fn no_pools_is_the_default_pool() {
-        let config = Config::parse("", "test").unwrap();
+        let config = Config::parse("{}", "test").unwrap();
         let specs = config.pool_specs();
         assert_eq!(specs.len(), 1);
         assert_eq!(specs[0].name, "default");
