@@ -77,8 +77,14 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 /// The file's text before its unit tests.
 fn without_tests(text: &str) -> &str {
-    text.find("#[cfg(test)]\nmod tests")
-        .map_or(text, |at| &text[..at])
+    [
+        "#[cfg(test)]\nmod tests",
+        "#[cfg(test)]\npub(crate) mod tests",
+    ]
+    .iter()
+    .filter_map(|start| text.find(start))
+    .min()
+    .map_or(text, |at| &text[..at])
 }
 
 /// The top-level module a file belongs to (`None` for `lib.rs` and `main.rs`).
