@@ -172,6 +172,35 @@ async fn a_node_whose_health_recovers_before_its_worker_is_not_trusted_until_it_
     proxy.stop().await;
 }
 
+/// A stream under way: its task, ending with [`stream_until_it_ends`]' result (or the [`HANG`] limit).
+type UnderWay =
+    tokio::task::JoinHandle<Result<(Duration, Result<(), String>), tokio::time::error::Elapsed>>;
+
+/// Streams from each of `urls` at once, each until it ends (or [`HANG`]); returns once every one has
+/// had its first chunk.
+async fn streams_under_way(urls: Vec<String>) -> Vec<UnderWay> {
+    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
+    let streams: Vec<_> = urls
+        .into_iter()
+        .map(|url| {
+            let first_tx = first_tx.clone();
+            tokio::spawn(async move {
+                let started = move |_: &[u8]| {
+                    let _ = first_tx.send(());
+                };
+                tokio::time::timeout(HANG, stream_until_it_ends(&url, started)).await
+            })
+        })
+        .collect();
+    for _ in 0..streams.len() {
+        tokio::time::timeout(HANG, first_rx.recv())
+            .await
+            .expect("every stream's first chunk")
+            .expect("a first chunk");
+    }
+    streams
+}
+
 /// One streamed request: the time its first chunk arrived, and how and when the stream ended.
 async fn stream_until_it_ends(
     url: &str,
@@ -263,21 +292,7 @@ async fn plain_streams_on_a_stalled_node_that_resumes_end_whole() {
     // A whole stream first, so the endpoint knows its typical gap between chunks.
     assert_eq!(stream_until_it_ends(&url, |_| {}).await.1, Ok(()));
     let node = &fleet.nodes()[0];
-    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
-    let streams: Vec<_> = (0..2)
-        .map(|_| {
-            let (url, first_tx) = (url.clone(), first_tx.clone());
-            tokio::spawn(async move {
-                let counted = |chunk: &[u8]| {
-                    let _ = first_tx.send(chunk.len());
-                };
-                tokio::time::timeout(HANG, stream_until_it_ends(&url, counted)).await
-            })
-        })
-        .collect();
-    for _ in 0..2 {
-        first_rx.recv().await.expect("a first chunk");
-    }
+    let streams = streams_under_way(vec![url.clone(), url.clone()]).await;
     node.set_condition(gray());
     let wedged_at = Instant::now();
     // Both streams go silent with their node: two stalls mark it stalled (idle limit 2 s).
@@ -536,27 +551,10 @@ async fn a_node_whose_streams_stop_together_is_stalled_and_its_other_streams_end
         &[node.url()],
     );
     let proxy = start_proxy(config).await;
-    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
-    let streams: Vec<_> = ["/flow", "/flow", "/flow", "/opening"]
-        .into_iter()
-        .map(|path| {
-            let (url, first_tx) = (proxy.url(path), first_tx.clone());
-            tokio::spawn(async move {
-                let started = move |_: &[u8]| {
-                    let _ = first_tx.send(());
-                };
-                tokio::time::timeout(HANG, stream_until_it_ends(&url, started)).await
-            })
-        })
-        .collect();
     // Let the streams flow (each has its first chunk, and tongs has timed the flowing ones' gaps
     // between chunks), then wedge the node's worker: every stream stops at once.
-    for _ in 0..4 {
-        tokio::time::timeout(HANG, first_rx.recv())
-            .await
-            .expect("every stream's first chunk")
-            .expect("a first chunk");
-    }
+    let paths = ["/flow", "/flow", "/flow", "/opening"];
+    let streams = streams_under_way(paths.map(|path| proxy.url(path)).to_vec()).await;
     eventually_async("tongs knows the streams' gap between chunks", HANG, || {
         let (proxy, url) = (&proxy, node.url());
         async move { token_gap_ms(proxy, &url).await.is_some() }
