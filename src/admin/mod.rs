@@ -47,7 +47,7 @@ pub use register::REGISTER_PATH;
 
 /// What the admin port reads (and, for registrations, writes).
 #[derive(Clone)]
-pub struct State {
+pub struct AdminState {
     pub readiness: Arc<Readiness>,
     /// The pools: each one's request path, endpoints, queue and discovery.
     pub router: Arc<Router>,
@@ -56,11 +56,11 @@ pub struct State {
     pub replicas: Arc<crate::source::kubernetes::replicas::Replicas>,
 }
 
-impl State {
+impl AdminState {
     /// Every endpoint of `pool` as operators see it now.
     pub(super) fn views(pool: &Pool) -> Vec<EndpointView> {
         let now = tokio::time::Instant::now();
-        let slow_start = pool.proxy().settings().slow_start;
+        let slow_start = pool.proxy().settings().balance.slow_start;
         pool.registry()
             .snapshot()
             .iter()
@@ -81,7 +81,7 @@ impl State {
     /// The `/metrics` page: recorded figures plus the state of things now.
     pub(super) fn metrics_page(&self) -> String {
         let pools = self.router.pools();
-        let views: Vec<Vec<EndpointView>> = pools.iter().map(|p| State::views(p)).collect();
+        let views: Vec<Vec<EndpointView>> = pools.iter().map(|p| AdminState::views(p)).collect();
         let scrapes: Vec<Scrape> = pools
             .iter()
             .zip(&views)
@@ -152,7 +152,7 @@ pub(super) fn answer(status: StatusCode, text: &'static str) -> Response<ProxyBo
 
 /// Connection-level limits of the admin port.
 #[derive(Clone, Copy, Debug)]
-pub struct Limits {
+pub struct AdminLimits {
     /// A connection must send its first request's head within this (`timeouts.header_read`, as on the
     /// client port).
     pub header_read_timeout: Duration,
@@ -160,9 +160,9 @@ pub struct Limits {
     pub max_connections: usize,
 }
 
-impl Limits {
+impl AdminLimits {
     pub fn from_config(config: &Config) -> Self {
-        Limits {
+        AdminLimits {
             header_read_timeout: config.timeouts.header_read.get(),
             max_connections: config.admin.max_connections,
         }
@@ -177,9 +177,9 @@ impl Limits {
 /// kubelet's probes out for longer than the header-read limit.
 pub async fn serve(
     listener: TcpListener,
-    state: State,
+    state: AdminState,
     token: Arc<ArcSwapOption<String>>,
-    limits: Limits,
+    limits: AdminLimits,
     shutdown: CancellationToken,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());

@@ -3,7 +3,7 @@
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 
-use super::{State, answer, no_store, typed};
+use super::{AdminState, answer, no_store, typed};
 use crate::http::ProxyBody;
 
 /// The status page: one self-contained HTML file (no external assets) that polls /debug/endpoints.
@@ -14,7 +14,7 @@ fn json(value: &impl serde::Serialize) -> Response<ProxyBody> {
     typed(StatusCode::OK, "application/json", body)
 }
 
-pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<ProxyBody> {
+pub(super) fn route(request: &Request<Incoming>, state: &AdminState) -> Response<ProxyBody> {
     if request.method() != Method::GET && request.method() != Method::HEAD {
         return answer(StatusCode::METHOD_NOT_ALLOWED, "only GET and HEAD\n");
     }
@@ -29,7 +29,7 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
             let mut endpoints = Vec::new();
             let mut by_pool = Vec::new();
             for pool in pools.iter() {
-                let views = State::views(pool);
+                let views = AdminState::views(pool);
                 let queue = pool.queue();
                 let proxy = pool.proxy();
                 for view in &views {
@@ -46,8 +46,8 @@ pub(super) fn route(request: &Request<Incoming>, state: &State) -> Response<Prox
                         "retry_after_seconds": queue.retry_after(),
                     },
                     "balancer": {
-                        "policy": proxy.settings().policy,
-                        "scorers": proxy.settings().pipeline.scorer_names().collect::<Vec<_>>(),
+                        "policy": proxy.settings().balance.policy,
+                        "scorers": proxy.settings().balance.pipeline.scorer_names().collect::<Vec<_>>(),
                         "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
                     },
                     "sources": pool.sources().statuses(),

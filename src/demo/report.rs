@@ -55,7 +55,7 @@ pub fn snapshot(
 ) -> View {
     let endpoints = parts.registry().snapshot();
     let now = tokio::time::Instant::now();
-    let slow_start = parts.proxy().settings().slow_start;
+    let slow_start = parts.proxy().settings().balance.slow_start;
     let nodes = fleet
         .nodes()
         .iter()

@@ -213,11 +213,11 @@ impl Proxy {
         let snapshot = self.registry.snapshot();
         let mut ctx = PickContext {
             now,
-            slow_start_ms: millis_of(settings.slow_start),
+            slow_start_ms: millis_of(settings.balance.slow_start),
             ignore_health: false,
-            pipeline: &settings.pipeline,
+            pipeline: &settings.balance.pipeline,
             fleet_latency_us: self.fleet_latency_us(),
-            latency_decay_ms: millis_of(settings.latency_decay),
+            latency_decay_ms: millis_of(settings.balance.latency_decay),
         };
         if let Some(slot) = self.slot_among(&snapshot, tried.ids, &mut ctx) {
             return Pick::Slot(slot);

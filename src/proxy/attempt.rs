@@ -335,7 +335,7 @@ impl Proxy {
             first_byte,
             outstanding.in_flight_at_start(),
             crate::endpoint::millis(now),
-            millis_of(settings.latency_decay),
+            millis_of(settings.balance.latency_decay),
         );
         self.observe_latency(settings, endpoint, first_byte, now);
         endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
@@ -365,7 +365,7 @@ impl Proxy {
         endpoint.latency().observe(
             sample,
             crate::endpoint::millis(now),
-            millis_of(settings.latency_decay),
+            millis_of(settings.balance.latency_decay),
         );
         // The fleet's estimate only stands in for endpoints without one of their own, so one sample in
         // eight is plenty, and spares every worker writing one shared cache line on every request.

@@ -173,7 +173,7 @@ impl Continuer {
         why: String,
         silent: Duration,
     ) -> Result<(ProxyBody, Box<dyn Resume>), BoxError> {
-        if self.taken >= self.settings.max_continuations {
+        if self.taken >= self.settings.continuation.max {
             let reason = "continuation.max_continuations reached";
             return Err(self.refuse(Continuation::Limit, why, reason));
         }
@@ -290,7 +290,7 @@ impl Continuer {
                         outstanding: committed.outstanding,
                         first_byte: committed.first_byte,
                         // Continued again if it breaks, unless this was the last continuation allowed.
-                        continuable: self.taken < self.settings.max_continuations,
+                        continuable: self.taken < self.settings.continuation.max,
                         probe: committed.probe,
                         // The prompt and the text so far: its prefill is the longer for it.
                         prompt_bytes: sending.body.kept_len(),

@@ -84,8 +84,8 @@ impl Timing {
         own: Option<Duration>,
     ) -> Timing {
         let hedge_after = expected
-            .mul_f64(settings.hedge_after_multiplier)
-            .max(settings.hedge_min_delay);
+            .mul_f64(settings.hedge.after_multiplier)
+            .max(settings.hedge.min_delay);
         // Never before twice the hedge delay: an attempt a hedge could still beat in time is not
         // judged yet. Judged by the node's own pace where it has one (an estimate drifting back to
         // the fleet's while the node is idle says nothing of how slow it is); a node that never
@@ -154,7 +154,7 @@ impl Proxy {
         let micros = endpoint.latency().estimate(
             crate::endpoint::millis(now),
             self.fleet_latency_us(),
-            super::millis_of(settings.latency_decay),
+            super::millis_of(settings.balance.latency_decay),
         );
         Duration::from_micros(micros)
     }
@@ -203,7 +203,7 @@ impl Proxy {
             self.expected_first_byte(settings, &first_endpoint, started),
             own,
         );
-        let replayable = hedgeable && settings.hedge_enabled && sending.body.is_buffered();
+        let replayable = hedgeable && settings.hedge.enabled && sending.body.is_buffered();
         let mut may_hedge = replayable;
         let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
         // The attempt reached its stall point.

@@ -66,32 +66,52 @@ pub struct ProxySettings {
     pub replay_budget_bytes: u64,
     pub breaker: BreakerSettings,
     pub max_ejected_percent: u32,
-    pub slow_start: Duration,
     pub retry: RetryPolicy,
     /// How long an attempt may wait on an endpoint whose last heartbeat failed before it moves on.
     pub suspect_grace: Duration,
-    /// `balancer.policy`, and the pick's filters and scorers it names.
-    pub policy: BalancePolicy,
-    pub pipeline: Arc<Pipeline>,
-    pub latency_decay: Duration,
-    pub hedge_enabled: bool,
-    pub hedge_after_multiplier: f64,
-    pub hedge_min_delay: Duration,
-    pub hedge_max_extra_percent: u32,
+    /// `balancer.*`: how the pick ranks endpoints.
+    pub balance: BalanceSettings,
+    /// `hedge.*`: second attempts beside a slow first one.
+    pub hedge: HedgeSettings,
     /// An attempt waiting this many times its endpoint's expected latency counts as stalled.
     pub stall_multiplier: f64,
     /// When a committed stream's silence is a stall, a pause, or nothing yet (`stream.*`).
     pub stream: StreamSettings,
-    /// Continue a broken OpenAI stream on another endpoint (`continuation.enabled`) ...
-    pub continuation_enabled: bool,
-    /// ... at most this many times per request.
-    pub max_continuations: u32,
-    /// The idle floor of a stream that can be continued (`continuation.idle_min`).
-    pub continuation_idle_min: Duration,
+    /// `continuation.*`: a broken OpenAI stream continued on another endpoint.
+    pub continuation: ContinuationSettings,
     /// Header carrying a request's priority.
     pub priority_header: http::HeaderName,
     /// Header carrying a client's own deadline in milliseconds.
     pub deadline_header: http::HeaderName,
+}
+
+/// `balancer.*`: how the pick ranks endpoints.
+#[derive(Clone, Debug)]
+pub struct BalanceSettings {
+    /// `balancer.policy`, and the pick's filters and scorers it names.
+    pub policy: BalancePolicy,
+    pub pipeline: Arc<Pipeline>,
+    pub latency_decay: Duration,
+    pub slow_start: Duration,
+}
+
+/// `hedge.*`: second attempts beside a slow first one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HedgeSettings {
+    pub enabled: bool,
+    pub after_multiplier: f64,
+    pub min_delay: Duration,
+    pub max_extra_percent: u32,
+}
+
+/// `continuation.*`: a broken OpenAI stream continued on another endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContinuationSettings {
+    pub enabled: bool,
+    /// At most this many times per request (`continuation.max_continuations`).
+    pub max: u32,
+    /// The idle floor of a stream that can be continued.
+    pub idle_min: Duration,
 }
 
 impl ProxySettings {
@@ -109,16 +129,20 @@ impl ProxySettings {
                 consecutive_stalls: config.breaker.consecutive_stalls,
             },
             max_ejected_percent: config.breaker.max_ejected_percent,
-            slow_start: config.balancer.slow_start.get(),
             retry: RetryPolicy::new(&config.retry),
             suspect_grace: config.health.timeout.get(),
-            policy: config.balancer.policy,
-            pipeline: Arc::new(Pipeline::for_policy(config.balancer.policy)),
-            latency_decay: config.balancer.latency_decay.get(),
-            hedge_enabled: config.hedge.enabled,
-            hedge_after_multiplier: config.hedge.after_multiplier,
-            hedge_min_delay: config.hedge.min_delay.get(),
-            hedge_max_extra_percent: config.hedge.max_extra_percent,
+            balance: BalanceSettings {
+                policy: config.balancer.policy,
+                pipeline: Arc::new(Pipeline::for_policy(config.balancer.policy)),
+                latency_decay: config.balancer.latency_decay.get(),
+                slow_start: config.balancer.slow_start.get(),
+            },
+            hedge: HedgeSettings {
+                enabled: config.hedge.enabled,
+                after_multiplier: config.hedge.after_multiplier,
+                min_delay: config.hedge.min_delay.get(),
+                max_extra_percent: config.hedge.max_extra_percent,
+            },
             stall_multiplier: config.breaker.stall_multiplier,
             stream: StreamSettings {
                 idle_multiplier: config.stream.idle_multiplier,
@@ -126,9 +150,11 @@ impl ProxySettings {
                 first_token_idle: config.stream.first_token_idle.get(),
                 pause_max: config.stream.pause_max.get(),
             },
-            continuation_enabled: config.continuation.enabled,
-            max_continuations: config.continuation.max_continuations,
-            continuation_idle_min: config.continuation.idle_min.get(),
+            continuation: ContinuationSettings {
+                enabled: config.continuation.enabled,
+                max: config.continuation.max_continuations,
+                idle_min: config.continuation.idle_min.get(),
+            },
             priority_header: config.queue.priority_header.name().clone(),
             deadline_header: config.queue.deadline_header.name().clone(),
         }
@@ -292,7 +318,7 @@ impl Proxy {
 
         // A streamed OpenAI completion that can be continued elsewhere if its node breaks mid-stream.
         let continuable = match (template.openai_api(), body.bytes()) {
-            (Some(api), Some(bytes)) if settings.continuation_enabled && retries_wanted => {
+            (Some(api), Some(bytes)) if settings.continuation.enabled && retries_wanted => {
                 Continuable::read(api, bytes).ok()
             }
             _ => None,

@@ -100,7 +100,7 @@ impl Intake {
         let started = Instant::now();
         let settings = self.settings();
         worker.budget.deposit();
-        worker.hedges.deposit(settings.hedge_max_extra_percent);
+        worker.hedges.deposit(settings.hedge.max_extra_percent);
         let (request, body) = match ClientRequest::read(&settings, request, client, started) {
             Ok(read) => read,
             Err((error, request_id)) => return Err(self.invalid(error, &request_id, started)),

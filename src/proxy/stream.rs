@@ -52,7 +52,7 @@ impl IdleSettings {
         IdleSettings {
             multiplier: stream.idle_multiplier,
             min: if continuable {
-                settings.continuation_idle_min
+                settings.continuation.idle_min
             } else {
                 stream.idle_min
             },
@@ -91,7 +91,7 @@ pub fn opening_limit(
 /// What a stream past its idle limit should do, given when it went quiet (`since_ms`), the node's last
 /// sign of progress (`heard_ms`), the limit, the time now and `pause_max` (all ms on one clock).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Verdict {
+pub enum SilenceVerdict {
     /// The node is silent too: stalled.
     Stalled,
     /// The node was heard from meanwhile: a pause; ask again in this many ms.
@@ -115,21 +115,21 @@ pub fn judge(
     now_ms: u64,
     (limit_ms, pause_max_ms): (u64, u64),
     paused: bool,
-) -> Verdict {
+) -> SilenceVerdict {
     let silent = now_ms.saturating_sub(since_ms);
     if silent >= pause_max_ms {
-        return Verdict::TooLong;
+        return SilenceVerdict::TooLong;
     }
     if paused {
-        return Verdict::Paused {
+        return SilenceVerdict::Paused {
             again_in_ms: (pause_max_ms - silent).max(1),
         };
     }
     let node_quiet = now_ms.saturating_sub(heard_ms);
     if heard_ms <= since_ms || node_quiet >= limit_ms {
-        return Verdict::Stalled;
+        return SilenceVerdict::Stalled;
     }
-    Verdict::Paused {
+    SilenceVerdict::Paused {
         again_in_ms: (limit_ms - node_quiet).min(pause_max_ms - silent).max(1),
     }
 }
@@ -268,12 +268,12 @@ impl StreamGuard for Streamed {
             self.paused,
         );
         match verdict {
-            Verdict::Stalled if self.continuable => Silence::Cut(Cut::Idle(silent)),
+            SilenceVerdict::Stalled if self.continuable => Silence::Cut(Cut::Idle(silent)),
             // A stream that cannot be continued is lost if cut, and a stalled node may resume (a
             // worker back from a hang, a partition healed): its stall is counted, so the node takes
             // no new requests and is ejected like any stalled node, but the stream waits, as a pause
             // does, until it resumes, `stream.pause_max`, or heartbeats declare its node gone.
-            Verdict::Stalled => {
+            SilenceVerdict::Stalled => {
                 if !self.stall_counted {
                     self.stall_counted = true;
                     tracing::warn!(
@@ -290,8 +290,8 @@ impl StreamGuard for Streamed {
                 }
                 Silence::Until(since + self.idle.pause_max)
             }
-            Verdict::TooLong => Silence::Cut(Cut::Paused(silent)),
-            Verdict::Paused { again_in_ms } => {
+            SilenceVerdict::TooLong => Silence::Cut(Cut::Paused(silent)),
+            SilenceVerdict::Paused { again_in_ms } => {
                 if !self.paused {
                     self.paused = true;
                     self.stats.stream_pauses.fetch_add(1, Ordering::Relaxed);
@@ -502,16 +502,16 @@ mod tests {
         // Quiet since 1,000; the node last heard at 900 (before), or never.
         assert_eq!(
             judge(1_000, 900, 3_000, (2_000, 30_000), false),
-            Verdict::Stalled
+            SilenceVerdict::Stalled
         );
         assert_eq!(
             judge(1_000, 0, 3_000, (2_000, 30_000), false),
-            Verdict::Stalled
+            SilenceVerdict::Stalled
         );
         // Heard once after the stream went quiet, then silent for the whole limit: stalled since.
         assert_eq!(
             judge(1_000, 1_500, 3_500, (2_000, 30_000), false),
-            Verdict::Stalled
+            SilenceVerdict::Stalled
         );
     }
 
@@ -520,17 +520,17 @@ mod tests {
         // Heard 100 ms ago: a pause; asked again when the node would have been silent for the limit.
         assert_eq!(
             judge(1_000, 2_900, 3_000, (2_000, 30_000), false),
-            Verdict::Paused { again_in_ms: 1_900 }
+            SilenceVerdict::Paused { again_in_ms: 1_900 }
         );
         // Near pause_max, asked again right at it ...
         assert_eq!(
             judge(1_000, 30_900, 30_950, (2_000, 30_000), false),
-            Verdict::Paused { again_in_ms: 50 }
+            SilenceVerdict::Paused { again_in_ms: 50 }
         );
         // ... and past it, too long, however busy the node.
         assert_eq!(
             judge(1_000, 31_000, 31_000, (2_000, 30_000), false),
-            Verdict::TooLong
+            SilenceVerdict::TooLong
         );
     }
 }

@@ -150,7 +150,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
         "timeouts applied live"
     );
     assert_eq!(
-        handle.settings().policy,
+        handle.settings().balance.policy,
         tongs::config::BalancePolicy::LeastOutstanding,
         "the balancer policy switched live"
     );
