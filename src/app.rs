@@ -129,8 +129,8 @@ impl Parts {
     }
 
     /// What the admin port serves from.
-    fn admin(&self) -> admin::State {
-        admin::State {
+    fn admin(&self) -> admin::AdminState {
+        admin::AdminState {
             readiness: Arc::clone(&self.readiness),
             router: Arc::clone(&self.router),
             metrics: Arc::clone(&self.metrics),
@@ -429,7 +429,7 @@ impl App {
             self.admin_listener,
             parts.admin(),
             Arc::clone(&parts.admin_token),
-            admin::Limits::from_config(&self.config),
+            admin::AdminLimits::from_config(&self.config),
             admin_stop.clone(),
         ));
         // Each pool's heartbeats (their loops on the workers, see `health::Senders`) and pod watch run

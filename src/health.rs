@@ -182,7 +182,7 @@ pub struct Streak {
 
 /// A change of verdict a heartbeat brought.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub enum HealthVerdict {
     Healthy,
     Unhealthy,
 }
@@ -195,15 +195,16 @@ impl Streak {
         passed: bool,
         healthy: bool,
         config: &HealthConfig,
-    ) -> Option<Verdict> {
+    ) -> Option<HealthVerdict> {
         if passed {
             self.failures = 0;
             self.passes = self.passes.saturating_add(1);
-            (!healthy && self.passes >= config.healthy_threshold).then_some(Verdict::Healthy)
+            (!healthy && self.passes >= config.healthy_threshold).then_some(HealthVerdict::Healthy)
         } else {
             self.passes = 0;
             self.failures = self.failures.saturating_add(1);
-            (healthy && self.failures >= config.unhealthy_threshold).then_some(Verdict::Unhealthy)
+            (healthy && self.failures >= config.unhealthy_threshold)
+                .then_some(HealthVerdict::Unhealthy)
         }
     }
 
@@ -267,10 +268,10 @@ async fn probe_loop(
         let verdict = streak.record(passed, endpoint.liveness().is_healthy(), &config);
         endpoint.set_suspect(!passed && endpoint.liveness().is_healthy() && verdict.is_none());
         match verdict {
-            Some(Verdict::Healthy) => {
+            Some(HealthVerdict::Healthy) => {
                 endpoint.set_healthy(true, now);
             }
-            Some(Verdict::Unhealthy) => {
+            Some(HealthVerdict::Unhealthy) => {
                 endpoint.set_healthy(false, now);
             }
             None => {}
@@ -446,7 +447,7 @@ mod tests {
         assert_eq!(streak.record(false, true, &config), None);
         assert_eq!(
             streak.record(false, true, &config),
-            Some(Verdict::Unhealthy)
+            Some(HealthVerdict::Unhealthy)
         );
         assert_eq!(
             streak.record(false, false, &config),
@@ -456,7 +457,10 @@ mod tests {
         assert!(!streak.changing(false));
         assert_eq!(streak.record(true, false, &config), None);
         assert!(streak.changing(false));
-        assert_eq!(streak.record(true, false, &config), Some(Verdict::Healthy));
+        assert_eq!(
+            streak.record(true, false, &config),
+            Some(HealthVerdict::Healthy)
+        );
     }
 
     #[test]

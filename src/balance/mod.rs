@@ -50,7 +50,7 @@ macro_rules! scorers {
         }
 
         /// Every scorer by name, and how to build it.
-        pub const SCORERS: &[(&str, score::Build)] =
+        pub const SCORERS: &[(&str, score::MakeScorer)] =
             &[$(($name, || Registered::$scorer(<$module::$scorer>::default()))),*];
     };
 }

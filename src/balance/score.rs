@@ -15,7 +15,7 @@ use crate::endpoint::Endpoint;
 use super::{PickContext, Registered, SCORERS};
 
 /// How a scorer is made when a pipeline names it.
-pub type Build = fn() -> Registered;
+pub type MakeScorer = fn() -> Registered;
 
 /// What the pick already read off an eligible endpoint, handed to every scorer: each reads it once.
 #[derive(Clone, Copy, Debug)]

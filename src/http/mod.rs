@@ -11,4 +11,4 @@ pub mod relay;
 
 pub use body::{BoxError, Guard, ProxyBody};
 pub use error::{OwnError, ProxyError, describe, openai_shape};
-pub use pool::{Pool, ResponseBody, SendError, UpstreamBody};
+pub use pool::{Connections, ResponseBody, SendError, UpstreamBody};

@@ -6,7 +6,7 @@
 //! future (cloning the connector) raced against every checkout, a boxed send, and for HTTP/1 a task
 //! spawned per response to wait until its connection is ready again. On hyper's connections, tongs
 //! spends about 10 % less CPU per request under `benches/load.sh` (`benches/RESULTS.md`). Here:
-//! - each worker owns a `Pool`, used by its requests and heartbeats, all on its thread: the lock
+//! - each worker owns a `Connections`, used by its requests and heartbeats, all on its thread: the lock
 //!   is not contended;
 //! - an HTTP/1 connection goes back to its endpoint's idle list as soon as hyper is done with the
 //!   message on it, at the latest when its response body ends: the guard lives in the body
@@ -65,7 +65,7 @@ impl SendError {
 }
 
 /// The connections of one worker, by endpoint, made by `C`.
-pub struct Pool<C> {
+pub struct Connections<C> {
     shared: Arc<Shared>,
     connector: C,
     h2: http2::Builder<TokioExecutor>,
@@ -98,16 +98,16 @@ enum Sender {
     H2(http2::SendRequest<UpstreamBody>),
 }
 
-impl<C> Pool<C>
+impl<C> Connections<C>
 where
     C: Service<Uri> + Clone,
     C::Response: hyper::rt::Read + hyper::rt::Write + Connection + Unpin + Send + 'static,
     C::Error: Into<BoxError>,
 {
-    pub fn new(connector: C, idle_timeout: Duration, max_idle: usize) -> Pool<C> {
+    pub fn new(connector: C, idle_timeout: Duration, max_idle: usize) -> Connections<C> {
         let mut h2 = http2::Builder::new(TokioExecutor::new());
         h2.timer(TokioTimer::new());
-        Pool {
+        Connections {
             shared: Arc::new(Shared {
                 idle: Mutex::new(HashMap::new()),
                 idle_timeout,
@@ -510,7 +510,7 @@ mod tests {
         response
     }
 
-    fn pool(idle_timeout: Duration, max_idle: usize) -> Pool<HttpsConnector<HttpConnector>> {
+    fn pool(idle_timeout: Duration, max_idle: usize) -> Connections<HttpsConnector<HttpConnector>> {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
@@ -526,7 +526,7 @@ mod tests {
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(http);
-        Pool::new(connector, idle_timeout, max_idle)
+        Connections::new(connector, idle_timeout, max_idle)
     }
 
     fn get(port: u16, path: &str) -> Request<UpstreamBody> {
@@ -536,7 +536,7 @@ mod tests {
         request
     }
 
-    fn idle_count<C>(pool: &Pool<C>) -> usize {
+    fn idle_count<C>(pool: &Connections<C>) -> usize {
         let idle = pool.shared.idle.lock().unwrap();
         idle.values()
             .map(|idle| idle.h1.len() + usize::from(idle.h2.is_some()))

@@ -9,11 +9,11 @@ use super::{
     DISCOVERY_WATCH_ERRORS, ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES,
     ENDPOINT_HEARTBEAT, ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT,
     ENDPOINT_OUTSTANDING, ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
-    FIRST_BYTE, HEDGES, HEDGES_WON, Metrics, Outcome, POOL_FALLBACKS, ProxyStats, QUEUE_DEPTH,
-    QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
+    FIRST_BYTE, HEDGES, HEDGES_WON, MetricSpec, Metrics, Outcome, POOL_FALLBACKS, ProxyStats,
+    QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
     REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
-    STREAM_PAUSES, STREAMS_CUT, Spec, TENANT_IN_FLIGHT, TENANT_QUEUED, TENANT_REFUSALS,
-    TENANT_REQUESTS, UPTIME,
+    STREAM_PAUSES, STREAMS_CUT, TENANT_IN_FLIGHT, TENANT_QUEUED, TENANT_REFUSALS, TENANT_REQUESTS,
+    UPTIME,
 };
 use crate::admission::{Refusal, TENANT_CLASSES, Tenant};
 use crate::endpoint::{EndpointState, EndpointView};
@@ -317,7 +317,7 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
         );
     }
     type Counter = fn(&ProxyStats) -> &std::sync::atomic::AtomicU64;
-    let counters: [(&Spec, Counter); 5] = [
+    let counters: [(&MetricSpec, Counter); 5] = [
         (&ATTEMPTS, |s| &s.attempts),
         (&HEDGES, |s| &s.hedges),
         (&HEDGES_WON, |s| &s.hedges_won),
@@ -379,7 +379,7 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
             }
         }
     }
-    let per_endpoint: [(&Spec, ReadView); 10] = [
+    let per_endpoint: [(&MetricSpec, ReadView); 10] = [
         (&ENDPOINT_OUTSTANDING, |v| Some(v.outstanding as f64)),
         (&ENDPOINT_LIMIT, |v| v.limit.map(|l| l as f64)),
         (&ENDPOINT_REQUESTS, |v| Some(v.requests as f64)),
@@ -415,7 +415,7 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
 /// Reads one figure of an endpoint (`None`: no sample for it).
 type ReadView = fn(&EndpointView) -> Option<f64>;
 
-fn header(out: &mut String, spec: &Spec) {
+fn header(out: &mut String, spec: &MetricSpec) {
     let _ = writeln!(out, "# HELP {} {}", spec.name, spec.help);
     let _ = writeln!(out, "# TYPE {} {}", spec.name, spec.kind);
 }

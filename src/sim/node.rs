@@ -34,7 +34,7 @@ use tokio_util::sync::CancellationToken;
 use super::openai;
 use super::reply::{SimBody, full};
 use super::schedule::{Interruption, InterruptionKind, lognormal};
-use super::stream::{Load, Timing, stream_tokens, words};
+use super::stream::{Load, TokenTiming, stream_tokens, words};
 use super::{NodeSpec, ResponseKind};
 
 /// What a node is doing right now.
@@ -93,7 +93,7 @@ pub struct NodeStats {
     pub interruptions: u64,
 }
 
-pub(super) struct Shared {
+pub(super) struct NodeShared {
     pub(super) spec: NodeSpec,
     received: AtomicU64,
     capacity: Arc<Semaphore>,
@@ -117,7 +117,7 @@ pub(super) struct Shared {
 
 /// A running simulated node. Dropping it stops the node.
 pub struct Node {
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     addr: SocketAddr,
     stop: CancellationToken,
 }
@@ -139,7 +139,7 @@ impl Node {
         let listener = TcpListener::bind(spec.listen).await?;
         let addr = listener.local_addr()?;
         let (condition, _) = watch::channel(Condition::Up);
-        let shared = Arc::new(Shared {
+        let shared = Arc::new(NodeShared {
             capacity: Arc::new(Semaphore::new(spec.capacity)),
             received: AtomicU64::new(0),
             spec,
@@ -213,7 +213,7 @@ impl Node {
     }
 }
 
-impl Shared {
+impl NodeShared {
     /// The next number in this node's sequence of OpenAI answers (1, 2, ...).
     pub(super) fn next_answer(&self) -> u64 {
         self.answers.fetch_add(1, Ordering::Relaxed) + 1
@@ -221,7 +221,7 @@ impl Shared {
 
     /// The timing of a request admitted now with `service_time`, whose stream has `tokens` tokens
     /// and whose prompt `words` words.
-    pub(super) fn timing(&self, service_time: Duration, tokens: u64, words: u64) -> Timing {
+    pub(super) fn timing(&self, service_time: Duration, tokens: u64, words: u64) -> TokenTiming {
         let load = Load {
             service_time,
             slow: self.condition.borrow().slow_factor(),
@@ -233,11 +233,11 @@ impl Shared {
             .pauses
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
-        Timing::draw(&self.spec, &load, &mut rng)
+        TokenTiming::draw(&self.spec, &load, &mut rng)
     }
 }
 
-fn set_condition(shared: &Shared, condition: Condition) {
+fn set_condition(shared: &NodeShared, condition: Condition) {
     let previous = shared.condition.send_replace(condition);
     if previous == condition {
         return;
@@ -251,7 +251,7 @@ fn set_condition(shared: &Shared, condition: Condition) {
 async fn follow_schedule(
     planned: Vec<Interruption>,
     started: Instant,
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     stop: CancellationToken,
 ) {
     for interruption in planned {
@@ -275,7 +275,7 @@ async fn follow_schedule(
 async fn accept_loop(
     listener: TcpListener,
     addr: SocketAddr,
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     stop: CancellationToken,
 ) {
     let mut conditions = shared.condition.subscribe();
@@ -323,7 +323,7 @@ fn reset(twin: socket2::Socket) {
     drop(twin);
 }
 
-async fn connection(stream: TcpStream, shared: Arc<Shared>, stop: CancellationToken) {
+async fn connection(stream: TcpStream, shared: Arc<NodeShared>, stop: CancellationToken) {
     // A second handle on the same socket, so it can be reset while hyper owns the stream.
     let Ok(twin) = socket2::SockRef::from(&stream).try_clone() else {
         return;
@@ -370,10 +370,10 @@ async fn connection(stream: TcpStream, shared: Arc<Shared>, stop: CancellationTo
 }
 
 /// Counts a request as in flight while alive.
-struct InFlight(Arc<Shared>);
+struct InFlight(Arc<NodeShared>);
 
 impl InFlight {
-    fn new(shared: &Arc<Shared>) -> InFlight {
+    fn new(shared: &Arc<NodeShared>) -> InFlight {
         let now = shared.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
         shared.peak_in_flight.fetch_max(now, Ordering::Relaxed);
         InFlight(Arc::clone(shared))
@@ -388,13 +388,13 @@ impl Drop for InFlight {
 
 /// A request holding one unit of the node's capacity.
 pub(super) struct Serving {
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     _permit: OwnedSemaphorePermit,
     _in_flight: InFlight,
 }
 
 impl Serving {
-    fn new(shared: &Arc<Shared>, permit: OwnedSemaphorePermit, in_flight: InFlight) -> Serving {
+    fn new(shared: &Arc<NodeShared>, permit: OwnedSemaphorePermit, in_flight: InFlight) -> Serving {
         let now = shared.serving.fetch_add(1, Ordering::Relaxed) + 1;
         shared.peak_concurrency.fetch_max(now, Ordering::Relaxed);
         Serving {
@@ -416,7 +416,7 @@ impl Drop for Serving {
     }
 }
 
-fn gateway_503(shared: &Shared) -> Response<SimBody> {
+fn gateway_503(shared: &NodeShared) -> Response<SimBody> {
     shared.gateway_503.fetch_add(1, Ordering::Relaxed);
     full(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -436,7 +436,7 @@ fn wants_stream(headers: &http::HeaderMap, spec: &NodeSpec) -> bool {
 /// Answers one request; `reset` resets the request's connection when cancelled.
 async fn handle(
     request: Request<Incoming>,
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     reset: CancellationToken,
 ) -> Response<SimBody> {
     let condition = *shared.condition.borrow();
@@ -486,7 +486,7 @@ async fn handle(
         }
     };
     let serving = Serving::new(&shared, permit, in_flight);
-    let api = openai::Api::route(request.method(), request.uri().path());
+    let api = openai::ServedApi::route(request.method(), request.uri().path());
     let (head, body) = request.into_parts();
     // The prompt is read like a real server would, bounded so a huge body cannot exhaust memory.
     let body = match Limited::new(body, 16 << 20).collect().await {
@@ -559,7 +559,7 @@ async fn handle(
 }
 
 /// Waits while the node is in a gray failure (returns at once otherwise).
-pub(super) async fn while_gray(shared: &Shared) {
+pub(super) async fn while_gray(shared: &NodeShared) {
     let mut conditions = shared.condition.subscribe();
     while conditions.borrow_and_update().is(InterruptionKind::Gray) {
         if conditions.changed().await.is_err() {

@@ -35,7 +35,7 @@
 //! then `data: [DONE]`, and the request counts as served. A client that goes away stops the generation.
 //!
 //! # Timing
-//! Drawn once per request when it is admitted (see [`super::stream::Timing`]):
+//! Drawn once per request when it is admitted (see [`super::stream::TokenTiming`]):
 //! - the first token: after a tenth of the service time, the chat role chunk just before it. On a node
 //!   with a `first_token` wait, after that wait instead (`wait + per_prompt_word × prompt_tokens +
 //!   per_in_flight × the other requests in flight`, spread, times a `slow` factor), the chat role chunk
@@ -78,10 +78,10 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::node::{Serving, Shared, while_gray};
-use super::reply::{Events, SimBody, full, sse_response};
-use super::stream::{Timing, before_first_token, before_next_token, send};
-use wire::{Head, Usage};
+use super::node::{NodeShared, Serving, while_gray};
+use super::reply::{EventFeed, SimBody, full, sse_response};
+use super::stream::{TokenTiming, before_first_token, before_next_token, send};
+use wire::{AnswerHead, Usage};
 
 mod wire;
 
@@ -91,48 +91,48 @@ const MAX_TOKENS: u64 = 1 << 20;
 
 /// Which of the two OpenAI APIs a request speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Api {
+pub(super) enum ServedApi {
     Completions,
     Chat,
 }
 
-impl Api {
+impl ServedApi {
     /// The API at `method` and `path`, if it is one of the two.
-    pub(super) fn route(method: &Method, path: &str) -> Option<Api> {
+    pub(super) fn route(method: &Method, path: &str) -> Option<ServedApi> {
         match (method, path) {
-            (&Method::POST, "/v1/completions") => Some(Api::Completions),
-            (&Method::POST, "/v1/chat/completions") => Some(Api::Chat),
+            (&Method::POST, "/v1/completions") => Some(ServedApi::Completions),
+            (&Method::POST, "/v1/chat/completions") => Some(ServedApi::Chat),
             _ => None,
         }
     }
 
     fn id_prefix(self) -> &'static str {
         match self {
-            Api::Completions => "cmpl",
-            Api::Chat => "chatcmpl",
+            ServedApi::Completions => "cmpl",
+            ServedApi::Chat => "chatcmpl",
         }
     }
 
     /// The `object` of a whole answer.
     fn object(self) -> &'static str {
         match self {
-            Api::Completions => "text_completion",
-            Api::Chat => "chat.completion",
+            ServedApi::Completions => "text_completion",
+            ServedApi::Chat => "chat.completion",
         }
     }
 
     /// The `object` of a streamed chunk.
     fn chunk_object(self) -> &'static str {
         match self {
-            Api::Completions => "text_completion",
-            Api::Chat => "chat.completion.chunk",
+            ServedApi::Completions => "text_completion",
+            ServedApi::Chat => "chat.completion.chunk",
         }
     }
 }
 
 /// A request the node admitted: what answering it needs from the node.
 pub(super) struct Admitted {
-    pub(super) shared: Arc<Shared>,
+    pub(super) shared: Arc<NodeShared>,
     /// The unit of capacity the request holds until its answer ends.
     pub(super) serving: Serving,
     pub(super) service_time: Duration,
@@ -142,7 +142,7 @@ pub(super) struct Admitted {
 
 /// Answers an OpenAI request whose body is `body`.
 pub(super) async fn answer(
-    api: Api,
+    api: ServedApi,
     headers: &HeaderMap,
     body: &[u8],
     admitted: Admitted,
@@ -156,7 +156,7 @@ pub(super) async fn answer(
         Ok(parsed) => parsed,
         Err(message) => return bad_request(&message),
     };
-    let head = Head {
+    let head = AnswerHead {
         api,
         id: format!(
             "{}-{}-{}",
@@ -171,7 +171,7 @@ pub(super) async fn answer(
         .shared
         .timing(admitted.service_time, ask.max_tokens, ask.prompt_tokens);
     if ask.stream {
-        let (events, body) = Events::new();
+        let (events, body) = EventFeed::new();
         tokio::spawn(generate(ask, head, cuts, admitted, timing, events));
         sse_response(body.boxed())
     } else {
@@ -224,7 +224,7 @@ impl Ask {
 }
 
 /// Reads a request body, or says what is wrong with it.
-fn parse(api: Api, body: &[u8], default_tokens: u32) -> Result<Ask, String> {
+fn parse(api: ServedApi, body: &[u8], default_tokens: u32) -> Result<Ask, String> {
     let value: Value =
         serde_json::from_slice(body).map_err(|err| format!("the body is not valid JSON: {err}"))?;
     let Value::Object(fields) = value else {
@@ -243,15 +243,15 @@ fn parse(api: Api, body: &[u8], default_tokens: u32) -> Result<Ask, String> {
         Some(_) => return Err("stream_options must be an object".into()),
     };
     let max_tokens = match api {
-        Api::Completions => count(&fields, "max_tokens")?,
-        Api::Chat => {
+        ServedApi::Completions => count(&fields, "max_tokens")?,
+        ServedApi::Chat => {
             let completion = count(&fields, "max_completion_tokens")?;
             completion.or(count(&fields, "max_tokens")?)
         }
     };
     let context = match api {
-        Api::Completions => prompt(&fields)?,
-        Api::Chat => conversation(&fields)?,
+        ServedApi::Completions => prompt(&fields)?,
+        ServedApi::Chat => conversation(&fields)?,
     };
     Ok(Ask {
         model,
@@ -412,10 +412,10 @@ fn cut(entry: &str) -> Option<Cut> {
 /// Generates a streamed answer into `events`, token by token at the request's timing.
 async fn generate(
     ask: Ask,
-    head: Head,
+    head: AnswerHead,
     cuts: Vec<Cut>,
     admitted: Admitted,
-    timing: Timing,
+    timing: TokenTiming,
     events: mpsc::Sender<Bytes>,
 ) {
     let Admitted {
@@ -424,7 +424,7 @@ async fn generate(
         reset,
         ..
     } = admitted;
-    let role_chunk = head.api == Api::Chat;
+    let role_chunk = head.api == ServedApi::Chat;
     if role_chunk && timing.role_at_once && !send(&events, head.role_chunk()).await {
         return;
     }
@@ -513,7 +513,7 @@ mod tests {
 
     #[test]
     fn a_continued_request_produces_the_rest_of_the_text() {
-        let ask = |body: &str| parse(Api::Completions, body.as_bytes(), 16).unwrap();
+        let ask = |body: &str| parse(ServedApi::Completions, body.as_bytes(), 16).unwrap();
         let whole = ask(r#"{"prompt":"count: 7","max_tokens":5}"#);
         assert_eq!(whole.text(), " 8 9 10 11 12");
         let rest = ask(r#"{"prompt":"count: 7 8 9","max_tokens":3}"#);
@@ -527,13 +527,18 @@ mod tests {
             {"role":"assistant","content":" 8 9"}],
             "add_generation_prompt":false,"continue_final_message":true,"max_completion_tokens":2,
             "max_tokens":9}"#;
-        let ask = parse(Api::Chat, body.as_bytes(), 16).unwrap();
+        let ask = parse(ServedApi::Chat, body.as_bytes(), 16).unwrap();
         assert_eq!((ask.start, ask.prompt_tokens, ask.max_tokens), (9, 4, 2));
     }
 
     #[test]
     fn requests_take_the_defaults() {
-        let ask = parse(Api::Completions, br#"{"prompt":["hi"],"stream":null}"#, 16).unwrap();
+        let ask = parse(
+            ServedApi::Completions,
+            br#"{"prompt":["hi"],"stream":null}"#,
+            16,
+        )
+        .unwrap();
         assert_eq!(
             ask,
             Ask {

@@ -55,16 +55,16 @@ pub fn sse_response<B>(body: B) -> Response<B> {
 /// The sender sees the client leave ([`mpsc::Sender::closed`]) even while it sends nothing, which a
 /// stream held open on purpose needs, and it can wait for the last event to be taken by the server
 /// ([`mpsc::Sender::reserve`]) before breaking the connection under it.
-pub(super) struct Events(mpsc::Receiver<Bytes>);
+pub(super) struct EventFeed(mpsc::Receiver<Bytes>);
 
-impl Events {
-    pub(super) fn new() -> (mpsc::Sender<Bytes>, Events) {
+impl EventFeed {
+    pub(super) fn new() -> (mpsc::Sender<Bytes>, EventFeed) {
         let (sender, receiver) = mpsc::channel(1);
-        (sender, Events(receiver))
+        (sender, EventFeed(receiver))
     }
 }
 
-impl http_body::Body for Events {
+impl http_body::Body for EventFeed {
     type Data = Bytes;
     type Error = BoxError;
 

@@ -2,7 +2,7 @@
 //! server makes in it (a first-token wait, keep-alive comments meanwhile, a preemption); and the plain
 //! SSE token stream that follows it.
 //!
-//! A request's [`Timing`] is drawn once, when it is admitted, from the node's own seeded stream of
+//! A request's [`TokenTiming`] is drawn once, when it is admitted, from the node's own seeded stream of
 //! pause draws, kept apart from the service times' so that turning pauses on leaves every service time
 //! of a seeded run as it was. A node without pause keys draws nothing and keeps its old pace exactly.
 
@@ -16,8 +16,8 @@ use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::node::{Serving, Shared, while_gray};
-use super::reply::{Events, SimBody, sse_response};
+use super::node::{NodeShared, Serving, while_gray};
+use super::reply::{EventFeed, SimBody, sse_response};
 use super::schedule::lognormal;
 use super::{NodeSpec, Preemption};
 
@@ -30,7 +30,7 @@ const COMMENT: &[u8] = b": ping\n\n";
 
 /// When one request's tokens come.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct Timing {
+pub(super) struct TokenTiming {
     /// From the answer's start to its first token.
     pub(super) first: Duration,
     /// Between two tokens.
@@ -59,9 +59,9 @@ pub(super) struct Load {
     pub(super) words: u64,
 }
 
-impl Timing {
+impl TokenTiming {
     /// The timing of a request on a node of `spec`, pause draws taken from `rng`.
-    pub(super) fn draw(spec: &NodeSpec, load: &Load, rng: &mut fastrand::Rng) -> Timing {
+    pub(super) fn draw(spec: &NodeSpec, load: &Load, rng: &mut fastrand::Rng) -> TokenTiming {
         let (tenth, gap) = pace(load.service_time, spec.tokens);
         let first = match &spec.first_token {
             None => tenth,
@@ -91,7 +91,7 @@ impl Timing {
             .as_ref()
             .and_then(|preemption| preempt(preemption, load, rng));
         let pause = preempted.map_or(Duration::ZERO, |(_, pause)| pause);
-        Timing {
+        TokenTiming {
             first,
             gap,
             whole: load
@@ -149,7 +149,7 @@ pub(super) fn pace(service_time: Duration, tokens: u32) -> (Duration, Duration) 
 
 /// Waits `timing.first` for the first token; with keep-alive comments, sends one at once and then one
 /// each interval meanwhile. False when the client went away.
-pub(super) async fn before_first_token(events: &mpsc::Sender<Bytes>, timing: &Timing) -> bool {
+pub(super) async fn before_first_token(events: &mpsc::Sender<Bytes>, timing: &TokenTiming) -> bool {
     let Some(every) = timing.comment_every else {
         return unless_gone(events, tokio::time::sleep(timing.first)).await;
     };
@@ -189,9 +189,9 @@ pub(super) async fn send(events: &mpsc::Sender<Bytes>, event: Bytes) -> bool {
 /// to recover). False when the client went away.
 pub(super) async fn before_next_token(
     events: &mpsc::Sender<Bytes>,
-    timing: &Timing,
+    timing: &TokenTiming,
     sent: u64,
-    shared: &Shared,
+    shared: &NodeShared,
 ) -> bool {
     let next = async {
         tokio::time::sleep(timing.pause_after(sent) + timing.gap).await;
@@ -203,11 +203,11 @@ pub(super) async fn before_next_token(
 /// An SSE token stream of the node's `tokens`, `data: {"node":...,"token":N}`, then `[DONE]`, at the
 /// request's timing.
 pub(super) fn stream_tokens(
-    shared: Arc<Shared>,
+    shared: Arc<NodeShared>,
     serving: Serving,
-    timing: Timing,
+    timing: TokenTiming,
 ) -> Response<SimBody> {
-    let (events, body) = Events::new();
+    let (events, body) = EventFeed::new();
     let tokens = shared.spec.tokens;
     tokio::spawn(async move {
         if !before_first_token(&events, &timing).await {
@@ -259,7 +259,7 @@ mod tests {
     fn a_node_without_pauses_keeps_its_pace_and_draws_nothing() {
         let spec = NodeSpec::new("a", Duration::from_millis(200));
         let mut rng = fastrand::Rng::with_seed(7);
-        let timing = Timing::draw(&spec, &load(3, 100), &mut rng);
+        let timing = TokenTiming::draw(&spec, &load(3, 100), &mut rng);
         let (first, gap) = pace(Duration::from_millis(200), 16);
         assert_eq!((timing.first, timing.gap), (first, gap));
         assert_eq!(timing.whole, Duration::from_millis(200));
@@ -278,7 +278,7 @@ mod tests {
             spread: 0.0,
         });
         let mut rng = fastrand::Rng::with_seed(1);
-        let timing = Timing::draw(&spec, &load(3, 10), &mut rng);
+        let timing = TokenTiming::draw(&spec, &load(3, 10), &mut rng);
         assert_eq!(timing.first, Duration::from_millis(100 + 20 + 150));
         // A whole answer: the wait, then the nine tenths of the service time the tokens take.
         assert_eq!(timing.whole, Duration::from_millis(270 + 180));
@@ -288,12 +288,12 @@ mod tests {
             ..load(0, 0)
         };
         assert_eq!(
-            Timing::draw(&spec, &slow, &mut rng).first,
+            TokenTiming::draw(&spec, &slow, &mut rng).first,
             Duration::from_millis(200)
         );
         // A prompt of billions of words waits long, not forever, and does not overflow.
         let huge = load(usize::MAX, u64::MAX);
-        assert_eq!(Timing::draw(&spec, &huge, &mut rng).first, LONGEST);
+        assert_eq!(TokenTiming::draw(&spec, &huge, &mut rng).first, LONGEST);
     }
 
     #[test]
@@ -307,8 +307,11 @@ mod tests {
         });
         let mut rng = fastrand::Rng::with_seed(3);
         for _ in 0..200 {
-            assert_eq!(Timing::draw(&spec, &load(0, 1), &mut rng).preempted, None);
-            let timing = Timing::draw(&spec, &load(2, 1), &mut rng);
+            assert_eq!(
+                TokenTiming::draw(&spec, &load(0, 1), &mut rng).preempted,
+                None
+            );
+            let timing = TokenTiming::draw(&spec, &load(2, 1), &mut rng);
             let (after, pause) = timing.preempted.expect("certain at 2 others");
             assert!((1..16).contains(&after), "{after}");
             assert_eq!(pause, Duration::from_millis(300));
@@ -319,13 +322,13 @@ mod tests {
                 tokens: 1,
                 ..load(2, 1)
             };
-            assert_eq!(Timing::draw(&spec, &one, &mut rng).preempted, None);
+            assert_eq!(TokenTiming::draw(&spec, &one, &mut rng).preempted, None);
         }
         // The same seed, the same draws.
         let draws = |seed| {
             let mut rng = fastrand::Rng::with_seed(seed);
             (0..20)
-                .map(|_| Timing::draw(&spec, &load(1, 1), &mut rng).preempted)
+                .map(|_| TokenTiming::draw(&spec, &load(1, 1), &mut rng).preempted)
                 .collect::<Vec<_>>()
         };
         assert_eq!(draws(9), draws(9));

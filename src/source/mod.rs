@@ -26,7 +26,7 @@ use crate::registry::Registry;
 use crate::upstream::GatewayKey;
 
 /// How a source is made for a pool, given its registry.
-pub type Build = fn(&Arc<Registry>) -> Arc<dyn Source>;
+pub type MakeSource = fn(&Arc<Registry>) -> Arc<dyn Source>;
 
 /// Declares each kind's module and registers it under the name its endpoints carry in the registry:
 /// one line per kind.
@@ -35,7 +35,7 @@ macro_rules! sources {
         $(pub mod $module;)*
 
         /// Every kind of source, by the name its endpoints carry in the registry.
-        pub const SOURCES: &[(&str, Build)] =
+        pub const SOURCES: &[(&str, MakeSource)] =
             &[$(($kind, |registry| Arc::new(<$module::$source>::new(registry)))),*];
     };
 }

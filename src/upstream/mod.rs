@@ -28,7 +28,7 @@ use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 
 use crate::config::{Config, parse_proxy};
-use crate::http::Pool;
+use crate::http::Connections;
 pub use crate::http::{ResponseBody, SendError, UpstreamBody};
 pub use cause::connect_cause;
 pub use gateway_key::{GatewayKey, SALAD_API_KEY};
@@ -36,7 +36,7 @@ pub use route::Route;
 
 /// The pooled client every request to an endpoint goes through, and the key it attaches.
 pub struct UpstreamClient {
-    pool: Pool<HttpsConnector<Route>>,
+    pool: Connections<HttpsConnector<Route>>,
     key: Arc<GatewayKey>,
 }
 
@@ -100,7 +100,7 @@ pub fn build_client(
         .enable_all_versions()
         .wrap_connector(route(config, http)?);
 
-    let pool = Pool::new(
+    let pool = Connections::new(
         connector,
         config.timeouts.idle.get(),
         config.upstream.pool_max_idle_per_endpoint,

@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use serde::Serialize;
 
-use super::Api;
+use super::ServedApi;
 
 /// The body of a `400` in vLLM's error shape.
 pub(super) fn error(message: &str) -> Vec<u8> {
@@ -36,8 +36,8 @@ pub(super) struct Usage {
 }
 
 /// What every answer and chunk of one request starts with.
-pub(super) struct Head {
-    pub(super) api: Api,
+pub(super) struct AnswerHead {
+    pub(super) api: ServedApi,
     pub(super) id: String,
     pub(super) created: u64,
     pub(super) model: String,
@@ -88,17 +88,17 @@ struct Said<'a> {
     content: &'a str,
 }
 
-impl Head {
+impl AnswerHead {
     /// The whole answer: `text`, stopped for length, and its usage.
     pub(super) fn whole(&self, text: &str, usage: Usage) -> Vec<u8> {
         let object = self.api.object();
         match self.api {
-            Api::Completions => self.json(
+            ServedApi::Completions => self.json(
                 object,
                 &[choice(Text { text }, Some("length"))],
                 Some(usage),
             ),
-            Api::Chat => {
+            ServedApi::Chat => {
                 let said = Said {
                     role: Some("assistant"),
                     content: text,
@@ -121,8 +121,8 @@ impl Head {
     /// The chunk of one token, `finish` on the last one.
     pub(super) fn token_chunk(&self, text: &str, finish: Option<&'static str>) -> Bytes {
         match self.api {
-            Api::Completions => self.event(&[choice(Text { text }, finish)], None),
-            Api::Chat => {
+            ServedApi::Completions => self.event(&[choice(Text { text }, finish)], None),
+            ServedApi::Chat => {
                 let said = Said {
                     role: None,
                     content: text,

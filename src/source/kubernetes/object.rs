@@ -17,13 +17,13 @@ pub struct WatchedPod {
     #[serde(default, deserialize_with = "metadata")]
     pub metadata: ObjectMeta,
     #[serde(default)]
-    pub spec: Option<Spec>,
+    pub spec: Option<PodSpec>,
     #[serde(default)]
-    pub status: Option<Status>,
+    pub status: Option<PodStatus>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
-pub struct Spec {
+pub struct PodSpec {
     #[serde(default)]
     pub containers: Option<Vec<Container>>,
     #[serde(default)]
@@ -55,17 +55,17 @@ pub struct Toleration {
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Status {
+pub struct PodStatus {
     #[serde(default)]
     pub phase: Option<String>,
     #[serde(default, rename = "podIP")]
     pub pod_ip: Option<String>,
     #[serde(default)]
-    pub conditions: Option<Vec<Condition>>,
+    pub conditions: Option<Vec<PodCondition>>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
-pub struct Condition {
+pub struct PodCondition {
     #[serde(default, rename = "type")]
     pub type_: String,
     #[serde(default)]

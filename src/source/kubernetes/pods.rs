@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use super::object::WatchedPod;
-use crate::config::{AllowRule, EndpointUrl, Guard, KubernetesConfig, Rule, guard, parse_address};
+use crate::config::{AllowRule, EndpointUrl, AddressGuard, KubernetesConfig, Rule, guard, parse_address};
 use crate::endpoint::Origin;
 use crate::registry::EndpointSpec;
 
@@ -475,7 +475,7 @@ impl Rules {
             },
             None => pod.named_port?,
         };
-        if guard(ip) == Some(Guard::Local) && !self.allows_ip(ip) {
+        if guard(ip) == Some(AddressGuard::Local) && !self.allows_ip(ip) {
             // interLink reports 127.0.0.1 when it has no tunnel to the pod: unreachable from here. Any
             // other local address is tongs' own machine or link (cloud metadata at 169.254.169.254).
             let kind = if ip.is_loopback() {

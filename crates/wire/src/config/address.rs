@@ -12,7 +12,7 @@ use ipnet::{IpNet, Ipv4Net, Ipv6Net};
 
 /// Why an address is guarded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Guard {
+pub enum AddressGuard {
     /// Loopback, link-local or unspecified: this machine or its link (cloud metadata lives at
     /// 169.254.169.254), never a remote node.
     Local,
@@ -22,35 +22,35 @@ pub enum Guard {
 }
 
 /// The guarded blocks.
-fn blocks() -> [(IpNet, Guard); 9] {
+fn blocks() -> [(IpNet, AddressGuard); 9] {
     let v4 = |a, b, c, d, len| IpNet::V4(Ipv4Net::new_assert(Ipv4Addr::new(a, b, c, d), len));
     let v6 = |addr: Ipv6Addr, len| IpNet::V6(Ipv6Net::new_assert(addr, len));
     [
-        (v4(127, 0, 0, 0, 8), Guard::Local),
-        (v4(169, 254, 0, 0, 16), Guard::Local),
-        (v4(0, 0, 0, 0, 32), Guard::Local),
-        (v6(Ipv6Addr::LOCALHOST, 128), Guard::Local),
+        (v4(127, 0, 0, 0, 8), AddressGuard::Local),
+        (v4(169, 254, 0, 0, 16), AddressGuard::Local),
+        (v4(0, 0, 0, 0, 32), AddressGuard::Local),
+        (v6(Ipv6Addr::LOCALHOST, 128), AddressGuard::Local),
         (
             v6(Ipv6Addr::new(0xfe80, 0, 0, 0, 0, 0, 0, 0), 10),
-            Guard::Local,
+            AddressGuard::Local,
         ),
-        (v6(Ipv6Addr::UNSPECIFIED, 128), Guard::Local),
-        (v4(100, 100, 100, 100, 32), Guard::Tailscale),
-        (v4(100, 115, 92, 0, 23), Guard::Tailscale),
+        (v6(Ipv6Addr::UNSPECIFIED, 128), AddressGuard::Local),
+        (v4(100, 100, 100, 100, 32), AddressGuard::Tailscale),
+        (v4(100, 115, 92, 0, 23), AddressGuard::Tailscale),
         (
             v6(Ipv6Addr::new(0xfd7a, 0x115c, 0xa1e0, 0, 0, 0, 0, 0x53), 128),
-            Guard::Tailscale,
+            AddressGuard::Tailscale,
         ),
     ]
 }
 
 /// The guarded block `ip` (canonical) is in, if any.
-fn block_of(ip: IpAddr) -> Option<(IpNet, Guard)> {
+fn block_of(ip: IpAddr) -> Option<(IpNet, AddressGuard)> {
     blocks().into_iter().find(|(block, _)| block.contains(&ip))
 }
 
 /// Why `ip` is guarded, if it is; `ip` in any form.
-pub fn guard(ip: IpAddr) -> Option<Guard> {
+pub fn guard(ip: IpAddr) -> Option<AddressGuard> {
     block_of(ip.to_canonical()).map(|(_, guard)| guard)
 }
 

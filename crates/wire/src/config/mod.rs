@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use address::{Guard, guard, parse_address};
+pub use address::{AddressGuard, guard, parse_address};
 pub use auth::{AuthConfig, TenantConfig, TenantPriority, parse_keys, tenant_name};
 pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
 pub use duration::HumanDuration;
