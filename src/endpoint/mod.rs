@@ -41,7 +41,7 @@ pub use self::load::{LimitState, Outstanding};
 pub use self::models::ServedModels;
 pub use self::pace::{OPENING_GAPS, Pace, Typical};
 pub use self::tally::Tally;
-pub use self::view::{EndpointState, EndpointView};
+pub use self::view::{EndpointState, EndpointView, HeartbeatView, TallyView, TimingView};
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
 pub type EndpointId = u64;

@@ -32,12 +32,31 @@ pub struct EndpointView {
     /// together; this replica enforces its share of it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_outstanding: Option<u64>,
+    /// What happened here, counted.
+    #[serde(flatten)]
+    pub counts: TallyView,
+    /// How quickly it answers.
+    #[serde(flatten)]
+    pub timing: TimingView,
+    /// Its last heartbeat.
+    #[serde(flatten)]
+    pub heartbeat: HeartbeatView,
+}
+
+/// An endpoint's counters, in its view (their names are the JSON's).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct TallyView {
     pub requests: u64,
     pub failures: u64,
     pub ejections: u64,
     /// Attempts that stalled here (lost to a hedge, or waited far past the expected latency).
     pub stalls: u64,
     pub cooldowns: u64,
+}
+
+/// How quickly an endpoint answers, in its view.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct TimingView {
     /// Expected-latency estimate (time to first byte), ms; null before the first answer.
     pub latency_ms: Option<f64>,
     /// The adaptive limiter's unloaded latency, ms.
@@ -48,6 +67,11 @@ pub struct EndpointView {
     pub first_token_deviation_ms: Option<f64>,
     /// Its streams' typical gap between tokens, ms; null before one was seen.
     pub token_gap_ms: Option<f64>,
+}
+
+/// An endpoint's last heartbeat, in its view.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct HeartbeatView {
     /// Seconds since the last heartbeat ended (null: none yet), its duration and verdict.
     pub last_heartbeat_age_s: Option<f64>,
     pub last_heartbeat_ms: Option<f64>,
@@ -156,24 +180,30 @@ impl Endpoint {
             outstanding: self.outstanding(),
             limit: self.limit(),
             max_outstanding: self.origin.max_outstanding,
-            requests: self.tally().requests(),
-            failures: self.tally().failures(),
-            ejections: self.tally().ejections(),
-            stalls: self.tally().stalls(),
-            cooldowns: self.tally().cooldowns(),
-            latency_ms: ms(self.latency().estimate_us()),
-            unloaded_latency_ms: self.limits().unloaded_latency_us().and_then(ms),
-            first_token_ms: opening.map(|typical| typical.mean.as_secs_f64() * 1000.0),
-            first_token_deviation_ms: opening
-                .map(|typical| typical.deviation.as_secs_f64() * 1000.0),
-            token_gap_ms: self
-                .pace()
-                .chunk_gap()
-                .map(|gap| gap.as_secs_f64() * 1000.0),
-            last_heartbeat_age_s: heartbeat
-                .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
-            last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
-            last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
+            counts: TallyView {
+                requests: self.tally().requests(),
+                failures: self.tally().failures(),
+                ejections: self.tally().ejections(),
+                stalls: self.tally().stalls(),
+                cooldowns: self.tally().cooldowns(),
+            },
+            timing: TimingView {
+                latency_ms: ms(self.latency().estimate_us()),
+                unloaded_latency_ms: self.limits().unloaded_latency_us().and_then(ms),
+                first_token_ms: opening.map(|typical| typical.mean.as_secs_f64() * 1000.0),
+                first_token_deviation_ms: opening
+                    .map(|typical| typical.deviation.as_secs_f64() * 1000.0),
+                token_gap_ms: self
+                    .pace()
+                    .chunk_gap()
+                    .map(|gap| gap.as_secs_f64() * 1000.0),
+            },
+            heartbeat: HeartbeatView {
+                last_heartbeat_age_s: heartbeat
+                    .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
+                last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
+                last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
+            },
         }
     }
 }

@@ -382,17 +382,21 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
     let per_endpoint: [(&MetricSpec, ReadView); 10] = [
         (&ENDPOINT_OUTSTANDING, |v| Some(v.outstanding as f64)),
         (&ENDPOINT_LIMIT, |v| v.limit.map(|l| l as f64)),
-        (&ENDPOINT_REQUESTS, |v| Some(v.requests as f64)),
-        (&ENDPOINT_FAILURES, |v| Some(v.failures as f64)),
-        (&ENDPOINT_EJECTIONS, |v| Some(v.ejections as f64)),
-        (&ENDPOINT_STALLS, |v| Some(v.stalls as f64)),
-        (&ENDPOINT_COOLDOWNS, |v| Some(v.cooldowns as f64)),
-        (&ENDPOINT_LATENCY, |v| v.latency_ms.map(|ms| ms / 1000.0)),
+        (&ENDPOINT_REQUESTS, |v| Some(v.counts.requests as f64)),
+        (&ENDPOINT_FAILURES, |v| Some(v.counts.failures as f64)),
+        (&ENDPOINT_EJECTIONS, |v| Some(v.counts.ejections as f64)),
+        (&ENDPOINT_STALLS, |v| Some(v.counts.stalls as f64)),
+        (&ENDPOINT_COOLDOWNS, |v| Some(v.counts.cooldowns as f64)),
+        (&ENDPOINT_LATENCY, |v| {
+            v.timing.latency_ms.map(|ms| ms / 1000.0)
+        }),
         (&ENDPOINT_HEARTBEAT, |v| {
-            v.last_heartbeat_ms.map(|ms| ms / 1000.0)
+            v.heartbeat.last_heartbeat_ms.map(|ms| ms / 1000.0)
         }),
         (&ENDPOINT_HEARTBEAT_OK, |v| {
-            v.last_heartbeat_ok.map(|ok| f64::from(u8::from(ok)))
+            v.heartbeat
+                .last_heartbeat_ok
+                .map(|ok| f64::from(u8::from(ok)))
         }),
     ];
     for (spec, read) in per_endpoint {
