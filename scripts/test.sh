@@ -40,11 +40,14 @@ command -v cargo >/dev/null 2>&1 || { echo "test.sh: cargo is missing (install R
 
 # More tests at once than cores: the integration tests mostly wait on sockets, timers and child processes,
 # so libtest's default (one test per core) leaves a 2-core machine idle. Measured on a shared 2-core
-# machine, whole suite: 181 s and 199 s at the default, 137 s and 141 s at 4, 123 s and 125 s at 8.
+# machine, whole suite: 181 s and 199 s at the default, 137 s and 141 s at 4, 123 s and 125 s at 8. Four,
+# not eight: at eight, one clean-clone run in five failed a test whose SOCKS proxy never answered (a
+# port found free taken by another test before microsocks bound it is the likely cause; those tests now
+# check who answers); fewer at once keep such races rarer.
 # The benches' smoke passes run one binary at a time either way. An explicit RUST_TEST_THREADS wins.
 if [ -z "${RUST_TEST_THREADS:-}" ]; then
   cores=$(nproc)
-  RUST_TEST_THREADS=$((cores > 8 ? cores : 8))
+  RUST_TEST_THREADS=$((cores > 4 ? cores : 4))
   export RUST_TEST_THREADS
 fi
 cargo test --locked --all-targets "$@"

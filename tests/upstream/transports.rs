@@ -126,10 +126,70 @@ async fn wait_listening(port: u16, what: &str) {
 
 /// Debian's microsocks on 127.0.0.1:`port`, its outgoing connections bound to [`SOCKS_OUT`].
 async fn microsocks(port: u16) -> ProxyProcess {
-    let program = require("microsocks");
-    let mut command = Command::new(program);
-    command.args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT]);
-    ProxyProcess::start(command, "microsocks", port, None).await
+    let mut socks = ProxyProcess::start(microsocks_command(port), "microsocks", port, None).await;
+    // Something listens there; make sure it is this microsocks (see `microsocks_anywhere`).
+    assert!(
+        speaks_socks5(port).await && matches!(socks.child.try_wait(), Ok(None)),
+        "microsocks on port {port}: another process holds the port"
+    );
+    socks
+}
+
+fn microsocks_command(port: u16) -> Command {
+    let mut command = Command::new(require("microsocks"));
+    command
+        .args(["-i", "127.0.0.1", "-p", &port.to_string(), "-b", SOCKS_OUT])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
+}
+
+/// microsocks on a free port. A port [`free_port`] found can be taken before microsocks binds it (by
+/// another test's listener or connection, the tests running several at once): microsocks then exits,
+/// and a listener that is not microsocks may answer there. So each try waits until the port answers a
+/// SOCKS5 greeting, and a microsocks that exited is started again on another port.
+async fn microsocks_anywhere() -> ProxyProcess {
+    for _ in 0..5 {
+        let port = free_port();
+        let mut child = microsocks_command(port)
+            .spawn()
+            .unwrap_or_else(|err| panic!("microsocks starts: {err}"));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while tokio::time::Instant::now() < deadline {
+            if !matches!(child.try_wait(), Ok(None)) {
+                break;
+            }
+            if speaks_socks5(port).await {
+                return ProxyProcess {
+                    child,
+                    port,
+                    _dir: None,
+                };
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("microsocks did not start on any of 5 free ports");
+}
+
+/// Whether a SOCKS5 server answers on `port`: a greeting offering no authentication, answered in kind.
+async fn speaks_socks5(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let greet = async {
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()?;
+        stream.write_all(&[5, 1, 0]).await.ok()?;
+        let mut reply = [0u8; 2];
+        stream.read_exact(&mut reply).await.ok()?;
+        Some(reply == [5, 0])
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), greet).await,
+        Ok(Some(true))
+    )
 }
 
 /// Debian's tinyproxy (HTTP CONNECT) on 127.0.0.1, its outgoing connections bound to [`CONNECT_OUT`].
@@ -169,7 +229,7 @@ async fn one_node_via(proxy: &str, health: &str) -> (Node, TestProxy) {
 
 #[tokio::test]
 async fn tailscale_addresses_go_through_a_real_socks5_server_and_others_go_direct() {
-    let socks = microsocks(free_port()).await;
+    let socks = microsocks_anywhere().await;
     let tailscale_node = Node::start("127.0.0.2:0").await;
     let pod_ip_node = Node::start("127.0.0.4:0").await;
     let proxy = proxy_via(
@@ -216,7 +276,7 @@ async fn proxy_for_domains(proxy: &str, domains: &str, endpoints: &[String]) -> 
 /// address type 3 carrying the name; `CONNECT name:port`) that leaves the resolving to tailscaled.
 #[tokio::test]
 async fn names_matching_a_domain_pattern_go_through_a_real_socks5_server() {
-    let socks = microsocks(free_port()).await;
+    let socks = microsocks_anywhere().await;
     let socks_url = format!("socks5://127.0.0.1:{}", socks.port);
     let node = Node::start("127.0.0.1:0").await;
     let by_name = format!("http://localhost:{}", node.addr.port());
@@ -273,7 +333,7 @@ async fn names_matching_a_domain_pattern_go_through_http_connect_too() {
 
 #[tokio::test]
 async fn heartbeats_take_the_endpoints_own_transport() {
-    let socks = microsocks(free_port()).await;
+    let socks = microsocks_anywhere().await;
     let (node, proxy) = one_node_via(
         &format!("socks5://127.0.0.1:{}", socks.port),
         "health: { interval: 100ms, timeout: 1s }\n",
@@ -307,8 +367,8 @@ async fn http_connect_proxies_work_like_socks5() {
 
 #[tokio::test]
 async fn a_dead_socks_proxy_gets_a_clear_502_and_recovery_when_it_returns() {
-    let port = free_port();
-    let socks = microsocks(port).await;
+    let socks = microsocks_anywhere().await;
+    let port = socks.port;
     let (node, proxy) = one_node_via(&format!("socks5://127.0.0.1:{port}"), "").await;
     assert_eq!(get(&proxy.url("/")).await.0, 200);
     drop(socks);
@@ -362,7 +422,7 @@ async fn a_proxy_that_accepts_and_stalls_cannot_hang_the_request() {
 #[tokio::test]
 async fn interrupted_tailscale_nodes_behind_socks5_are_retried_elsewhere() {
     use tongs::sim::{Condition, InterruptionKind, NodeSpec};
-    let socks = microsocks(free_port()).await;
+    let socks = microsocks_anywhere().await;
     let nodes = ["127.0.0.2", "127.0.0.6"]
         .iter()
         .enumerate()
