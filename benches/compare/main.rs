@@ -29,13 +29,22 @@
 //! - `pauses`: no interruption at all, but healthy nodes that pause their streams as inference servers
 //!   do: the first token 0.3 to 5 s after the role chunk, or streams preempted mid-answer for ~3 s;
 //!   streams whole, and what tongs did about the pauses (see `pauses.rs`, and its own table);
+//! - `chat`: six continuous-batching engines (the simulator's vLLM-like nodes: a batch of 8, an
+//!   unbounded waiting line, a prefix cache, vLLM's `/metrics`), four at full speed and two at half;
+//!   multi-turn conversations over 24 shared system prompts, each turn resending the whole history,
+//!   streamed, at 65 % of capacity; the time to the first token and the prefix-cache hit rate the
+//!   nodes counted (see `chat.rs`, and its own table);
+//! - `saturate`: the same engines at 130 % of capacity, streamed completions of distinct prompts; the
+//!   first byte's time and the largest waiting line a node reached (see `saturate.rs`);
 //! - `throughput`: an nginx origin that answers at once, wrk at a fixed number of connections (closed
 //!   loop), as many requests per second as each proxy takes; the origin alone is the baseline.
 //!
 //! tongs runs its release binary with its defaults (only the endpoints configured), and again as
 //! `tongs-adaptive` with `concurrency.limit: adaptive`, the one setting that changes overload, and as
 //! `tongs-capacity` told each node's capacity (`discovery.static[].max_outstanding`), as HAProxy's
-//! `maxconn` tells it HAProxy. The peers are
+//! `maxconn` tells it HAProxy. `chat` and `saturate` compare tongs, nginx and `tongs-own-counts`
+//! (tongs told to pick by its own counts alone: `signals: {enabled: false}` and
+//! `balancer: {scorers: {expected-latency: 1}}`), which runs only when PROXIES names it. The peers are
 //! configured as well as each allows for the job: least connections; active health checks where the
 //! open-source build has them; retries on connect errors, timeouts and 502/503/504, POST included, on
 //! another server; 1 s connect timeout; 10 s per-try timeout; a queue where there is one. Their
@@ -53,11 +62,13 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod chat;
 mod cuts;
 mod load;
 mod pauses;
 mod peers;
 mod plain;
+mod saturate;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -91,8 +102,10 @@ const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
 const ALL_SCENARIOS: &str =
-    "steady churn overload streaming gray stalls cuts plain pauses throughput";
+    "steady churn overload streaming gray stalls cuts plain pauses chat saturate throughput";
 const ALL_PROXIES: &str = "tongs tongs-adaptive tongs-capacity nginx haproxy caddy";
+/// Proxies PROXIES may name besides the default ones.
+const OTHER_PROXIES: &str = "tongs-own-counts";
 
 fn main() -> Result<()> {
     let smoke = !support::benchmarking();
@@ -111,6 +124,8 @@ enum Scenario {
     Cuts,
     Plain,
     Pauses,
+    Chat,
+    Saturate,
     Throughput,
 }
 
@@ -126,6 +141,8 @@ impl Scenario {
             "cuts" => Scenario::Cuts,
             "plain" => Scenario::Plain,
             "pauses" => Scenario::Pauses,
+            "chat" => Scenario::Chat,
+            "saturate" => Scenario::Saturate,
             "throughput" => Scenario::Throughput,
             other => bail!("SCENARIOS: unknown scenario {other:?} (known: {ALL_SCENARIOS})"),
         })
@@ -142,6 +159,8 @@ impl Scenario {
             Scenario::Cuts => "cuts",
             Scenario::Plain => "plain",
             Scenario::Pauses => "pauses",
+            Scenario::Chat => "chat",
+            Scenario::Saturate => "saturate",
             Scenario::Throughput => "throughput",
         }
     }
@@ -173,6 +192,9 @@ enum Proxy {
     /// tongs told each node's capacity (`discovery.static[].max_outstanding`), as HAProxy is told it
     /// (`maxconn`).
     TongsCapacity,
+    /// tongs picking by its own counts alone: the nodes' metrics not read (`signals.enabled: false`),
+    /// the expected latency its one scorer.
+    TongsOwnCounts,
     Nginx,
     Haproxy,
     Caddy,
@@ -184,23 +206,28 @@ impl Proxy {
             "tongs" => Proxy::Tongs,
             "tongs-adaptive" => Proxy::TongsAdaptive,
             "tongs-capacity" => Proxy::TongsCapacity,
+            "tongs-own-counts" => Proxy::TongsOwnCounts,
             "nginx" => Proxy::Nginx,
             "haproxy" => Proxy::Haproxy,
             "caddy" => Proxy::Caddy,
-            other => bail!("PROXIES: unknown proxy {other:?} (known: {ALL_PROXIES})"),
+            other => {
+                bail!("PROXIES: unknown proxy {other:?} (known: {ALL_PROXIES} {OTHER_PROXIES})")
+            }
         })
     }
 
     fn is_tongs(self) -> bool {
         matches!(
             self,
-            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity
+            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts
         )
     }
 
     fn program(self) -> &'static str {
         match self {
-            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity => "tongs",
+            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts => {
+                "tongs"
+            }
             Proxy::Nginx => "nginx",
             Proxy::Haproxy => "haproxy",
             Proxy::Caddy => "caddy",
@@ -672,11 +699,12 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     rows.push(measure("origin alone (baseline)".into(), None, direct, Vec::new()).await?);
     // The adaptive limit and the nodes' capacities change nothing against an origin that answers at
     // once.
-    for &proxy in settings
-        .proxies
-        .iter()
-        .filter(|&&proxy| !matches!(proxy, Proxy::TongsAdaptive | Proxy::TongsCapacity))
-    {
+    for &proxy in settings.proxies.iter().filter(|&&proxy| {
+        !matches!(
+            proxy,
+            Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts
+        )
+    }) {
         let running = start_proxy(proxy, &upstreams, settings).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         let row = measure(
@@ -730,6 +758,13 @@ async fn run(settings: Settings) -> Result<()> {
     if settings.scenarios.contains(&Scenario::Pauses) {
         writeln!(header, "{}", pauses::describe())?;
     }
+    if settings
+        .scenarios
+        .iter()
+        .any(|s| matches!(s, Scenario::Chat | Scenario::Saturate))
+    {
+        writeln!(header, "{}", chat::describe(settings.seed))?;
+    }
     writeln!(
         header,
         "load: open loop, {} s measured after {} s unrecorded (churn, gray, stalls and cuts {} s); steady and \
@@ -748,6 +783,7 @@ async fn run(settings: Settings) -> Result<()> {
 
     let mut rows = Vec::new();
     let mut pause_rows = Vec::new();
+    let mut engine_rows = Vec::new();
     for &scenario in &settings.scenarios {
         if scenario == Scenario::Throughput {
             rows.extend(throughput_rows(&settings).await?);
@@ -757,12 +793,19 @@ async fn run(settings: Settings) -> Result<()> {
             pause_rows = pauses::rows(&settings).await?;
             continue;
         }
+        if matches!(scenario, Scenario::Chat | Scenario::Saturate) {
+            engine_rows.extend(chat::rows(scenario, &settings).await?);
+            continue;
+        }
         for &proxy in &settings.proxies {
             rows.push(open_loop_row(scenario, proxy, &settings).await?);
         }
     }
 
-    let table = table(&rows) + &cuts::table(&rows) + &pauses::table(&pause_rows);
+    let table = table(&rows)
+        + &cuts::table(&rows)
+        + &pauses::table(&pause_rows)
+        + &chat::table(&engine_rows);
     let verdicts = verdicts(&rows);
     println!();
     print!("{table}");
@@ -813,6 +856,9 @@ fn cell(value: Option<f64>) -> String {
 
 fn table(rows: &[Row]) -> String {
     let mut out = String::new();
+    if rows.is_empty() {
+        return out;
+    }
     let _ = writeln!(
         out,
         "| scenario | proxy | requests | success % | p50 ms | p99 ms | max ms | first byte p50 / p99 ms \

@@ -60,6 +60,12 @@ pub async fn start_proxy(
             config.push_str("concurrency: { limit: adaptive }\n");
             label.push_str(", limit: adaptive");
         }
+        if proxy == Proxy::TongsOwnCounts {
+            config.push_str(
+                "signals: { enabled: false }\nbalancer: { scorers: { expected-latency: 1 } }\n",
+            );
+            label.push_str(", own counts");
+        }
         if proxy == Proxy::TongsCapacity {
             config.push_str("discovery:\n  static:\n");
             for upstream in upstreams {
@@ -128,7 +134,7 @@ pub async fn start_proxy(
                 support::program_version(&binary, "version"),
             )
         }
-        Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity => {
+        Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts => {
             unreachable!("tongs is started above")
         }
     };

@@ -12,11 +12,27 @@
 //! Nodes fail the ways real remote nodes fail (see [`InterruptionKind`]) on a fixed or seeded random
 //! schedule, then recover. Everything listens on real sockets so a proxy in front of it meets real
 //! resets, refusals and silences.
+//!
+//! A node with an `engine` ([`EngineSpec`]) serves its OpenAI paths as a continuous-batching server
+//! such as vLLM does: `capacity` is the batch (vLLM's `max_num_seqs`), and the requests beyond it wait
+//! in an unbounded line (no `queue` limit, no shedding). When a request gets its place in the batch,
+//! its context (the prompt, or the messages' contents joined) is cut into blocks of `block_words`
+//! words, each block's hash chaining the one before; its leading blocks already in the node's prefix
+//! cache (an LRU of `cache_blocks` blocks) are not computed again, and the first token comes
+//! `prefill_per_word` × the other words later (times a `slow` factor), after the node's usual
+//! first-token wait; the rest at the node's pace. `GET /metrics` answers the engine's gauges and
+//! counters in Prometheus text, named as vLLM, SGLang or TGI name them (`metrics`), and the node's
+//! [`NodeStats`] count the same prefix queries and hits (see `engine.rs`). A node without an engine,
+//! or whose engine's `metrics` is `none`, answers `GET /metrics` with 404. Like `/health`, `/metrics`
+//! is not counted as a request, answers however full the batch is, and goes the way `/health` goes
+//! in each interruption.
 
+mod engine;
 mod node;
 mod openai;
 mod reply;
 mod schedule;
+mod socket;
 mod stream;
 
 use std::collections::HashSet;
@@ -27,6 +43,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+pub use engine::{PrefixCache, block_hashes};
 pub use node::{Condition, Node, NodeStats};
 pub use reply::sse_response;
 pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
@@ -52,10 +69,11 @@ pub struct NodeSpec {
     pub listen: SocketAddr,
     #[serde(default)]
     pub service_time: ServiceTime,
-    /// Requests served at once (a GPU batch).
+    /// Requests served at once (a GPU batch; with an engine, its `max_num_seqs`).
     #[serde(default = "default_capacity")]
     pub capacity: usize,
-    /// Requests allowed to wait for capacity; beyond that the node answers 503 with Retry-After.
+    /// Requests allowed to wait for capacity; beyond that the node answers 503 with Retry-After. Not
+    /// an engine's OpenAI requests: they wait without bound.
     #[serde(default = "default_queue")]
     pub queue: usize,
     /// `json` (one body after the service time) or `sse` (a token stream over the service time).
@@ -88,6 +106,11 @@ pub struct NodeSpec {
     /// recomputes. None: no stream pauses.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preemption: Option<Preemption>,
+    /// Serve the OpenAI paths as a continuous-batching engine does: an unbounded waiting line, a
+    /// prefix cache, a prefill that grows with the words not cached, and `GET /metrics`. None: the
+    /// OpenAI paths are admitted like any request, and `/metrics` answers 404.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<EngineSpec>,
 }
 
 fn default_listen() -> SocketAddr {
@@ -165,6 +188,62 @@ pub struct Preemption {
     pub spread: f64,
 }
 
+/// A continuous-batching inference engine in a node, vLLM-like (see the module's documentation).
+/// Every field has a default, so `engine: {}` is an engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSpec {
+    /// Words of a prefix-cache block (vLLM's `block_size`, in tokens there); 16.
+    pub block_words: u32,
+    /// Blocks the prefix cache holds, least recently used evicted first; 4096. 0: no prefix cache.
+    pub cache_blocks: usize,
+    /// The prefill of each word not in the prefix cache, before the first token; 1ms.
+    pub prefill_per_word: HumanDuration,
+    /// KV-cache blocks, of `block_words` words each: the denominator of the KV-cache usage, which
+    /// counts the blocks of every running sequence's context and of the tokens it has streamed so far
+    /// (a whole answer's tokens are not counted before it is done); 2048.
+    pub kv_blocks: usize,
+    /// The `model_name` label of the metrics; `sim`.
+    pub model: String,
+    /// How `GET /metrics` names what it reports; `vllm`.
+    pub metrics: MetricsFlavour,
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        EngineSpec {
+            block_words: 16,
+            cache_blocks: 4096,
+            prefill_per_word: HumanDuration::from_millis(1),
+            kv_blocks: 2048,
+            model: "sim".to_owned(),
+            metrics: MetricsFlavour::Vllm,
+        }
+    }
+}
+
+/// The metric names an engine's `GET /metrics` writes, as each server writes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MetricsFlavour {
+    /// vLLM's V1 engine: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+    /// `vllm:kv_cache_usage_perc`, `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`
+    /// (with their `_created` series), labelled `engine="0",model_name="…"`.
+    #[default]
+    Vllm,
+    /// vLLM before 0.9.2: the same, labelled `model_name="…"` only, with `vllm:gpu_cache_usage_perc`
+    /// for the KV-cache usage.
+    VllmLegacy,
+    /// SGLang: `sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`.
+    Sglang,
+    /// Text Generation Inference: `tgi_batch_current_size`, `tgi_queue_size`, unlabelled; no KV
+    /// metric.
+    Tgi,
+    /// `none`: no metrics, `/metrics` answers 404.
+    #[serde(rename = "none")]
+    Off,
+}
+
 /// How a node answers an inference request.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -194,6 +273,7 @@ impl NodeSpec {
             first_token: None,
             comment_every: None,
             preemption: None,
+            engine: None,
         }
     }
 }
@@ -263,6 +343,20 @@ impl FleetConfig {
                 }
             }
             node.validate_pauses(&mut problem, &at);
+            if let Some(engine) = &node.engine {
+                if !(1..=4096).contains(&engine.block_words) {
+                    problem(at("engine.block_words"), "must be from 1 to 4096");
+                }
+                if engine.kv_blocks == 0 {
+                    problem(at("engine.kv_blocks"), "must be at least 1");
+                }
+                if engine.prefill_per_word.get() > Duration::from_secs(1) {
+                    problem(at("engine.prefill_per_word"), "must be at most 1s");
+                }
+                if engine.model.trim().is_empty() {
+                    problem(at("engine.model"), "must not be empty");
+                }
+            }
             if let Some(random) = &node.random_interruptions {
                 if random.mean_interval.get() > WEEK || random.mean_duration.get() > WEEK {
                     problem(
@@ -521,5 +615,51 @@ nodes:
                 .starts_with("nodes[0].interruptions[0]"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn engines_take_their_defaults_and_name_their_problems() {
+        let text = concat!(
+            "nodes:\n  - name: a\n    engine: {}\n",
+            "  - name: b\n    engine: { block_words: 32, metrics: vllm-legacy }\n",
+            "  - name: c\n    engine: { metrics: none, cache_blocks: 0 }\n",
+        );
+        let fleet = FleetConfig::parse(text, "test").unwrap();
+        assert_eq!(fleet.nodes[0].engine, Some(EngineSpec::default()));
+        let engine = EngineSpec::default();
+        assert_eq!(
+            (engine.block_words, engine.cache_blocks, engine.kv_blocks),
+            (16, 4096, 2048)
+        );
+        assert_eq!(engine.prefill_per_word, HumanDuration::from_millis(1));
+        assert_eq!(
+            (engine.model.as_str(), engine.metrics),
+            ("sim", MetricsFlavour::Vllm)
+        );
+        let b = fleet.nodes[1].engine.as_ref().unwrap();
+        assert_eq!((b.block_words, b.metrics), (32, MetricsFlavour::VllmLegacy));
+        let c = fleet.nodes[2].engine.as_ref().unwrap();
+        assert_eq!((c.cache_blocks, c.metrics), (0, MetricsFlavour::Off));
+        assert_eq!(fleet.nodes[0].capacity, 4);
+
+        let text = concat!(
+            "nodes:\n  - name: a\n",
+            "    engine: { block_words: 0, kv_blocks: 0, prefill_per_word: 2s, model: \" \" }\n",
+        );
+        let err = FleetConfig::parse(text, "test").unwrap_err();
+        let fields: Vec<_> = err.problems().iter().map(|p| p.field.as_str()).collect();
+        assert_eq!(
+            fields,
+            [
+                "nodes[0].engine.block_words",
+                "nodes[0].engine.kv_blocks",
+                "nodes[0].engine.prefill_per_word",
+                "nodes[0].engine.model",
+            ]
+        );
+        for bad in ["engine: { metrics: prometheus }", "engine: { batch: 8 }"] {
+            let text = format!("nodes:\n  - name: a\n    {bad}\n");
+            assert!(FleetConfig::parse(&text, "test").is_err(), "{bad}");
+        }
     }
 }

@@ -1,7 +1,8 @@
-//! One simulated node: a listener, its connections, and an inference-like request handler whose
-//! behaviour follows the node's current [`Condition`].
+//! One simulated node: its state, its counters, and an inference-like request handler whose
+//! behaviour follows the node's current [`Condition`]; its listener and connections are in
+//! `socket.rs`.
 //!
-//! How each interruption is made real on the socket:
+//! How each interruption is made real (the first two on the node's sockets):
 //! - `refuse`: the listener is closed (new connects get ECONNREFUSED) and every open connection is reset
 //!   (SO_LINGER 0, so the peer sees RST); the port is bound again on recovery.
 //! - `blackhole`: connections are accepted but never read or answered, and in-flight requests stop where
@@ -12,28 +13,29 @@
 //!   stream stalls after its first chunk, until the node recovers (then they go on where they stopped).
 //!
 //! `POST /v1/completions` and `POST /v1/chat/completions` are admitted like any other request, then
-//! answered as vLLM's OpenAI server would (see [`super::openai`]).
+//! answered as vLLM's OpenAI server would (see [`super::openai`]); on a node with an engine they wait
+//! for the batch without bound instead, and `GET /metrics` answers as `/health` does, uncounted (see
+//! [`super::engine`]).
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http::{Request, Response, StatusCode, header};
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use super::engine::{self, Engine};
 use super::openai;
 use super::reply::{SimBody, full};
 use super::schedule::{Interruption, InterruptionKind, lognormal};
+use super::socket;
 use super::stream::{Load, TokenTiming, stream_tokens, words};
 use super::{NodeSpec, ResponseKind};
 
@@ -56,7 +58,7 @@ impl Condition {
         self.kind().map_or("up", InterruptionKind::as_str)
     }
 
-    fn is(self, kind: InterruptionKind) -> bool {
+    pub(super) fn is(self, kind: InterruptionKind) -> bool {
         self.kind() == Some(kind)
     }
 
@@ -91,6 +93,12 @@ pub struct NodeStats {
     pub peak_in_flight: usize,
     /// Interruptions that have begun.
     pub interruptions: u64,
+    /// Most requests ever waiting for capacity at the same time (an engine's waiting queue).
+    pub max_waiting: usize,
+    /// An engine's prompt words looked up in its prefix cache (vLLM's prefix cache queries, in
+    /// tokens there), and those found there (its hits); 0 on a node without an engine.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
 }
 
 pub(super) struct NodeShared {
@@ -98,6 +106,7 @@ pub(super) struct NodeShared {
     received: AtomicU64,
     capacity: Arc<Semaphore>,
     waiting: AtomicUsize,
+    max_waiting: AtomicUsize,
     in_flight: AtomicUsize,
     peak_in_flight: AtomicUsize,
     serving: AtomicUsize,
@@ -113,6 +122,8 @@ pub(super) struct NodeShared {
     /// times of a seeded run unchanged.
     pauses: Mutex<fastrand::Rng>,
     condition: watch::Sender<Condition>,
+    /// The continuous-batching engine of the OpenAI paths, if the node has one.
+    pub(super) engine: Option<Arc<Engine>>,
 }
 
 /// A running simulated node. Dropping it stops the node.
@@ -142,8 +153,13 @@ impl Node {
         let shared = Arc::new(NodeShared {
             capacity: Arc::new(Semaphore::new(spec.capacity)),
             received: AtomicU64::new(0),
+            engine: spec
+                .engine
+                .clone()
+                .map(|engine| Arc::new(Engine::new(engine))),
             spec,
             waiting: AtomicUsize::new(0),
+            max_waiting: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             peak_in_flight: AtomicUsize::new(0),
             serving: AtomicUsize::new(0),
@@ -158,7 +174,7 @@ impl Node {
             condition,
         });
         let stop = CancellationToken::new();
-        tokio::spawn(accept_loop(
+        tokio::spawn(socket::accept_loop(
             listener,
             addr,
             Arc::clone(&shared),
@@ -200,6 +216,7 @@ impl Node {
 
     pub fn stats(&self) -> NodeStats {
         let s = &self.shared;
+        let (prefix_queries, prefix_hits) = s.engine.as_ref().map_or((0, 0), |e| e.prefix_counts());
         NodeStats {
             received: s.received.load(Ordering::Relaxed),
             served: s.served.load(Ordering::Relaxed),
@@ -209,31 +226,110 @@ impl Node {
             peak_concurrency: s.peak_concurrency.load(Ordering::Relaxed),
             peak_in_flight: s.peak_in_flight.load(Ordering::Relaxed),
             interruptions: s.interruptions.load(Ordering::Relaxed),
+            max_waiting: s.max_waiting.load(Ordering::Relaxed),
+            prefix_queries,
+            prefix_hits,
         }
     }
 }
 
 impl NodeShared {
+    /// The node's condition, now and as it changes.
+    pub(super) fn conditions(&self) -> watch::Receiver<Condition> {
+        self.condition.subscribe()
+    }
+
     /// The next number in this node's sequence of OpenAI answers (1, 2, ...).
     pub(super) fn next_answer(&self) -> u64 {
         self.answers.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// The timing of a request admitted now with `service_time`, whose stream has `tokens` tokens
-    /// and whose prompt `words` words.
-    pub(super) fn timing(&self, service_time: Duration, tokens: u64, words: u64) -> TokenTiming {
+    /// The timing of a request admitted now with `service_time`, whose stream has `tokens` tokens,
+    /// whose prompt `words` words, and whose engine's prefill (before a `slow` factor) `prefill`.
+    pub(super) fn timing(
+        &self,
+        service_time: Duration,
+        tokens: u64,
+        words: u64,
+        prefill: Duration,
+    ) -> TokenTiming {
         let load = Load {
             service_time,
             slow: self.condition.borrow().slow_factor(),
             others: self.in_flight.load(Ordering::Relaxed).saturating_sub(1),
             tokens,
             words,
+            prefill,
         };
         let mut rng = self
             .pauses
             .lock()
             .unwrap_or_else(|poison| poison.into_inner());
         TokenTiming::draw(&self.spec, &load, &mut rng)
+    }
+
+    /// A service time drawn now: lognormal around the node's mean, times a `slow` factor.
+    pub(super) fn service_time(&self) -> Duration {
+        let mut rng = self
+            .rng
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let sample = lognormal(
+            &mut rng,
+            self.spec.service_time.mean.get(),
+            self.spec.service_time.spread,
+        );
+        sample.mul_f64(self.condition.borrow().slow_factor())
+    }
+
+    /// A unit of capacity for a request: at once if one is free, else after waiting in line, if
+    /// fewer than `line` requests wait (without bound when None: an engine's waiting queue).
+    pub(super) async fn slot(
+        self: &Arc<Self>,
+        in_flight: InFlight,
+        line: Option<usize>,
+    ) -> Result<Serving, NoSlot> {
+        if let Ok(permit) = Arc::clone(&self.capacity).try_acquire_owned() {
+            return Ok(Serving::new(self, permit, in_flight));
+        }
+        // Counted while it waits, however it ends: a client gone drops this future.
+        let waiting = Waiting::new(&self.waiting);
+        if line.is_some_and(|line| waiting.now > line) {
+            return Err(NoSlot::LineFull);
+        }
+        self.max_waiting.fetch_max(waiting.now, Ordering::Relaxed);
+        let permit = Arc::clone(&self.capacity).acquire_owned().await;
+        drop(waiting);
+        let permit = permit.map_err(|_| NoSlot::Stopping)?;
+        Ok(Serving::new(self, permit, in_flight))
+    }
+}
+
+/// Why a request got no unit of capacity.
+pub(super) enum NoSlot {
+    /// The waiting line is full.
+    LineFull,
+    /// The node is stopping.
+    Stopping,
+}
+
+/// A request counted as waiting for capacity while alive.
+struct Waiting<'a> {
+    count: &'a AtomicUsize,
+    /// Requests waiting, this one included, when it began to wait.
+    now: usize,
+}
+
+impl Waiting<'_> {
+    fn new(count: &AtomicUsize) -> Waiting<'_> {
+        let now = count.fetch_add(1, Ordering::Relaxed) + 1;
+        Waiting { count, now }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -272,105 +368,8 @@ async fn follow_schedule(
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    addr: SocketAddr,
-    shared: Arc<NodeShared>,
-    stop: CancellationToken,
-) {
-    let mut conditions = shared.condition.subscribe();
-    let mut listener = Some(listener);
-    loop {
-        let refusing = conditions.borrow_and_update().is(InterruptionKind::Refuse);
-        match (refusing, listener.as_ref()) {
-            (true, Some(_)) => listener = None, // closing the socket is what makes connects fail
-            (false, None) => match TcpListener::bind(addr).await {
-                Ok(bound) => listener = Some(bound),
-                Err(err) => {
-                    tracing::debug!(%addr, error = %err, "sim node cannot rebind yet");
-                    tokio::select! {
-                        () = stop.cancelled() => return,
-                        () = tokio::time::sleep(Duration::from_millis(20)) => continue,
-                    }
-                }
-            },
-            _ => {}
-        }
-        let accepted = tokio::select! {
-            () = stop.cancelled() => return,
-            changed = conditions.changed() => {
-                if changed.is_err() { return; }
-                continue;
-            }
-            accepted = accept(listener.as_ref()) => accepted,
-        };
-        if let Ok((stream, _)) = accepted {
-            tokio::spawn(connection(stream, Arc::clone(&shared), stop.clone()));
-        }
-    }
-}
-
-async fn accept(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
-    match listener {
-        Some(listener) => listener.accept().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// Closes a connection with RST rather than FIN, as a vanished host's network would.
-fn reset(twin: socket2::Socket) {
-    let _ = twin.set_linger(Some(Duration::ZERO));
-    drop(twin);
-}
-
-async fn connection(stream: TcpStream, shared: Arc<NodeShared>, stop: CancellationToken) {
-    // A second handle on the same socket, so it can be reset while hyper owns the stream.
-    let Ok(twin) = socket2::SockRef::from(&stream).try_clone() else {
-        return;
-    };
-    let _ = stream.set_nodelay(true);
-    let mut conditions = shared.condition.subscribe();
-    // A handler cancels it to have this connection reset (the OpenAI answers' `x-sim-cut` hook).
-    let reset_asked = CancellationToken::new();
-    let service_shared = Arc::clone(&shared);
-    let service_reset = reset_asked.clone();
-    let service = service_fn(move |request| {
-        let shared = Arc::clone(&service_shared);
-        let reset = service_reset.clone();
-        async move { Ok::<_, Infallible>(handle(request, shared, reset).await) }
-    });
-    let builder = auto::Builder::new(TokioExecutor::new());
-    let connection = builder.serve_connection(TokioIo::new(stream), service);
-    tokio::pin!(connection);
-    loop {
-        let current = *conditions.borrow_and_update();
-        if current.is(InterruptionKind::Refuse) {
-            return reset(twin);
-        }
-        if current.is(InterruptionKind::Blackhole) {
-            // Stop reading and answering; keep the socket open until the node comes back, then reset.
-            loop {
-                tokio::select! {
-                    () = stop.cancelled() => return reset(twin),
-                    changed = conditions.changed() => {
-                        if changed.is_err() || !conditions.borrow().is(InterruptionKind::Blackhole) {
-                            return reset(twin);
-                        }
-                    }
-                }
-            }
-        }
-        tokio::select! {
-            _ = &mut connection => return,
-            () = stop.cancelled() => return reset(twin),
-            () = reset_asked.cancelled() => return reset(twin),
-            changed = conditions.changed() => if changed.is_err() { return reset(twin) },
-        }
-    }
-}
-
 /// Counts a request as in flight while alive.
-struct InFlight(Arc<NodeShared>);
+pub(super) struct InFlight(Arc<NodeShared>);
 
 impl InFlight {
     fn new(shared: &Arc<NodeShared>) -> InFlight {
@@ -434,7 +433,7 @@ fn wants_stream(headers: &http::HeaderMap, spec: &NodeSpec) -> bool {
 }
 
 /// Answers one request; `reset` resets the request's connection when cancelled.
-async fn handle(
+pub(super) async fn handle(
     request: Request<Incoming>,
     shared: Arc<NodeShared>,
     reset: CancellationToken,
@@ -443,104 +442,35 @@ async fn handle(
     if condition.is(InterruptionKind::Gateway503) {
         return gateway_503(&shared);
     }
-    if request.uri().path() == "/health" {
-        let body = format!(
-            r#"{{"status":"ok","node":"{}","in_flight":{}}}"#,
-            shared.spec.name,
-            shared.in_flight.load(Ordering::Relaxed)
-        );
-        return full(StatusCode::OK, "application/json", body);
+    match (request.method(), request.uri().path()) {
+        (_, "/health") => {
+            let body = format!(
+                r#"{{"status":"ok","node":"{}","in_flight":{}}}"#,
+                shared.spec.name,
+                shared.in_flight.load(Ordering::Relaxed)
+            );
+            return full(StatusCode::OK, "application/json", body);
+        }
+        (&Method::GET, "/metrics") => {
+            let running = shared.serving.load(Ordering::Relaxed);
+            let waiting = shared.waiting.load(Ordering::Relaxed);
+            return engine::metrics(shared.engine.as_deref(), running, waiting);
+        }
+        _ => {}
     }
 
     shared.received.fetch_add(1, Ordering::Relaxed);
     let in_flight = InFlight::new(&shared);
-    let permit = match Arc::clone(&shared.capacity).try_acquire_owned() {
-        Ok(permit) => permit,
-        Err(_) => {
-            // Full: wait in line if there is room, else shed like an overloaded inference server.
-            if shared.waiting.fetch_add(1, Ordering::Relaxed) >= shared.spec.queue {
-                shared.waiting.fetch_sub(1, Ordering::Relaxed);
-                shared.shed.fetch_add(1, Ordering::Relaxed);
-                let mut response = full(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "application/json",
-                    r#"{"error":"node at capacity"}"#,
-                );
-                response
-                    .headers_mut()
-                    .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
-                return response;
-            }
-            let permit = Arc::clone(&shared.capacity).acquire_owned().await;
-            shared.waiting.fetch_sub(1, Ordering::Relaxed);
-            match permit {
-                Ok(permit) => permit,
-                Err(_) => {
-                    return full(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        "text/plain",
-                        "node stopping",
-                    );
-                }
-            }
-        }
-    };
-    let serving = Serving::new(&shared, permit, in_flight);
     let api = openai::ServedApi::route(request.method(), request.uri().path());
-    let (head, body) = request.into_parts();
-    // The prompt is read like a real server would, bounded so a huge body cannot exhaust memory.
-    let body = match Limited::new(body, 16 << 20).collect().await {
-        Ok(body) => body.to_bytes(),
-        Err(_) => {
-            return full(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "text/plain",
-                "prompt too large",
-            );
+    let mut response = match (api, &shared.engine) {
+        (Some(api), Some(engine)) => {
+            let engine = Arc::clone(engine);
+            engine::serve(api, request, Arc::clone(&shared), engine, in_flight, reset).await
         }
-    };
-    let service_time = {
-        let mut rng = shared
-            .rng
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let sample = lognormal(
-            &mut rng,
-            shared.spec.service_time.mean.get(),
-            shared.spec.service_time.spread,
-        );
-        sample.mul_f64(shared.condition.borrow().slow_factor())
-    };
-    let mut response = if let Some(api) = api {
-        let admitted = openai::Admitted {
-            shared: Arc::clone(&shared),
-            serving,
-            service_time,
-            reset,
-        };
-        openai::answer(api, &head.headers, &body, admitted).await
-    } else {
-        // Counted only when a first-token wait may use them: a body can be 16 MB.
-        let words = match shared.spec.first_token {
-            Some(_) => words(&body),
-            None => 0,
-        };
-        let timing = shared.timing(service_time, u64::from(shared.spec.tokens), words);
-        if wants_stream(&head.headers, &shared.spec) {
-            stream_tokens(Arc::clone(&shared), serving, timing)
-        } else {
-            tokio::time::sleep(timing.whole).await;
-            while_gray(&shared).await;
-            serving.finish();
-            let body = format!(
-                r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
-                shared.spec.name,
-                service_time.as_millis(),
-                body.len(),
-                shared.spec.tokens
-            );
-            full(StatusCode::OK, "application/json", body)
-        }
+        _ => match admit(api, request, &shared, in_flight, reset).await {
+            Ok(response) => response,
+            Err(refusal) => return refusal,
+        },
     };
     if shared.spec.report_load {
         let headers = response.headers_mut();
@@ -556,6 +486,95 @@ async fn handle(
             .unwrap_or(header::HeaderValue::from_static("node")),
     );
     response
+}
+
+/// Admits a request like any other (capacity, a bounded waiting line, shedding) and answers it; Err
+/// when it is refused before it is served.
+async fn admit(
+    api: Option<openai::ServedApi>,
+    request: Request<Incoming>,
+    shared: &Arc<NodeShared>,
+    in_flight: InFlight,
+    reset: CancellationToken,
+) -> Result<Response<SimBody>, Response<SimBody>> {
+    // Full: wait in line if there is room, else shed like an overloaded inference server.
+    let serving = match shared.slot(in_flight, Some(shared.spec.queue)).await {
+        Ok(serving) => serving,
+        Err(NoSlot::LineFull) => {
+            shared.shed.fetch_add(1, Ordering::Relaxed);
+            let mut response = full(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "application/json",
+                r#"{"error":"node at capacity"}"#,
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+            return Err(response);
+        }
+        Err(NoSlot::Stopping) => return Err(stopping()),
+    };
+    let (head, body) = request.into_parts();
+    let body = read_body(body).await?;
+    let service_time = shared.service_time();
+    if let Some(api) = api {
+        let admitted = openai::Admitted {
+            shared: Arc::clone(shared),
+            serving,
+            service_time,
+            reset,
+            prefill: Duration::ZERO,
+            sequence: None,
+        };
+        return Ok(openai::answer(api, &head.headers, &body, admitted).await);
+    }
+    // Counted only when a first-token wait may use them: a body can be 16 MB.
+    let words = match shared.spec.first_token {
+        Some(_) => words(&body),
+        None => 0,
+    };
+    let timing = shared.timing(
+        service_time,
+        u64::from(shared.spec.tokens),
+        words,
+        Duration::ZERO,
+    );
+    if wants_stream(&head.headers, &shared.spec) {
+        return Ok(stream_tokens(Arc::clone(shared), serving, timing));
+    }
+    tokio::time::sleep(timing.whole).await;
+    while_gray(shared).await;
+    serving.finish();
+    let body = format!(
+        r#"{{"node":"{}","service_ms":{},"prompt_bytes":{},"tokens":{}}}"#,
+        shared.spec.name,
+        service_time.as_millis(),
+        body.len(),
+        shared.spec.tokens
+    );
+    Ok(full(StatusCode::OK, "application/json", body))
+}
+
+/// The answer to a request waiting for capacity when the node stops.
+pub(super) fn stopping() -> Response<SimBody> {
+    full(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "text/plain",
+        "node stopping",
+    )
+}
+
+/// Reads a request's body as a real server reads the prompt, bounded so that a huge body cannot
+/// exhaust memory; Err is the answer to a body over the bound.
+pub(super) async fn read_body(body: Incoming) -> Result<Bytes, Response<SimBody>> {
+    match Limited::new(body, 16 << 20).collect().await {
+        Ok(body) => Ok(body.to_bytes()),
+        Err(_) => Err(full(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "text/plain",
+            "prompt too large",
+        )),
+    }
 }
 
 /// Waits while the node is in a gray failure (returns at once otherwise).

@@ -4,7 +4,8 @@
 //! reads as one unbroken answer.
 //!
 //! These requests are admitted like any other (capacity, waiting line, shedding, interruptions); only
-//! the answer differs. Whether it is streamed depends on the request's `stream` field alone, not on
+//! the answer differs. On a node with an engine they are read first and then wait for a place in the
+//! batch without bound (see `engine.rs`). Whether it is streamed depends on the request's `stream` field alone, not on
 //! the node's `response` kind or the `Accept` header.
 //!
 //! # Requests
@@ -44,6 +45,8 @@
 //!   whose prompt holds the answer so far, waits longer than the one it continues;
 //! - with `comment_every`, an SSE comment `: ping` at once (after the role chunk if it went at once)
 //!   and then at that interval until the first token; vLLM sends none, some servers and gateways do;
+//! - on a node with an engine, the first token comes that much later again: the prefill of the
+//!   context's words not in the prefix cache, `prefill_per_word` each, times a `slow` factor;
 //! - the next tokens every `service_time × 0.9 / tokens` (the node's `tokens`, so the pace does not
 //!   depend on `max_tokens`);
 //! - on a node with `preemption`, a stream drawn preempted pauses once, after a token drawn among all
@@ -78,6 +81,7 @@ use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use super::engine::Sequence;
 use super::node::{NodeShared, Serving, while_gray};
 use super::reply::{EventFeed, SimBody, full, sse_response};
 use super::stream::{TokenTiming, before_first_token, before_next_token, send};
@@ -138,6 +142,10 @@ pub(super) struct Admitted {
     pub(super) service_time: Duration,
     /// Cancelling it resets the request's connection.
     pub(super) reset: CancellationToken,
+    /// An engine's prefill before the first token (zero on a node without an engine).
+    pub(super) prefill: Duration,
+    /// The sequence's hold on an engine's KV cache, grown with every token streamed.
+    pub(super) sequence: Option<Sequence>,
 }
 
 /// Answers an OpenAI request whose body is `body`.
@@ -147,15 +155,53 @@ pub(super) async fn answer(
     body: &[u8],
     admitted: Admitted,
 ) -> Response<SimBody> {
+    match read(api, headers, body, admitted.shared.spec.tokens) {
+        Ok(parsed) => respond(parsed, admitted).await,
+        Err(message) => bad_request(&message),
+    }
+}
+
+/// A valid request, read.
+pub(super) struct Parsed {
+    api: ServedApi,
+    ask: Ask,
+    cuts: Vec<Cut>,
+}
+
+impl Parsed {
+    /// The context the model reads: the prompt, or the messages' contents joined.
+    pub(super) fn context(&self) -> &str {
+        &self.ask.context
+    }
+
+    /// The context's whitespace-separated words: its prompt tokens.
+    pub(super) fn prompt_words(&self) -> u64 {
+        self.ask.prompt_tokens
+    }
+}
+
+/// Reads a request of `api` (`default_tokens` its `max_tokens` if it names none), or says what is
+/// wrong with it (to be answered with [`bad_request`]).
+pub(super) fn read(
+    api: ServedApi,
+    headers: &HeaderMap,
+    body: &[u8],
+    default_tokens: u32,
+) -> Result<Parsed, String> {
+    let ask = parse(api, body, default_tokens)?;
+    Ok(Parsed {
+        api,
+        ask,
+        cuts: cuts(headers)?,
+    })
+}
+
+/// Answers a request read and admitted.
+pub(super) async fn respond(parsed: Parsed, admitted: Admitted) -> Response<SimBody> {
+    let Parsed { api, ask, cuts } = parsed;
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_secs());
-    let parsed =
-        parse(api, body, admitted.shared.spec.tokens).and_then(|ask| Ok((ask, cuts(headers)?)));
-    let (ask, cuts) = match parsed {
-        Ok(parsed) => parsed,
-        Err(message) => return bad_request(&message),
-    };
     let head = AnswerHead {
         api,
         id: format!(
@@ -167,9 +213,12 @@ pub(super) async fn answer(
         created,
         model: ask.model.clone(),
     };
-    let timing = admitted
-        .shared
-        .timing(admitted.service_time, ask.max_tokens, ask.prompt_tokens);
+    let timing = admitted.shared.timing(
+        admitted.service_time,
+        ask.max_tokens,
+        ask.prompt_tokens,
+        admitted.prefill,
+    );
     if ask.stream {
         let (events, body) = EventFeed::new();
         tokio::spawn(generate(ask, head, cuts, admitted, timing, events));
@@ -196,6 +245,8 @@ struct Ask {
     /// The context's last integer: token `i` is `start + i`.
     start: u64,
     prompt_tokens: u64,
+    /// What the model reads: the prompt, or the messages' contents joined.
+    context: String,
 }
 
 impl Ask {
@@ -260,6 +311,7 @@ fn parse(api: ServedApi, body: &[u8], default_tokens: u32) -> Result<Ask, String
         max_tokens: max_tokens.unwrap_or(u64::from(default_tokens)),
         start: last_integer(&context),
         prompt_tokens: words(&context),
+        context,
     })
 }
 
@@ -422,6 +474,7 @@ async fn generate(
         shared,
         serving,
         reset,
+        mut sequence,
         ..
     } = admitted;
     let role_chunk = head.api == ServedApi::Chat;
@@ -442,6 +495,9 @@ async fn generate(
         let finish = (i == ask.max_tokens).then_some("length");
         if !send(&events, head.token_chunk(&text, finish)).await {
             return;
+        }
+        if let Some(sequence) = &mut sequence {
+            sequence.grow(1);
         }
         let number = ask.start.saturating_add(i);
         if let Some(cut) = cuts.iter().find(|cut| cut.at == number) {
@@ -475,7 +531,7 @@ async fn break_stream(how: Break, events: mpsc::Sender<Bytes>, reset: &Cancellat
 }
 
 /// A `400` in vLLM's error shape.
-fn bad_request(message: &str) -> Response<SimBody> {
+pub(super) fn bad_request(message: &str) -> Response<SimBody> {
     full(
         StatusCode::BAD_REQUEST,
         "application/json",
@@ -548,6 +604,7 @@ mod tests {
                 max_tokens: 16,
                 start: 0,
                 prompt_tokens: 1,
+                context: "hi".into(),
             }
         );
     }

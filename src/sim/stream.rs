@@ -57,6 +57,9 @@ pub(super) struct Load {
     pub(super) tokens: u64,
     /// The prompt's whitespace-separated words.
     pub(super) words: u64,
+    /// An engine's prefill of the words not in its prefix cache (zero on a node without an engine),
+    /// before a `slow` factor: added to the first-token wait.
+    pub(super) prefill: Duration,
 }
 
 impl TokenTiming {
@@ -86,6 +89,7 @@ impl TokenTiming {
                 scaled(lognormal(rng, sum, first.spread), load.slow)
             }
         };
+        let first = first.saturating_add(scaled(load.prefill, load.slow));
         let preempted = spec
             .preemption
             .as_ref()
@@ -252,6 +256,7 @@ mod tests {
             others,
             tokens: 16,
             words,
+            prefill: Duration::ZERO,
         }
     }
 
@@ -294,6 +299,30 @@ mod tests {
         // A prompt of billions of words waits long, not forever, and does not overflow.
         let huge = load(usize::MAX, u64::MAX);
         assert_eq!(TokenTiming::draw(&spec, &huge, &mut rng).first, LONGEST);
+    }
+
+    #[test]
+    fn an_engine_prefill_comes_before_the_first_token_slowed_like_it() {
+        let spec = NodeSpec::new("a", Duration::from_millis(200));
+        let mut rng = fastrand::Rng::with_seed(5);
+        let prefilled = Load {
+            prefill: Duration::from_millis(300),
+            ..load(0, 300)
+        };
+        let timing = TokenTiming::draw(&spec, &prefilled, &mut rng);
+        // The tenth of the service time, then the prefill; the tokens after at the node's pace.
+        assert_eq!(timing.first, Duration::from_millis(20 + 300));
+        assert_eq!(timing.gap, pace(Duration::from_millis(200), 16).1);
+        assert_eq!(timing.whole, Duration::from_millis(200 + 300));
+        let slow = Load {
+            slow: 2.0,
+            ..prefilled
+        };
+        // The service time a request gets is slowed already; the prefill is slowed here.
+        assert_eq!(
+            TokenTiming::draw(&spec, &slow, &mut rng).first,
+            Duration::from_millis(20 + 600)
+        );
     }
 
     #[test]
