@@ -1,6 +1,12 @@
 //! Benchmarks `tongs::balance::pick` at 8, 64 and 10,000 endpoints, with uneven outstanding load, with and
 //! without a small exclusion slice; then counts heap allocations over 1,000,000 picks per size.
 //!
+//! Then the pick as a pool makes it by default (`balancer.scorers` unset: five scorers and the
+//! saturation filter, the nodes' own metrics read), with no affinity key and with a conversation's
+//! prompt (its prefix index and homes), against the policy's scorer alone in the same run; and what
+//! reading a prompt's keys costs: an 8,000-token chat body (about 32 KB) cut into 64-byte blocks and
+//! hashed, and its match in a pool's prefix index.
+//!
 //! Run with `cargo bench --bench pick`.
 
 use std::hint::black_box;
@@ -8,9 +14,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
-use tongs::balance::{PickContext, Pipeline, pick};
-use tongs::config::{BalancePolicy, EndpointUrl};
+use tongs::balance::{
+    PickContext, Pipeline, PrefixIndex, RequestKeys, Saturation, Unsaturated, pick,
+};
+use tongs::config::{self, BalancePolicy, EndpointUrl};
 use tongs::endpoint::{Endpoint, EndpointId, Outstanding};
+use tongs::openai::Api;
+use tongs::openai::prefix::prompt_keys;
 
 /// dhat's allocator counts every heap allocation while a profiler runs.
 #[global_allocator]
@@ -151,12 +161,123 @@ fn allocation_check() {
     }
 }
 
+/// A chat body of about `tokens` tokens (four bytes each): a system prompt and alternating turns.
+fn chat_body(tokens: usize) -> Vec<u8> {
+    let mut messages =
+        vec![serde_json::json!({"role": "system", "content": "You are helpful. ".repeat(64)})];
+    let mut turn = 0;
+    while messages
+        .iter()
+        .map(|m| m["content"].as_str().unwrap().len())
+        .sum::<usize>()
+        < tokens * 4
+    {
+        let role = if turn % 2 == 0 { "user" } else { "assistant" };
+        messages.push(
+            serde_json::json!({"role": role, "content": format!("turn {turn}: ").repeat(60)}),
+        );
+        turn += 1;
+    }
+    serde_json::to_vec(&serde_json::json!({"model": "llama", "stream": true, "messages": messages}))
+        .unwrap()
+}
+
+fn bench_default_pipeline(c: &mut Criterion) {
+    let default = config::default_scorers(BalancePolicy::ExpectedLatency);
+    let pipeline = Pipeline::of(&default)
+        .unwrap()
+        .with_filter(Box::new(Unsaturated(Saturation::from_config(
+            &config::Saturation::default(),
+        ))));
+    let alone = Pipeline::for_policy(BalancePolicy::ExpectedLatency);
+    let body = chat_body(8_000);
+    let keys = RequestKeys {
+        prompt: prompt_keys(Api::Chat, &body, 64).unwrap(),
+        session: None,
+    };
+    let mut group = c.benchmark_group("pick_default_pipeline");
+    for &n in &SIZES {
+        let (endpoints, _held) = fleet(n);
+        let index = PrefixIndex::new(200_000);
+        index.record(&keys.prompt.blocks, &endpoints[n / 2]);
+        let base = context(BalancePolicy::ExpectedLatency);
+        let policy_alone = PickContext {
+            pipeline: &alone,
+            ..base
+        };
+        // No endpoint has a reading: the proxy then passes no signals window (see `signals_window`).
+        let by_default = PickContext {
+            pipeline: &pipeline,
+            ..base
+        };
+        let with_prompt = PickContext {
+            keys: Some((&keys, &index)),
+            ..by_default
+        };
+        // Every endpoint read just now: 2 running, 0 to 3 waiting, its cache 0 to 90 % full.
+        let read_ms = tongs::endpoint::millis(base.now);
+        for (i, endpoint) in endpoints.iter().enumerate() {
+            let load = tongs::engine::EngineLoad {
+                running: 2,
+                waiting: (i % 4) as u32,
+                cache: Some((i % 10) as f64 / 10.0),
+            };
+            endpoint.signals().record(
+                tongs::engine::Engine::Vllm,
+                load,
+                endpoint.outstanding(),
+                read_ms,
+            );
+        }
+        let with_signals = PickContext {
+            signals_max_age_ms: 3_000,
+            ..by_default
+        };
+        let with_both = PickContext {
+            keys: Some((&keys, &index)),
+            ..with_signals
+        };
+        for (name, ctx) in [
+            ("policy_alone", &policy_alone),
+            ("default", &by_default),
+            ("default_8k_prompt", &with_prompt),
+            ("default_signals", &with_signals),
+            ("default_signals_8k_prompt", &with_both),
+        ] {
+            group.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+                b.iter(|| pick(black_box(&endpoints), black_box(&[]), ctx).map(|(e, _)| e.id()))
+            });
+        }
+    }
+    group.finish();
+    let mut group = c.benchmark_group("prompt_8k_tokens");
+    group.bench_function("prompt_keys", |b| {
+        b.iter(|| prompt_keys(Api::Chat, black_box(&body), 64).map(|k| k.blocks.len()))
+    });
+    let (endpoints, _held) = fleet(8);
+    let index = PrefixIndex::new(200_000);
+    index.record(&keys.prompt.blocks, &endpoints[3]);
+    group.bench_function("index_match", |b| {
+        b.iter(|| index.matches(black_box(&keys.prompt.blocks)).best())
+    });
+    group.bench_function("index_record", |b| {
+        b.iter(|| index.record(black_box(&keys.prompt.blocks), &endpoints[3]))
+    });
+    group.finish();
+    println!(
+        "prompt: {} bytes, {} blocks of 64 bytes",
+        body.len(),
+        keys.prompt.blocks.len()
+    );
+}
+
 fn main() {
     let mut criterion = Criterion::default()
         .warm_up_time(Duration::from_secs(1))
         .measurement_time(Duration::from_secs(3))
         .configure_from_args();
     bench_pick(&mut criterion);
+    bench_default_pipeline(&mut criterion);
     criterion.final_summary();
     allocation_check();
 }

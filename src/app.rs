@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::admission::Queue;
 use crate::config::{Config, KeyError};
+use crate::health::signals;
 use crate::metrics::Metrics;
 use crate::proxy::Proxy;
 use crate::readiness::Readiness;
@@ -449,6 +450,12 @@ impl App {
                     tokio::spawn(health::run(
                         Arc::clone(pool.registry()),
                         Arc::clone(pool.health()),
+                        senders.clone(),
+                        stop.clone(),
+                    ));
+                    tokio::spawn(signals::run(
+                        Arc::clone(pool.registry()),
+                        Arc::clone(pool.signals()),
                         senders.clone(),
                         stop.clone(),
                     ));

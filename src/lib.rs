@@ -33,4 +33,4 @@ pub mod upstream;
 pub use app::{App, AppError};
 /// The configuration and the OpenAI protocol as tongs reads them live in `tongs-wire`, a crate kept
 /// pure by the compiler (`crates/wire/`); the proxy names them here, as before.
-pub use tongs_wire::{config, openai};
+pub use tongs_wire::{config, engine, openai};

@@ -13,6 +13,7 @@
 //! [`register`] takes node registrations (which present their own token).
 
 mod auth;
+mod explain;
 mod register;
 mod routes;
 
@@ -60,11 +61,15 @@ impl AdminState {
     /// Every endpoint of `pool` as operators see it now.
     pub(super) fn views(pool: &Pool) -> Vec<EndpointView> {
         let now = tokio::time::Instant::now();
-        let slow_start = pool.proxy().settings().balance.slow_start;
+        let settings = pool.proxy().settings();
+        let (slow_start, max_age) = (
+            settings.balance.slow_start,
+            settings.balance.signals_max_age,
+        );
         pool.registry()
             .snapshot()
             .iter()
-            .map(|endpoint| endpoint.view(now, slow_start))
+            .map(|endpoint| endpoint.view(now, slow_start, max_age))
             .collect()
     }
 
@@ -197,6 +202,8 @@ pub async fn serve(
             let response = if request.uri().path() == REGISTER_PATH {
                 // Nodes present their own token, not the admin one.
                 register::register(request, &state.router).await
+            } else if request.uri().path() == explain::PICK_PATH {
+                explain::pick(request, &state.router).await
             } else {
                 routes::route(&request, &state)
             };

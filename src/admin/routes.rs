@@ -45,11 +45,7 @@ pub(super) fn route(request: &Request<Incoming>, state: &AdminState) -> Response
                         "waiting": queue.len(),
                         "retry_after_seconds": queue.retry_after(),
                     },
-                    "balancer": {
-                        "policy": proxy.settings().balance.policy,
-                        "scorers": proxy.settings().balance.pipeline.scorer_names().collect::<Vec<_>>(),
-                        "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
-                    },
+                    "balancer": balancer(proxy),
                     "sources": pool.sources().statuses(),
                 }));
             }
@@ -81,6 +77,26 @@ pub(super) fn route(request: &Request<Incoming>, state: &AdminState) -> Response
         ),
     };
     no_store(response)
+}
+
+/// A pool's pick as configured and what it keeps: its scorers with their weights, its filters, its
+/// prefix index.
+fn balancer(proxy: &crate::proxy::Proxy) -> serde_json::Value {
+    let settings = proxy.settings();
+    let pipeline = &settings.balance.pipeline;
+    let weights: serde_json::Map<String, serde_json::Value> = pipeline
+        .weights()
+        .map(|(name, weight)| (name.to_owned(), weight.into()))
+        .collect();
+    let index = proxy.prefix_index();
+    serde_json::json!({
+        "policy": settings.balance.policy,
+        "scorers": pipeline.scorer_names().collect::<Vec<_>>(),
+        "weights": weights,
+        "filters": pipeline.filter_names().collect::<Vec<_>>(),
+        "fleet_latency_ms": proxy.fleet_latency_us() as f64 / 1000.0,
+        "prefix_index": {"blocks": index.len(), "capacity": index.capacity()},
+    })
 }
 
 /// Demand over every pool, and each pool's (what KEDA scales on, per pool or in total).

@@ -10,7 +10,10 @@
 //! weight ([`LOAD_SPREAD`]), so nodes about as fast share the load in proportion to their weights. The
 //! expected latency is never below the endpoint's silence: how long attempts there have waited with none
 //! answered, so a node that stops answering loses its share as its silence grows. An endpoint without an
-//! estimate of its own is ranked by the fleet's ([`PickContext::fleet_latency_us`]).
+//! estimate of its own is ranked by the fleet's ([`PickContext::fleet_latency_us`]); one idle and
+//! untried lately ranks at 0, so the next request tries it, unless that request is placed by affinity. The requests it
+//! holds are tongs' own, or, when its own metrics are fresh and count more (load from other replicas
+//! and clients), those (`Sight::load`).
 
 use super::PickContext;
 use super::score::{Cost, Scorer, Sight};
@@ -33,16 +36,22 @@ impl Scorer for ExpectedLatency {
 
     /// expected × (SPREAD × w + o) ÷ (SPREAD × w), with the weight in thousandths.
     fn cost(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Cost {
-        let expected = sight.endpoint.latency().rank_us(
+        let mut expected = sight.endpoint.latency().rank_us(
             sight.now_ms,
-            sight.outstanding,
+            sight.load,
             ctx.fleet_latency_us,
             ctx.latency_decay_ms,
         );
+        // An idle endpoint nobody tried lately ranks at 0 so the next request finds out what it is
+        // like; a request placed by affinity does not explore: such a node counts as the fleet's
+        // average, and the request's home or cache decides.
+        if expected == 0 && ctx.affinity.is_some() {
+            expected = ctx.fleet_latency_us.max(1);
+        }
         let share = LOAD_SPREAD.saturating_mul(sight.weight);
         Cost::ratio(
             u128::from(expected)
-                * u128::from(share.saturating_add(sight.outstanding.saturating_mul(1000))),
+                * u128::from(share.saturating_add(sight.load.saturating_mul(1000))),
             share,
         )
     }
@@ -66,6 +75,8 @@ mod tests {
             now_ms: millis(now),
             weight,
             outstanding,
+            engine: None,
+            load: outstanding,
         };
         let ctx = PickContext {
             fleet_latency_us: 200_000,

@@ -1,4 +1,6 @@
-//! `least-outstanding`: an endpoint costs its outstanding requests plus this one, over its weight.
+//! `least-outstanding`: an endpoint costs its outstanding requests plus this one, over its weight. Its
+//! outstanding requests are tongs' own, or, when its own metrics are fresh and count more (load from
+//! other replicas and clients), those (`Sight::load`).
 //!
 //! Comparing `o + 1` rather than `o` makes weights matter even when every endpoint is idle, and spreads
 //! concurrent load in proportion to weight (weight 3 takes three requests for every one a weight-1
@@ -17,7 +19,7 @@ impl Scorer for LeastOutstanding {
 
     fn cost(&self, sight: &Sight<'_>, _ctx: &PickContext<'_>) -> Cost {
         Cost::ratio(
-            u128::from(sight.outstanding.saturating_add(1)),
+            u128::from(sight.load.saturating_add(1)),
             sight.weight,
         )
     }
@@ -37,6 +39,8 @@ mod tests {
             now_ms: 0,
             weight,
             outstanding,
+            engine: None,
+            load: outstanding,
         };
         LeastOutstanding.cost(&sight, &PickContext::at(tokio::time::Instant::now()))
     }

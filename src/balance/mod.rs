@@ -47,6 +47,12 @@ macro_rules! scorers {
                     $(Registered::$scorer(scorer) => scorer.name(),)*
                 }
             }
+
+            pub fn reads(&self) -> score::Reads {
+                match self {
+                    $(Registered::$scorer(scorer) => scorer.reads(),)*
+                }
+            }
         }
 
         /// Every scorer by name, and how to build it.
@@ -58,14 +64,25 @@ macro_rules! scorers {
 scorers! {
     "expected-latency" => expected_latency::ExpectedLatency,
     "least-outstanding" => least_outstanding::LeastOutstanding,
+    "queue" => queue::Queue,
+    "kv-cache" => kv_cache::KvCache,
+    "prefix" => prefix::Prefix,
+    "session" => session::Session,
 }
+
+pub mod affinity;
+pub mod saturation;
+#[cfg(test)]
+mod signal_tests;
 
 use std::cmp::Ordering;
 use std::sync::{Arc, LazyLock};
 
 use tokio::time::Instant;
 
-pub use score::{Cost, Filter, Pipeline, Scorer, Sight, UnknownScorer};
+pub use affinity::{Affinity, PrefixIndex, RequestKeys};
+pub use saturation::{Saturation, Unsaturated};
+pub use score::{Cost, Filter, Pipeline, Reads, Scorer, Sight, UnknownScorer};
 
 use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
@@ -84,6 +101,12 @@ pub struct PickContext<'p> {
     pub fleet_latency_us: u64,
     /// Time constant of the latency estimates, milliseconds.
     pub latency_decay_ms: u64,
+    /// How old the nodes' own metrics may be and still count, milliseconds (0: signals off).
+    pub signals_max_age_ms: u64,
+    /// What the request carries for affinity, and the pool's prefix index.
+    pub keys: Option<(&'p RequestKeys, &'p PrefixIndex)>,
+    /// The request's affinity as this pick works it out (set by [`pick`] itself).
+    pub affinity: Option<&'p Affinity>,
 }
 
 /// `least-outstanding`, for [`PickContext::at`].
@@ -100,6 +123,9 @@ impl PickContext<'static> {
             pipeline: &LEAST_OUTSTANDING,
             fleet_latency_us: 1000,
             latency_decay_ms: 10_000,
+            signals_max_age_ms: 0,
+            keys: None,
+            affinity: None,
         }
     }
 }
@@ -122,9 +148,26 @@ pub fn pick<'a>(
     ctx: &PickContext<'_>,
 ) -> Option<Picked<'a>> {
     let now_ms = crate::endpoint::millis(ctx.now);
-    // One scorer decides by its exact cost; several by their weighted sum. Each way is its own
-    // monomorphised scan, so the common case pays for no combination.
-    match ctx.pipeline.single() {
+    // The request's homes and prefix matches, when a scorer reads them and the request has keys.
+    let affinity;
+    let mut with_affinity = *ctx;
+    let ctx = match ctx.keys {
+        Some((keys, index)) if ctx.pipeline.uses_affinity() && !keys.is_empty() => {
+            affinity = resolve(endpoints, exclude, ctx, now_ms, keys, index);
+            with_affinity.affinity = Some(&affinity);
+            &with_affinity
+        }
+        _ => ctx,
+    };
+    // One scorer decides by its exact cost; several by their weighted product. Each way is its own
+    // monomorphised scan, so the common case pays for no combination. Without signals or affinity,
+    // every scorer but the plain one scores 1: that one decides alone.
+    let plain = || {
+        (ctx.affinity.is_none() && ctx.signals_max_age_ms == 0)
+            .then(|| ctx.pipeline.plain())
+            .flatten()
+    };
+    match ctx.pipeline.single().or_else(plain) {
         Some(scorer) => pick_by(
             endpoints,
             exclude,
@@ -138,9 +181,121 @@ pub fn pick<'a>(
             exclude,
             ctx,
             now_ms,
-            |sight| ctx.pipeline.weighted_sum(sight, ctx),
+            |sight| ctx.pipeline.weighted_product(sight, ctx),
             |a: f64, b: f64| a.total_cmp(&b),
         ),
+    }
+}
+
+/// Why a pick would choose what it chooses, for operators (`POST /debug/pick`): the request's
+/// affinity, the endpoints the filters keep out, and the choice. Nothing is claimed.
+#[derive(Clone, Debug)]
+pub struct Explained<'a> {
+    pub picked: Option<&'a Arc<Endpoint>>,
+    pub affinity: Affinity,
+    /// Eligible endpoints the pipeline's filters keep out (saturated ones).
+    pub filtered: Vec<&'a Arc<Endpoint>>,
+}
+
+/// What [`pick`] would do for a request with `keys`, and why.
+pub fn explain<'a>(
+    endpoints: &'a [Arc<Endpoint>],
+    ctx: &PickContext<'_>,
+    keys: Option<(&RequestKeys, &PrefixIndex)>,
+) -> Explained<'a> {
+    let now_ms = crate::endpoint::millis(ctx.now);
+    let affinity = match keys {
+        Some((keys, index)) => resolve(endpoints, &[], ctx, now_ms, keys, index),
+        None => Affinity::default(),
+    };
+    let with_affinity = PickContext {
+        keys: None,
+        affinity: Some(&affinity),
+        ..*ctx
+    };
+    let picked = pick(endpoints, &[], &with_affinity).map(|(endpoint, _)| endpoint);
+    let filtered = endpoints
+        .iter()
+        .filter(|e| {
+            e.eligibility(now_ms, ctx.ignore_health) != Eligibility::No && !admitted(e, ctx, now_ms)
+        })
+        .collect();
+    Explained {
+        picked,
+        affinity,
+        filtered,
+    }
+}
+
+/// The request's affinity over the endpoints that may take it: its prefix matches, and the
+/// rendezvous homes of its conversation and session among the eligible endpoints the pipeline's
+/// filters admit.
+fn resolve(
+    endpoints: &[Arc<Endpoint>],
+    exclude: &[EndpointId],
+    ctx: &PickContext<'_>,
+    now_ms: u64,
+    keys: &RequestKeys,
+    index: &PrefixIndex,
+) -> Affinity {
+    let mut found = Affinity {
+        matches: index.matches(&keys.prompt.blocks),
+        ..Affinity::default()
+    };
+    let (conversation, session) = (keys.prompt.conversation, keys.session);
+    if conversation.is_none() && session.is_none() {
+        return found;
+    }
+    // Each key's best so far. An endpoint is asked whether it may take the request only when it
+    // would be a key's new best (a few times in a scan, not once per endpoint), which gives the same
+    // homes as asking every endpoint first.
+    let mut best_conversation = (f64::NEG_INFINITY, None);
+    let mut best_session = (f64::NEG_INFINITY, None);
+    for endpoint in endpoints {
+        let mut may_take: Option<bool> = None;
+        let mut may = |endpoint: &Endpoint| {
+            *may_take.get_or_insert_with(|| {
+                !exclude.contains(&endpoint.id()) && admitted(endpoint, ctx, now_ms)
+            })
+        };
+        for (key, best) in [
+            (conversation, &mut best_conversation),
+            (session, &mut best_session),
+        ] {
+            let Some(key) = key else { continue };
+            let score = affinity::rendezvous(key, endpoint);
+            if score > best.0 && may(endpoint) {
+                *best = (score, Some(endpoint.id()));
+            }
+        }
+    }
+    found.conversation_home = best_conversation.1;
+    found.session_home = best_session.1;
+    found
+}
+
+/// Whether the endpoint may take a request now: eligible, and admitted by the pipeline's filters.
+fn admitted(endpoint: &Endpoint, ctx: &PickContext<'_>, now_ms: u64) -> bool {
+    if endpoint.eligibility(now_ms, ctx.ignore_health) == Eligibility::No {
+        return false;
+    }
+    ctx.pipeline.admits(&sight(endpoint, ctx, now_ms), ctx)
+}
+
+/// What the pick sees of an endpoint.
+#[inline]
+fn sight<'e>(endpoint: &'e Endpoint, ctx: &PickContext<'_>, now_ms: u64) -> Sight<'e> {
+    let outstanding = endpoint.outstanding();
+    let engine = endpoint
+        .signals()
+        .now(now_ms, ctx.signals_max_age_ms, outstanding);
+    Sight {
+        endpoint,
+        now_ms,
+        weight: endpoint.effective_weight(now_ms, ctx.slow_start_ms),
+        outstanding,
+        engine,
+        load: engine.map_or(outstanding, |now| now.in_node.max(outstanding)),
     }
 }
 
@@ -194,12 +349,7 @@ impl<F: Fn(&Sight<'_>) -> K, K: Copy> Scan<'_, '_, F, K> {
         if eligibility == Eligibility::No {
             return None;
         }
-        let sight = Sight {
-            endpoint,
-            now_ms: self.now_ms,
-            weight: endpoint.effective_weight(self.now_ms, ctx.slow_start_ms),
-            outstanding: endpoint.outstanding(),
-        };
+        let sight = sight(endpoint, ctx, self.now_ms);
         if !ctx.pipeline.admits(&sight, ctx) {
             return None;
         }
@@ -244,6 +394,26 @@ impl<F: Fn(&Sight<'_>) -> K, K: Copy> Scan<'_, '_, F, K> {
 
     fn two_choices<'a>(&self, endpoints: &'a [Arc<Endpoint>]) -> Option<Picked<'a>> {
         let mut first: Option<Candidate<'a, K>> = None;
+        // The request's homes and best prefix match, when it has them, are always among the choices:
+        // sampling alone would find them one time in thousands.
+        if let Some(affinity) = self.ctx.affinity {
+            let wanted = [
+                affinity.session_home,
+                affinity.conversation_home,
+                affinity.matches.best().map(|m| m.endpoint),
+            ];
+            for id in wanted.into_iter().flatten() {
+                let Some(endpoint) = endpoints.iter().find(|e| e.id() == id) else {
+                    continue;
+                };
+                if let Some(candidate) = self.candidate(endpoint) {
+                    first = Some(match first {
+                        Some(chosen) if (self.order)(chosen.cost, candidate.cost).is_le() => chosen,
+                        _ => candidate,
+                    });
+                }
+            }
+        }
         for _ in 0..MAX_SAMPLES {
             let endpoint = &endpoints[fastrand::usize(..endpoints.len())];
             let Some(second) = self.candidate(endpoint) else {
@@ -283,6 +453,18 @@ pub(crate) mod tests {
     pub(crate) fn endpoint(id: EndpointId) -> Endpoint {
         let url = format!("http://127.0.0.1:{}", 10_000 + id);
         Endpoint::new(id, &url, EndpointUrl::parse(&url).unwrap(), 1)
+    }
+
+    /// What a pick sees of `endpoint` holding `outstanding`, at weight 1, without signals.
+    pub(crate) fn sight_of(endpoint: &Endpoint, outstanding: u64) -> Sight<'_> {
+        Sight {
+            endpoint,
+            now_ms: 0,
+            weight: 1000,
+            outstanding,
+            engine: None,
+            load: outstanding,
+        }
     }
 
     static EXPECTED_LATENCY: LazyLock<Pipeline> =

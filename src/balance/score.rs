@@ -10,7 +10,7 @@ use std::cmp::Ordering;
 use std::fmt;
 
 use crate::config::BalancePolicy;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Endpoint, EngineNow};
 
 use super::{PickContext, Registered, SCORERS};
 
@@ -25,9 +25,16 @@ pub struct Sight<'e> {
     pub now_ms: u64,
     /// Its weight after slow start, in thousandths.
     pub weight: u64,
-    /// Requests it holds now.
+    /// tongs' requests on it now.
     pub outstanding: u64,
+    /// Its load by its own metrics, when they are fresh (see `endpoint::signals`).
+    pub engine: Option<EngineNow>,
+    /// Requests in it now: tongs' own, or all its metrics count when they count more.
+    pub load: u64,
 }
+
+/// The denominator scorers whose cost is a factor near 1 give it over.
+pub const FACTOR_ONE: u64 = 1 << 20;
 
 /// A scorer's verdict on one endpoint for one request: lower is better. A fraction, so that a load
 /// per unit of weight compares exactly (by cross-multiplication) when one scorer decides alone.
@@ -39,6 +46,12 @@ pub struct Cost {
 }
 
 impl Cost {
+    /// The neutral factor: a scorer with nothing to say about a node.
+    pub const ONE: Cost = Cost {
+        numerator: 1,
+        denominator: 1,
+    };
+
     pub fn ratio(numerator: u128, denominator: u64) -> Cost {
         Cost {
             numerator,
@@ -64,6 +77,20 @@ pub trait Scorer: Send + Sync + fmt::Debug {
     /// Its name in [`SCORERS`] (and in the configuration).
     fn name(&self) -> &'static str;
     fn cost(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> Cost;
+    /// What it reads beyond tongs' own state: without that, it scores every endpoint alike (1).
+    fn reads(&self) -> Reads {
+        Reads::Nothing
+    }
+}
+
+/// What a scorer reads beyond tongs' own state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reads {
+    Nothing,
+    /// The endpoints' own metrics ([`Sight::engine`]).
+    Signals,
+    /// The request's affinity ([`PickContext::affinity`]).
+    Affinity,
 }
 
 /// Whether an endpoint may take this request, beyond what every pick asks (its breaker, health, limit
@@ -74,10 +101,21 @@ pub trait Filter: Send + Sync + fmt::Debug {
 }
 
 /// The filters and the weighted scorers a pool picks with.
+///
+/// With one scorer its costs compare exactly. With several, each gives a node a cost factor and the
+/// node's cost is their product, each raised to its weight: scorers in different units (microseconds, shares of a cache) combine without
+/// normalising, and a weight says how many doublings of one factor another's halving is worth.
 #[derive(Debug, Default)]
 pub struct Pipeline {
     filters: Vec<Box<dyn Filter>>,
     scorers: Vec<(Registered, f64)>,
+    /// A scorer reads the request's affinity (its homes and prefix matches).
+    affinity: bool,
+    /// A weight is not a whole number up to 3: costs compare as logarithms.
+    logarithms: bool,
+    /// The one scorer that reads nothing beyond tongs' own state, when every other reads something: a
+    /// pick with no signals and no affinity is its alone, compared exactly.
+    plain: Option<usize>,
 }
 
 /// A name that is no scorer's.
@@ -108,10 +146,26 @@ impl Pipeline {
                     .map(|(_, build)| (build(), weight))
                     .ok_or_else(|| UnknownScorer(wanted.to_owned()))
             })
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<Vec<(Registered, f64)>, _>>()?;
+        let affinity = scorers
+            .iter()
+            .any(|(scorer, _)| scorer.reads() == Reads::Affinity);
+        let own: Vec<usize> = (0..scorers.len())
+            .filter(|&at| scorers[at].0.reads() == Reads::Nothing)
+            .collect();
+        let plain = match own.as_slice() {
+            [one] => Some(*one),
+            _ => None,
+        };
+        let logarithms = scorers
+            .iter()
+            .any(|(_, weight)| ![1.0, 2.0, 3.0].contains(weight));
         Ok(Pipeline {
             filters: Vec::new(),
             scorers,
+            affinity,
+            logarithms,
+            plain,
         })
     }
 
@@ -135,6 +189,23 @@ impl Pipeline {
         self.scorers.iter().map(|(scorer, _)| scorer.name())
     }
 
+    /// The scorers' names and weights, in order.
+    pub fn weights(&self) -> impl Iterator<Item = (&'static str, f64)> + '_ {
+        self.scorers
+            .iter()
+            .map(|(scorer, weight)| (scorer.name(), *weight))
+    }
+
+    /// The filters' names, in order.
+    pub fn filter_names(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.filters.iter().map(|filter| filter.name())
+    }
+
+    /// Whether a scorer reads the request's affinity, so the pick must work it out.
+    pub fn uses_affinity(&self) -> bool {
+        self.affinity
+    }
+
     /// Whether every filter admits the endpoint.
     #[inline]
     pub fn admits(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> bool {
@@ -149,13 +220,37 @@ impl Pipeline {
         }
     }
 
-    /// The scorers' costs for the endpoint, each times its weight, summed.
+    /// The one scorer that decides a pick with neither signals nor affinity (the others all score
+    /// 1 then), when there is one.
+    pub fn plain(&self) -> Option<&Registered> {
+        self.plain.map(|at| &self.scorers[at].0)
+    }
+
+    /// The endpoint's cost: the scorers' factors, each raised to its weight, multiplied; compared as
+    /// its logarithm when a weight is not a whole number up to 3, so that no power overflows. A
+    /// neutral factor (1) costs nothing, and whole weights up to 3 no power function.
     #[inline]
-    pub fn weighted_sum(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> f64 {
-        self.scorers
-            .iter()
-            .map(|(scorer, weight)| weight * scorer.cost(sight, ctx).as_f64())
-            .sum()
+    pub fn weighted_product(&self, sight: &Sight<'_>, ctx: &PickContext<'_>) -> f64 {
+        let mut product = 1.0;
+        let mut logarithm = 0.0;
+        for (scorer, weight) in &self.scorers {
+            let cost = scorer.cost(sight, ctx);
+            if cost == Cost::ONE {
+                continue;
+            }
+            let factor = cost.as_f64();
+            match *weight {
+                1.0 => product *= factor,
+                2.0 => product *= factor * factor,
+                3.0 => product *= factor * factor * factor,
+                weight => logarithm += weight * factor.max(f64::MIN_POSITIVE).ln(),
+            }
+        }
+        if self.logarithms {
+            product.max(f64::MIN_POSITIVE).ln() + logarithm
+        } else {
+            product
+        }
     }
 }
 
@@ -189,10 +284,16 @@ mod tests {
             both.scorer_names().collect::<Vec<_>>(),
             ["least-outstanding", "expected-latency"]
         );
-        let err = Pipeline::of(&[("kv-cache", 1.0)]).unwrap_err();
+        let err = Pipeline::of(&[("kv", 1.0)]).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "no scorer is named \"kv-cache\"; there are expected-latency, least-outstanding"
+            "no scorer is named \"kv\"; there are expected-latency, least-outstanding, queue, \
+             kv-cache, prefix, session"
+        );
+        // The configuration knows the same names (it checks `balancer.scorers` with them).
+        assert_eq!(
+            SCORERS.iter().map(|(name, _)| *name).collect::<Vec<_>>(),
+            crate::config::SCORER_NAMES
         );
         for (name, _) in SCORERS {
             assert_eq!(

@@ -191,6 +191,7 @@ pub fn demo_config(fleet: &Fleet, options: &DemoOptions) -> Config {
             url,
             weight: 1,
             max_outstanding: None,
+            engine: None,
         })
         .collect();
     config

@@ -55,7 +55,11 @@ pub fn snapshot(
 ) -> View {
     let endpoints = parts.registry().snapshot();
     let now = tokio::time::Instant::now();
-    let slow_start = parts.proxy().settings().balance.slow_start;
+    let settings = parts.proxy().settings();
+    let (slow_start, max_age) = (
+        settings.balance.slow_start,
+        settings.balance.signals_max_age,
+    );
     let nodes = fleet
         .nodes()
         .iter()
@@ -67,7 +71,7 @@ pub fn snapshot(
                 name: node.name().to_owned(),
                 condition: node.condition().label(),
                 // The one word `/debug/endpoints` says: cooldown after a 503, probing, ejected too.
-                health: endpoint.map_or("-", |e| e.view(now, slow_start).state.as_str()),
+                health: endpoint.map_or("-", |e| e.view(now, slow_start, max_age).state.as_str()),
                 circuit: endpoint.map_or("-", |e| match e.circuit().state() {
                     State::Closed { .. } => "closed",
                     State::Open { .. } => "open",

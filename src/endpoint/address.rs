@@ -15,6 +15,8 @@ pub struct Address {
     path_prefix: String,
     /// `Host` sent upstream: the endpoint's own authority (a gateway routes by it).
     host_header: HeaderValue,
+    /// A hash of the URL, the same in every tongs replica: the node's name in rendezvous hashing.
+    identity: u64,
 }
 
 impl Address {
@@ -28,7 +30,13 @@ impl Address {
             authority: parsed.authority,
             path_prefix: parsed.path_prefix,
             host_header,
+            identity: crate::openai::prefix::session_key(url.as_bytes()),
         }
+    }
+
+    /// A hash of the URL, the same in every tongs replica (see `balance::affinity`).
+    pub fn identity(&self) -> u64 {
+        self.identity
     }
 
     pub fn url(&self) -> &str {

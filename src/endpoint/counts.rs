@@ -2,7 +2,7 @@
 //! the request path never scans the fleet to know (a refusal, a failure that may eject, panic mode).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use super::{Endpoint, GATE_CLOSED};
 
@@ -12,6 +12,10 @@ pub struct FleetCounts {
     ejected: AtomicUsize,
     healthy: AtomicUsize,
     up: AtomicUsize,
+    /// When any endpoint's own metrics were last read (the endpoints' milliseconds; 0: never): while
+    /// that is older than `signals.max_age`, no endpoint has a reading the pick may use, and the pick
+    /// skips the scorers that read them.
+    last_reading_ms: AtomicU64,
 }
 
 impl FleetCounts {
@@ -30,6 +34,11 @@ impl FleetCounts {
         self.up.load(Ordering::Relaxed)
     }
 
+    /// When any endpoint's own metrics were last read (0: never).
+    pub fn last_reading_ms(&self) -> u64 {
+        self.last_reading_ms.load(Ordering::Relaxed)
+    }
+
     fn counters(&self) -> [&AtomicUsize; 3] {
         [&self.ejected, &self.healthy, &self.up]
     }
@@ -40,6 +49,13 @@ impl FleetCounts {
 pub(super) struct Counted(AtomicU8);
 
 impl Endpoint {
+    /// Its own metrics were read at `now_ms`: the registry's counts say a reading is about.
+    pub fn note_reading(&self, now_ms: u64) {
+        if let Some(counts) = self.counts.get() {
+            counts.last_reading_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
+    }
+
     /// Counts this endpoint in `counts` from now on (set once, by the registry, as it joins the set).
     pub fn count_in(&self, counts: Arc<FleetCounts>) {
         let _breaker = self.circuit.lock();

@@ -9,7 +9,8 @@
 //! One file per concern: [`load`] (outstanding requests, limits, back-off), [`gate`] (the breaker and
 //! its lock-free gate), [`latency`] (the expected-latency estimate), [`pace`] (what its streams'
 //! silences normally are, by phase, and when it was last heard from), [`liveness`] (heartbeats'
-//! verdicts), [`models`] (what it says it serves) and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
+//! verdicts), [`models`] (what it says it serves), [`signals`] (what its own metrics say of its load)
+//! and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
 
 mod address;
 mod counts;
@@ -19,6 +20,7 @@ mod liveness;
 mod load;
 mod models;
 mod pace;
+mod signals;
 mod tally;
 mod view;
 
@@ -40,8 +42,11 @@ pub use self::liveness::{LastHeartbeat, Liveness};
 pub use self::load::{LimitState, Outstanding};
 pub use self::models::ServedModels;
 pub use self::pace::{OPENING_GAPS, Pace, Typical};
+pub use self::signals::{EngineNow, EngineSignals, ReadStatus};
 pub use self::tally::Tally;
-pub use self::view::{EndpointState, EndpointView, HeartbeatView, TallyView, TimingView};
+pub use self::view::{
+    EndpointState, EndpointView, HeartbeatView, SignalsView, TallyView, TimingView,
+};
 
 /// Stable identity of an endpoint for the life of the process (used in exclusion sets).
 pub type EndpointId = u64;
@@ -111,6 +116,8 @@ pub struct Endpoint {
     pace: Pace,
     /// The model ids its own `/v1/models` gave when last asked.
     served_models: ServedModels,
+    /// What its own metrics last said of its load.
+    signals: EngineSignals,
     /// The limit as the configuration, the pod and the adaptive limiter set it.
     limits: LimitState,
     /// Called when a slot here comes free (wakes whoever waits for one).
@@ -131,6 +138,8 @@ pub struct Origin {
     pub pod: Option<Arc<str>>,
     /// The pod's own cap on concurrent requests (its max-outstanding annotation).
     pub max_outstanding: Option<u64>,
+    /// The model server it runs, when its pod or its entry says (else `signals.engine`).
+    pub engine: Option<crate::engine::Engine>,
 }
 
 impl Default for Origin {
@@ -139,6 +148,7 @@ impl Default for Origin {
             source: "static",
             pod: None,
             max_outstanding: None,
+            engine: None,
         }
     }
 }
@@ -181,6 +191,7 @@ impl Endpoint {
             gone: watch::channel(0).0,
             pace: Pace::default(),
             served_models: ServedModels::default(),
+            signals: EngineSignals::default(),
             limits: LimitState::new(u64::MAX),
             slot_freed: OnceLock::new(),
             counts: OnceLock::new(),
@@ -300,6 +311,25 @@ impl Endpoint {
     /// The model ids its own `/v1/models` gave when last asked.
     pub fn served_models(&self) -> &ServedModels {
         &self.served_models
+    }
+
+    /// The generation of its GPU's cache as tongs can know it: the count of its unhealthy verdicts (a
+    /// node declared down is taken to have lost what it cached).
+    pub fn cache_epoch(&self) -> u64 {
+        self.tally.unhealthy_marks()
+    }
+
+    /// Wakes whoever waits for a slot here (the pool's queue): the node may take a request it would
+    /// not take before, for a reason other than a slot freed (its own metrics say it has room again).
+    pub fn wake_waiters(&self) {
+        if let Some(slot_freed) = self.slot_freed.get() {
+            slot_freed.call();
+        }
+    }
+
+    /// What its own metrics last said of its load, and the estimate from it.
+    pub fn signals(&self) -> &EngineSignals {
+        &self.signals
     }
 
     /// What happened here, counted.

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::Endpoint;
+use super::{Endpoint, ReadStatus};
 use crate::breaker::State;
 
 /// What an endpoint is doing, for /debug/endpoints, metrics and the status page.
@@ -41,6 +41,33 @@ pub struct EndpointView {
     /// Its last heartbeat.
     #[serde(flatten)]
     pub heartbeat: HeartbeatView,
+    /// What its own metrics say of its load.
+    pub signals: SignalsView,
+}
+
+/// What an endpoint's own metrics say of its load, in its view.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct SignalsView {
+    /// `unread` (not yet, or signals off), `read`, `absent` (the node serves no such metrics) or
+    /// `failed` (the last read failed; the reading before it ages out).
+    pub status: &'static str,
+    /// The engine whose names were read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<&'static str>,
+    /// Why it is absent or failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Seconds since the last reading (null: none); the pick uses it while this is at most
+    /// `signals.max_age`.
+    pub age_s: Option<f64>,
+    /// The reading is young enough to be used.
+    pub fresh: bool,
+    /// tongs' estimate now, from the last reading: requests in the node, running or waiting, and
+    /// waiting in its own queue; its batch as learned (0: not seen full yet); its KV cache in use.
+    pub in_node: Option<u64>,
+    pub waiting: Option<u64>,
+    pub batch: Option<u64>,
+    pub kv_cache: Option<f64>,
 }
 
 /// An endpoint's counters, in its view (their names are the JSON's).
@@ -128,7 +155,13 @@ impl EndpointState {
 impl Endpoint {
     /// A consistent-enough picture of the endpoint at `now` (each field read once, without locks but the
     /// breaker's and the limiter's).
-    pub fn view(&self, now: Instant, slow_start: Duration) -> EndpointView {
+    /// `signals_max_age` is how old a reading of its own metrics may be and still be used.
+    pub fn view(
+        &self,
+        now: Instant,
+        slow_start: Duration,
+        signals_max_age: Duration,
+    ) -> EndpointView {
         let now_ms = self.millis(now);
         let breaker_state = self.circuit().state();
         let breaker = match breaker_state {
@@ -204,6 +237,29 @@ impl Endpoint {
                 last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
                 last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
             },
+            signals: self.signals_view(now_ms, signals_max_age),
+        }
+    }
+
+    fn signals_view(&self, now_ms: u64, max_age: Duration) -> SignalsView {
+        let status = self.signals().status();
+        let (engine, detail) = match &status {
+            ReadStatus::Read(engine) => (Some(engine.as_str()), None),
+            ReadStatus::Absent(why) | ReadStatus::Failed(why) => (None, Some(why.clone())),
+            ReadStatus::Unread => (None, None),
+        };
+        let last = self.signals().now(now_ms, u64::MAX, self.outstanding());
+        let max_age_ms = u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX);
+        SignalsView {
+            status: status.as_str(),
+            engine,
+            detail,
+            age_s: last.map(|now| now.age_ms as f64 / 1000.0),
+            fresh: last.is_some_and(|now| max_age_ms > 0 && now.age_ms <= max_age_ms),
+            in_node: last.map(|now| now.in_node),
+            waiting: last.map(|now| now.waiting),
+            batch: last.map(|now| now.batch),
+            kv_cache: last.and_then(|now| now.cache),
         }
     }
 }

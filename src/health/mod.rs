@@ -14,7 +14,10 @@
 //! node lists are kept on the endpoint for tongs' own `/v1/models` (a failed read keeps the last ones).
 //!
 //! The loops follow the registry: new endpoints get a loop, removed ones lose theirs. Each loop runs on
-//! a worker's thread and sends through that worker's own pool ([`Senders`]).
+//! a worker's thread and sends through that worker's own pool ([`Senders`]). Beside each, [`signals`]
+//! reads the node's own metrics (its queue, its KV cache) the same way.
+
+pub mod signals;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -62,21 +65,32 @@ impl Senders {
         }
     }
 
-    /// Starts `endpoint`'s loop on the next worker.
+    /// Starts `endpoint`'s heartbeat loop on the next worker.
     fn start(
         &self,
         endpoint: Arc<Endpoint>,
         settings: Arc<ArcSwap<HealthConfig>>,
         stop: CancellationToken,
     ) {
+        self.spawn(move |client| probe_loop(endpoint, settings, client, stop));
+    }
+
+    /// Runs the loop `make` builds on the next worker, sending through that worker's pool (or, without
+    /// workers, on the caller's runtime with a client of its own). Other per-endpoint loops (the model
+    /// servers' metrics, `signals`) run beside the heartbeats this way, on the same connections.
+    pub fn spawn<F, L>(&self, make: F)
+    where
+        F: FnOnce(Arc<UpstreamClient>) -> L,
+        L: Future<Output = ()> + Send + 'static,
+    {
         match self.workers.len() {
             0 => {
-                tokio::spawn(probe_loop(endpoint, settings, Arc::clone(&self.own), stop));
+                tokio::spawn(make(Arc::clone(&self.own)));
             }
             count => {
                 let at = self.next.fetch_add(1, Ordering::Relaxed) % count;
                 let (runtime, client) = &self.workers[at];
-                runtime.spawn(probe_loop(endpoint, settings, Arc::clone(client), stop));
+                runtime.spawn(make(Arc::clone(client)));
             }
         }
     }
@@ -93,6 +107,19 @@ pub async fn run(
     if !config.load().enabled {
         return;
     }
+    follow(&registry, &shutdown, |endpoint, stop| {
+        senders.start(Arc::clone(endpoint), Arc::clone(&config), stop);
+    })
+    .await;
+}
+
+/// Follows the registry until `shutdown`: `start` is called once for each endpoint that joins, with a
+/// token cancelled when it leaves (or at shutdown), for a loop of its own.
+pub async fn follow(
+    registry: &Registry,
+    shutdown: &CancellationToken,
+    mut start: impl FnMut(&Arc<Endpoint>, CancellationToken),
+) {
     let mut changes = registry.subscribe();
     // Endpoints by address. Every endpoint of `known` has a loop, which holds it, so no other
     // endpoint can have its address while it is known.
@@ -114,7 +141,7 @@ pub async fn run(
             }
             let stop = shutdown.child_token();
             loops.insert(address(endpoint), stop.clone());
-            senders.start(Arc::clone(endpoint), Arc::clone(&config), stop);
+            start(endpoint, stop);
         }
         known = snapshot.iter().map(address).collect();
         drop(snapshot);
@@ -157,7 +184,7 @@ fn difference<'a>(
 }
 
 /// `base` lengthened or shortened at random by up to `jitter` of itself.
-fn jittered(base: Duration, jitter: f64) -> Duration {
+pub(crate) fn jittered(base: Duration, jitter: f64) -> Duration {
     base.mul_f64(1.0 + jitter * (2.0 * fastrand::f64() - 1.0))
 }
 
@@ -370,7 +397,11 @@ fn heartbeat_request(endpoint: &Endpoint, config: &HealthConfig) -> Option<Reque
 
 /// A GET of `path` (under the endpoint's path prefix) with `content`, as heartbeats send it: the
 /// endpoint's own `Host`, tongs' heartbeat user agent.
-fn request_to(endpoint: &Endpoint, path: &str, content: Bytes) -> Option<Request<UpstreamBody>> {
+pub(crate) fn request_to(
+    endpoint: &Endpoint,
+    path: &str,
+    content: Bytes,
+) -> Option<Request<UpstreamBody>> {
     let uri = Uri::builder()
         .scheme(endpoint.address().scheme().clone())
         .authority(endpoint.address().authority().clone())

@@ -167,6 +167,26 @@ pub const ENDPOINT_HEARTBEAT_OK: MetricSpec = spec(
     "gauge",
     "1 if the endpoint's last heartbeat passed, 0 if it failed.",
 );
+pub const ENDPOINT_ENGINE_WAITING: MetricSpec = spec(
+    "tongs_endpoint_engine_waiting",
+    "gauge",
+    "Requests waiting in the endpoint's own queue, by its own metrics and tongs' estimate since (absent without a reading).",
+);
+pub const ENDPOINT_ENGINE_IN_NODE: MetricSpec = spec(
+    "tongs_endpoint_engine_requests",
+    "gauge",
+    "Requests in the endpoint, running or waiting, by its own metrics and tongs' estimate since (absent without a reading).",
+);
+pub const ENDPOINT_ENGINE_KV_CACHE: MetricSpec = spec(
+    "tongs_endpoint_engine_kv_cache_usage",
+    "gauge",
+    "Share of the endpoint's KV cache in use by its own metrics, 0 to 1 (absent when its engine does not say).",
+);
+pub const ENDPOINT_SIGNALS_AGE: MetricSpec = spec(
+    "tongs_endpoint_signals_age_seconds",
+    "gauge",
+    "Age of the last reading of the endpoint's own metrics; the pick uses it while at most signals.max_age.",
+);
 pub const CONFIG_RELOADS: MetricSpec = spec(
     "tongs_config_reloads_total",
     "counter",
@@ -250,7 +270,7 @@ pub const RUNTIME_TASKS: MetricSpec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&MetricSpec; 48] = [
+pub const CATALOG: [&MetricSpec; 52] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -282,6 +302,10 @@ pub const CATALOG: [&MetricSpec; 48] = [
     &ENDPOINT_LATENCY,
     &ENDPOINT_HEARTBEAT,
     &ENDPOINT_HEARTBEAT_OK,
+    &ENDPOINT_ENGINE_WAITING,
+    &ENDPOINT_ENGINE_IN_NODE,
+    &ENDPOINT_ENGINE_KV_CACHE,
+    &ENDPOINT_SIGNALS_AGE,
     &CONFIG_RELOADS,
     &BUILD_INFO,
     &REPLICAS,

@@ -6,9 +6,10 @@ use std::sync::atomic::Ordering;
 use super::{
     ATTEMPTS, AUTH_FAILURES, BUILD_INFO, CAPACITY, CLASSES, CONFIG_RELOADS, CONTINUATIONS,
     Continuation, DEMAND, DISCOVERY_LISTS, DISCOVERY_PODS, DISCOVERY_REJECTIONS, DISCOVERY_SYNCED,
-    DISCOVERY_WATCH_ERRORS, ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_FAILURES,
-    ENDPOINT_HEARTBEAT, ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT,
-    ENDPOINT_OUTSTANDING, ENDPOINT_REQUESTS, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
+    DISCOVERY_WATCH_ERRORS, ENDPOINT_COOLDOWNS, ENDPOINT_EJECTIONS, ENDPOINT_ENGINE_IN_NODE,
+    ENDPOINT_ENGINE_KV_CACHE, ENDPOINT_ENGINE_WAITING, ENDPOINT_FAILURES, ENDPOINT_HEARTBEAT,
+    ENDPOINT_HEARTBEAT_OK, ENDPOINT_LATENCY, ENDPOINT_LIMIT, ENDPOINT_OUTSTANDING,
+    ENDPOINT_REQUESTS, ENDPOINT_SIGNALS_AGE, ENDPOINT_STALLS, ENDPOINT_STATE, ENDPOINTS,
     FIRST_BYTE, HEDGES, HEDGES_WON, MetricSpec, Metrics, Outcome, POOL_FALLBACKS, ProxyStats,
     QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
     REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
@@ -379,7 +380,7 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
             }
         }
     }
-    let per_endpoint: [(&MetricSpec, ReadView); 10] = [
+    let per_endpoint: [(&MetricSpec, ReadView); 14] = [
         (&ENDPOINT_OUTSTANDING, |v| Some(v.outstanding as f64)),
         (&ENDPOINT_LIMIT, |v| v.limit.map(|l| l as f64)),
         (&ENDPOINT_REQUESTS, |v| Some(v.counts.requests as f64)),
@@ -398,6 +399,14 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
                 .last_heartbeat_ok
                 .map(|ok| f64::from(u8::from(ok)))
         }),
+        (&ENDPOINT_ENGINE_WAITING, |v| {
+            v.signals.waiting.map(|n| n as f64)
+        }),
+        (&ENDPOINT_ENGINE_IN_NODE, |v| {
+            v.signals.in_node.map(|n| n as f64)
+        }),
+        (&ENDPOINT_ENGINE_KV_CACHE, |v| v.signals.kv_cache),
+        (&ENDPOINT_SIGNALS_AGE, |v| v.signals.age_s),
     ];
     for (spec, read) in per_endpoint {
         let values: Vec<_> = pools
@@ -405,9 +414,7 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
             .flat_map(|p| p.endpoints.iter().map(move |view| (p.pool, view)))
             .filter_map(|(pool, view)| read(view).map(|value| (pool, view, value)))
             .collect();
-        if values.is_empty() {
-            continue;
-        }
+        // Described even with no sample (no endpoint has a reading yet), like every metric.
         header(out, spec);
         for (pool, view, value) in values {
             let labels = [("pool", pool), ("endpoint", view.url.as_str())];

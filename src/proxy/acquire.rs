@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::attempt::{Failure, Slot};
 use super::{Proxy, ProxySettings, millis_of};
 use crate::admission::{Place, Refusal, Waited};
-use crate::balance::{self, PickContext};
+use crate::balance::{self, PickContext, RequestKeys};
 use crate::breaker::Admission;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
 
@@ -45,6 +45,9 @@ pub(super) struct Tried {
     busy: Vec<(Arc<Endpoint>, u64)>,
     /// The next acquire waits in the queue before it looks.
     wait_first: bool,
+    /// What the request carries for affinity (see `balance::affinity`): read once, and again from a
+    /// continuation's body.
+    pub keys: Option<Box<RequestKeys>>,
 }
 
 impl Tried {
@@ -218,8 +221,15 @@ impl Proxy {
             pipeline: &settings.balance.pipeline,
             fleet_latency_us: self.fleet_latency_us(),
             latency_decay_ms: millis_of(settings.balance.latency_decay),
+            signals_max_age_ms: millis_of(settings.balance.signals_max_age),
+            keys: tried
+                .keys
+                .as_deref()
+                .map(|keys| (keys, self.prefix_index())),
+            affinity: None,
         };
         if let Some(slot) = self.slot_among(&snapshot, tried.ids, &mut ctx) {
+            self.placed(tried, &slot);
             return Pick::Slot(slot);
         }
         // Nothing now. A first attempt waits for anything; a retry for an untried endpoint that is up
@@ -242,12 +252,35 @@ impl Proxy {
             return Pick::Nowhere;
         }
         if let Some(slot) = self.slot_among(&snapshot, tried.exclusions(), &mut ctx) {
+            self.placed(tried, &slot);
             return Pick::Slot(slot);
         }
         if tried.busy_may_free() {
             Pick::Wait
         } else {
             Pick::Nowhere
+        }
+    }
+
+    /// How old a node's own reading may be for the pick at `now`: `signals.max_age`, or 0 while no
+    /// endpoint of the pool has a reading that young (no scorer then reads one, and the pick skips
+    /// them).
+    fn signals_window(&self, settings: &ProxySettings, now: Instant) -> u64 {
+        let max_age = millis_of(settings.balance.signals_max_age);
+        let last = self.registry.counts().last_reading_ms();
+        if max_age == 0 || last == 0 || crate::endpoint::millis(now).saturating_sub(last) > max_age
+        {
+            0
+        } else {
+            max_age
+        }
+    }
+
+    /// The request's prompt is sent to the slot's endpoint: it will hold the prompt's blocks.
+    fn placed(&self, tried: &Tried, slot: &Slot) {
+        if let Some(keys) = &tried.keys {
+            self.prefix_index()
+                .record(&keys.prompt.blocks, slot.outstanding.endpoint());
         }
     }
 
@@ -300,5 +333,87 @@ impl Proxy {
             }
         }
         None
+    }
+}
+
+/// What this replica's pick would do for a request, and why (`POST /debug/pick` on the admin port):
+/// two replicas that answer alike place the request alike.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PickExplanation {
+    /// The endpoint the pick would choose now (null: none has room; the request would wait).
+    pub pick: Option<String>,
+    /// The conversation's and the session's rendezvous homes among the endpoints that may take it.
+    pub conversation_home: Option<String>,
+    pub session_home: Option<String>,
+    /// Endpoints this replica sent a prefix of the prompt to, with the share they hold.
+    pub prefix_matches: Vec<(String, f64)>,
+    /// Eligible endpoints the pipeline's filters keep out (saturated by their own metrics).
+    pub saturated: Vec<String>,
+    /// The prompt's blocks, and whether it had a conversation and a session key.
+    pub blocks: usize,
+    pub conversation_key: bool,
+    pub session_key: bool,
+}
+
+impl Proxy {
+    /// What the pick would do for a request to `path` with `body` and `headers`, without sending it.
+    pub fn explain(
+        &self,
+        path: &str,
+        body: &bytes::Bytes,
+        headers: &http::HeaderMap,
+    ) -> PickExplanation {
+        let settings = self.settings();
+        let keys = super::request::affinity_keys(
+            &settings,
+            crate::openai::Api::of_path(path),
+            Some(body),
+            headers,
+        );
+        let snapshot = self.registry.snapshot();
+        let now = Instant::now();
+        let ctx = PickContext {
+            now,
+            slow_start_ms: millis_of(settings.balance.slow_start),
+            ignore_health: false,
+            pipeline: &settings.balance.pipeline,
+            fleet_latency_us: self.fleet_latency_us(),
+            latency_decay_ms: millis_of(settings.balance.latency_decay),
+            signals_max_age_ms: self.signals_window(&settings, now),
+            keys: None,
+            affinity: None,
+        };
+        let explained = balance::explain(
+            &snapshot,
+            &ctx,
+            keys.as_deref().map(|keys| (keys, self.prefix_index())),
+        );
+        let url_of = |id: Option<EndpointId>| {
+            id.and_then(|id| snapshot.iter().find(|e| e.id() == id))
+                .map(|e| e.url().to_owned())
+        };
+        let prefix_matches = snapshot
+            .iter()
+            .filter_map(|e| {
+                let share = explained.affinity.matches.share(e);
+                (share > 0.0).then(|| (e.url().to_owned(), share))
+            })
+            .collect();
+        PickExplanation {
+            pick: explained.picked.map(|e| e.url().to_owned()),
+            conversation_home: url_of(explained.affinity.conversation_home),
+            session_home: url_of(explained.affinity.session_home),
+            prefix_matches,
+            saturated: explained
+                .filtered
+                .iter()
+                .map(|e| e.url().to_owned())
+                .collect(),
+            blocks: keys.as_ref().map_or(0, |k| k.prompt.blocks.len()),
+            conversation_key: keys
+                .as_ref()
+                .is_some_and(|k| k.prompt.conversation.is_some()),
+            session_key: keys.as_ref().is_some_and(|k| k.session.is_some()),
+        }
     }
 }

@@ -100,12 +100,15 @@ impl Proxy {
         }
         // The relay may rewrite a continuation's chunks: the length is not the node's any more.
         parts.headers.remove(header::CONTENT_LENGTH);
+        // A continuation reads its own keys from its own body: the stream keeps none meanwhile.
+        let mut tried = at.tried;
+        tried.keys = None;
         let continuer = Continuer {
             proxy: Arc::clone(self),
             worker: Arc::clone(at.worker),
             settings: Arc::clone(at.settings),
             template: at.template.for_new_body(),
-            tried: at.tried,
+            tried,
             request_id: at.request_id.clone(),
             place: at.place.clone(),
             deadline: at.deadline,
@@ -195,6 +198,13 @@ impl Continuer {
             deadline: self.deadline,
             body,
         };
+        // The continuation's prompt is the client's and the answer so far: placed by its own blocks.
+        self.tried.keys = super::request::affinity_keys(
+            &self.settings,
+            self.template.openai_api(),
+            sending.body.bytes(),
+            self.template.headers(),
+        );
         let started = Instant::now();
         let outcome = tokio::time::timeout_at(self.deadline, self.attempts(&sending)).await;
         let request_id = self.request_id.to_str().unwrap_or_default().to_owned();

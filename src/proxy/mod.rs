@@ -35,6 +35,7 @@ use http::Response;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
+pub use self::acquire::PickExplanation;
 use self::acquire::{Stop, Tried};
 use self::attempt::{Attempt, Failure, Sending};
 use self::continuation::Committing;
@@ -43,7 +44,7 @@ pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
 pub use self::stream::StreamSettings;
 use crate::admission::{Queue, Refusal};
-use crate::balance::Pipeline;
+use crate::balance::{Pipeline, PrefixIndex, Saturation, Unsaturated};
 use crate::breaker::BreakerSettings;
 use crate::config::{BalancePolicy, Config};
 use crate::http::ProxyBody;
@@ -88,11 +89,45 @@ pub struct ProxySettings {
 /// `balancer.*`: how the pick ranks endpoints.
 #[derive(Clone, Debug)]
 pub struct BalanceSettings {
-    /// `balancer.policy`, and the pick's filters and scorers it names.
+    /// `balancer.policy`.
     pub policy: BalancePolicy,
+    /// The pick's filters and scorers (`balancer.scorers`, saturation when `signals` are on).
     pub pipeline: Arc<Pipeline>,
     pub latency_decay: Duration,
     pub slow_start: Duration,
+    /// How old the nodes' own metrics may be and still count (zero: `signals` are off).
+    pub signals_max_age: Duration,
+    /// `balancer.affinity`: what a request's affinity is read from.
+    pub affinity: AffinitySettings,
+}
+
+/// `balancer.affinity`: what a request's affinity is read from.
+#[derive(Clone, Debug)]
+pub struct AffinitySettings {
+    pub session_header: Option<http::HeaderName>,
+    pub user_field: bool,
+    pub block_bytes: usize,
+    pub index_blocks: usize,
+}
+
+impl BalanceSettings {
+    /// The pipeline `config` names: its scorers by weight, and the saturation filter when the nodes'
+    /// own metrics are read.
+    pub fn pipeline_of(config: &Config) -> Pipeline {
+        let weights = config.balancer.scorer_weights();
+        let named: Vec<(&str, f64)> = weights.iter().map(|(n, w)| (n.as_str(), *w)).collect();
+        // Names were validated with the configuration; an unknown one cannot reach here, but if it
+        // did the policy's scorer alone is the safe pick.
+        let pipeline =
+            Pipeline::of(&named).unwrap_or_else(|_| Pipeline::for_policy(config.balancer.policy));
+        if config.signals.enabled {
+            pipeline.with_filter(Box::new(Unsaturated(Saturation::from_config(
+                &config.signals.saturation,
+            ))))
+        } else {
+            pipeline
+        }
+    }
 }
 
 /// `hedge.*`: second attempts beside a slow first one.
@@ -133,9 +168,24 @@ impl ProxySettings {
             suspect_grace: config.health.timeout.get(),
             balance: BalanceSettings {
                 policy: config.balancer.policy,
-                pipeline: Arc::new(Pipeline::for_policy(config.balancer.policy)),
+                pipeline: Arc::new(BalanceSettings::pipeline_of(config)),
                 latency_decay: config.balancer.latency_decay.get(),
                 slow_start: config.balancer.slow_start.get(),
+                signals_max_age: if config.signals.enabled {
+                    config.signals.max_age.get()
+                } else {
+                    Duration::ZERO
+                },
+                affinity: AffinitySettings {
+                    session_header: config
+                        .balancer
+                        .affinity
+                        .session_header()
+                        .map(|h| h.name().clone()),
+                    user_field: config.balancer.affinity.user_field,
+                    block_bytes: config.balancer.affinity.block_bytes,
+                    index_blocks: config.balancer.affinity.index_blocks,
+                },
             },
             hedge: HedgeSettings {
                 enabled: config.hedge.enabled,
@@ -182,6 +232,8 @@ pub struct Proxy {
     /// Upgraded (WebSocket) connections, tracked so graceful shutdown can wait for them.
     upgrades: TaskTracker,
     metrics: Arc<Metrics>,
+    /// Which prompt blocks went to which endpoints (see `balance::affinity`).
+    prefix_index: PrefixIndex,
 }
 
 /// What one worker thread owns on the request path: its pooled connections, its retry budget and its
@@ -220,6 +272,7 @@ impl Proxy {
         intake: &Intake,
     ) -> Self {
         Proxy {
+            prefix_index: PrefixIndex::new(settings.balance.affinity.index_blocks),
             registry,
             queue,
             fleet_latency: AtomicU64::new(0),
@@ -240,7 +293,14 @@ impl Proxy {
     /// Applies reloaded settings: requests from now on use them; requests under way keep what they
     /// read.
     pub fn apply(&self, settings: ProxySettings) {
+        self.prefix_index
+            .resize(settings.balance.affinity.index_blocks);
         self.settings.store(Arc::new(settings));
+    }
+
+    /// Which prompt blocks went to which endpoints.
+    pub fn prefix_index(&self) -> &PrefixIndex {
+        &self.prefix_index
     }
 
     /// What this pool records requests into.
@@ -323,6 +383,13 @@ impl Proxy {
             }
             _ => None,
         };
+        let mut tried = Tried::default();
+        tried.keys = request::affinity_keys(
+            settings,
+            template.openai_api(),
+            body.bytes(),
+            template.headers(),
+        );
         let sending = Sending {
             settings: Arc::clone(settings),
             upstream: worker.upstream.clone(),
@@ -330,7 +397,6 @@ impl Proxy {
             body,
         };
         let body = &sending.body;
-        let mut tried = Tried::default();
         let mut last_failure: Option<Failure> = None;
         // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
         let mut queued = Duration::ZERO;

@@ -15,12 +15,45 @@ use super::attempt::Slot;
 use std::sync::Arc;
 
 use crate::admission::{Place, Priority, Tenant};
+use crate::balance::RequestKeys;
 use crate::endpoint::Endpoint;
 use crate::http::ProxyError;
 use crate::http::headers::{self, X_REQUEST_ID, X_TONGS_RETRY};
-use crate::openai::Api;
+use crate::openai::{Api, prefix};
 use crate::trace::{AttemptKind, RequestTrace};
 use crate::upstream::UpstreamBody;
+
+/// What the request carries for affinity (its prompt's blocks and conversation, its session), when
+/// the pool's pipeline reads affinity: from an OpenAI completion's buffered body, and the session
+/// header (or, with `user_field`, the body's `user`). `None` when there is nothing to place it by.
+pub(super) fn affinity_keys(
+    settings: &ProxySettings,
+    api: Option<Api>,
+    body: Option<&bytes::Bytes>,
+    headers: &HeaderMap,
+) -> Option<Box<RequestKeys>> {
+    if !settings.balance.pipeline.uses_affinity() {
+        return None;
+    }
+    let affinity = &settings.balance.affinity;
+    let prompt = match (api, body) {
+        (Some(api), Some(body)) => prefix::prompt_keys(api, body, affinity.block_bytes),
+        _ => None,
+    }
+    .unwrap_or_default();
+    let header = affinity
+        .session_header
+        .as_ref()
+        .and_then(|name| headers.get(name))
+        .map(|value| prefix::session_key(value.as_bytes()));
+    let session = header.or(if affinity.user_field {
+        prompt.user
+    } else {
+        None
+    });
+    let keys = RequestKeys { prompt, session };
+    (!keys.is_empty()).then(|| Box::new(keys))
+}
 
 /// The client's request, read once.
 pub(super) struct ClientRequest {

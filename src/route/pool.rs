@@ -9,7 +9,7 @@ use http::HeaderValue;
 use tokio_util::sync::CancellationToken;
 
 use crate::admission::{Queue, QueueSettings};
-use crate::config::{HealthConfig, PoolMatch, PoolSpec, model_matches};
+use crate::config::{HealthConfig, PoolMatch, PoolSpec, SignalsConfig, model_matches};
 use crate::endpoint::SlotFreed;
 use crate::limit::LimitSettings;
 use crate::metrics::Metrics;
@@ -34,6 +34,8 @@ pub struct Pool {
     proxy: Arc<Proxy>,
     /// Heartbeat settings, replaced by a reload.
     health: Arc<ArcSwap<HealthConfig>>,
+    /// How the model servers' own metrics are read, replaced by a reload.
+    signals: Arc<ArcSwap<SignalsConfig>>,
     /// Where its endpoints come from, one source of each kind.
     sources: Sources,
     /// Stops the pool's background tasks (heartbeats, sources) once it is removed.
@@ -78,6 +80,7 @@ impl Pool {
             rules: ArcSwap::default(),
             proxy,
             health: Arc::new(ArcSwap::from_pointee(HealthConfig::default())),
+            signals: Arc::new(ArcSwap::from_pointee(SignalsConfig::default())),
             sources,
             tasks: Mutex::new(None),
         })
@@ -102,6 +105,7 @@ impl Pool {
             health.models_interval = crate::config::HumanDuration::from_secs(0);
         }
         self.health.store(Arc::new(health));
+        self.signals.store(Arc::new(config.signals.clone()));
         errors.extend(
             self.sources
                 .configure(&spec.name, config)
@@ -158,6 +162,10 @@ impl Pool {
 
     pub fn health(&self) -> &Arc<ArcSwap<HealthConfig>> {
         &self.health
+    }
+
+    pub fn signals(&self) -> &Arc<ArcSwap<SignalsConfig>> {
+        &self.signals
     }
 
     pub fn sources(&self) -> &Sources {

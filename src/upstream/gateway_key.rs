@@ -168,6 +168,7 @@ mod tests {
                 url: (*url).to_owned(),
                 weight: 1,
                 max_outstanding: None,
+                engine: None,
             })
             .collect();
         config

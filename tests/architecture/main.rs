@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first. A module may use only modules of lower layers.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("wire", &["config", "header", "openai"]),
+    ("protocols", &["engine", "header", "openai"]),
+    ("configuration", &["config"]),
     ("ground", &["breaker", "readiness"]),
     ("rules", &["limit", "admission"]),
     ("vocabulary", &["http", "endpoint", "trace"]),

@@ -409,6 +409,7 @@ async fn static_endpoints_serve_beside_pods() {
             url: fixed.url(),
             weight: 1,
             max_outstanding: None,
+            engine: None,
         });
     let proxy = start_proxy(config).await;
     until_urls(&proxy, &[&pod_node.url(), &fixed.url()]).await;

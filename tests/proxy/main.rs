@@ -16,6 +16,7 @@ mod backpressure;
 mod balancing;
 mod bodies;
 mod continuation;
+mod engine;
 mod forwarding;
 mod gray;
 mod latency;

@@ -62,13 +62,18 @@ impl TestProxy {
 }
 
 /// Config text with the listeners on ephemeral loopback ports and the given endpoint URLs appended;
-/// heartbeats are off unless `extra_yaml` configures `health:`.
+/// heartbeats and the reading of the nodes' metrics are off unless `extra_yaml` configures `health:` or
+/// `signals:`.
 pub fn config_with(extra_yaml: &str, endpoints: &[String]) -> Config {
     let mut text = String::from("listen: 127.0.0.1:0\nadmin: { listen: 127.0.0.1:0 }\n");
     // Heartbeats would add GET /health requests to every backend's count; tests that are about
     // heartbeats configure them themselves.
     if !extra_yaml.contains("health:") {
         text.push_str("health: { enabled: false }\n");
+    }
+    // The same for reading the nodes' own metrics (`GET /metrics`), for tests not about them.
+    if !extra_yaml.contains("signals:") {
+        text.push_str("signals: { enabled: false }\n");
     }
     text.push_str(extra_yaml);
     if !endpoints.is_empty() {

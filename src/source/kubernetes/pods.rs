@@ -35,10 +35,11 @@ pub enum Reason {
     LoopbackPodIp,
     BadWeight,
     BadMaxOutstanding,
+    BadEngine,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 8] = [
+    pub const ALL: [Reason; 9] = [
         Reason::BadUrl,
         Reason::UrlNotAllowed,
         Reason::BadTailscaleAddress,
@@ -47,6 +48,7 @@ impl Reason {
         Reason::LoopbackPodIp,
         Reason::BadWeight,
         Reason::BadMaxOutstanding,
+        Reason::BadEngine,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -59,6 +61,7 @@ impl Reason {
             Reason::LoopbackPodIp => "loopback-pod-ip",
             Reason::BadWeight => "bad-weight",
             Reason::BadMaxOutstanding => "bad-max-outstanding",
+            Reason::BadEngine => "bad-engine",
         }
     }
 }
@@ -103,6 +106,7 @@ impl PodFacts {
             &keys.port,
             &keys.weight,
             &keys.max_outstanding,
+            &keys.engine,
         ];
         let mut annotations = BTreeMap::new();
         let mut salad = false;
@@ -113,6 +117,12 @@ impl PodFacts {
                 }
             }
             salad |= all.contains_key(SALAD_PORT_ANNOTATION);
+        }
+        // The engine may be a label as well (a Deployment's pods are labelled alike); the annotation wins.
+        if let Some(label) = meta.labels.as_ref().and_then(|l| l.get(keys.engine.as_str())) {
+            annotations
+                .entry(keys.engine.clone())
+                .or_insert_with(|| label.trim().to_owned());
         }
         let spec = pod.spec.as_ref();
         salad |= spec
@@ -300,6 +310,19 @@ impl Rules {
                 }
             },
         };
+        let engine = match pod.annotation(&keys.engine) {
+            None => None,
+            Some(text) => match text.parse::<crate::engine::Engine>() {
+                Ok(engine) => Some(engine),
+                Err(error) => {
+                    rejections.push(Rejection {
+                        reason: Reason::BadEngine,
+                        detail: format!("{}: {error}; signals.engine is used", keys.engine),
+                    });
+                    None
+                }
+            },
+        };
         let Some((rule, (url, parsed))) = found else {
             return Derived {
                 state: PodState::NoAddress,
@@ -319,6 +342,7 @@ impl Rules {
                     source: "kubernetes",
                     pod: Some(Arc::clone(&pod.key)),
                     max_outstanding,
+                    engine,
                 },
             }),
             rule: Some(rule),

@@ -38,6 +38,7 @@ pub fn specs(config: &Config) -> Vec<EndpointSpec> {
             let parsed = EndpointUrl::parse(&endpoint.url).ok()?;
             let mut spec = EndpointSpec::new(endpoint.url.clone(), parsed, endpoint.weight);
             spec.origin.max_outstanding = endpoint.max_outstanding;
+            spec.origin.engine = endpoint.engine;
             Some(spec)
         })
         .collect()

@@ -1,8 +1,39 @@
 //! Spreading load: the balancer's policy, per-endpoint concurrency limits, and the queue.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Header, HumanDuration, Problem};
+use crate::openai::prefix::{BLOCK_BYTES_MAX, BLOCK_BYTES_MIN};
+
+/// Every scorer tongs has, by the name `balancer.scorers` gives it. tongs' own registry of scorers
+/// (`balance::SCORERS`) must list the same names; a test there checks it.
+pub const SCORER_NAMES: &[&str] = &[
+    "expected-latency",
+    "least-outstanding",
+    "queue",
+    "kv-cache",
+    "prefix",
+    "session",
+];
+
+/// What `balancer.scorers` is when the file leaves it out: `policy`'s scorer, then the model
+/// servers' own load and the affinities, each with the weight that works untuned on a fleet that serves
+/// metrics and on one that does not (a scorer without its signal scores every node alike).
+pub fn default_scorers(policy: BalancePolicy) -> Vec<(&'static str, f64)> {
+    let load = match policy {
+        BalancePolicy::ExpectedLatency => "expected-latency",
+        BalancePolicy::LeastOutstanding => "least-outstanding",
+    };
+    vec![
+        (load, 1.0),
+        ("queue", 1.0),
+        ("kv-cache", 1.0),
+        ("prefix", 2.0),
+        ("session", 3.0),
+    ]
+}
 
 /// How the balancer ramps endpoints in.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -17,6 +48,118 @@ pub struct BalancerConfig {
     /// A new or recovered endpoint's share of traffic ramps from 10 % to 100 % over this window; 0s
     /// turns slow start off.
     pub slow_start: HumanDuration,
+    /// The pick's scorers by name, each with its weight. Each scorer gives a node a cost factor; a
+    /// node's cost is the product of its factors, each raised to its weight (so weights compare across
+    /// scorers whatever their units). Unset: `policy`'s scorer 1, `queue` 1, `kv-cache` 1, `prefix` 2,
+    /// `session` 3. A scorer left out is not asked; a weight of 0 is the same.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scorers: Option<BTreeMap<String, f64>>,
+    /// Keeping a conversation where its prompt is cached.
+    pub affinity: AffinityConfig,
+}
+
+/// How requests are kept where their prompt's prefix is cached, or on their session's node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AffinityConfig {
+    /// A request header naming the request's session: its requests stay on one node while that node
+    /// is healthy and not saturated. Empty: none.
+    pub session_header: String,
+    /// The OpenAI `user` field is the session when no header names one.
+    pub user_field: bool,
+    /// Prompt bytes per hashed block (llm-d's 16 tokens are about 64 bytes).
+    pub block_bytes: usize,
+    /// Most block hashes the pool's prefix index keeps, least recently used first out (about 100
+    /// bytes each, so the default is about 20 MB at most).
+    pub index_blocks: usize,
+}
+
+impl Default for AffinityConfig {
+    fn default() -> Self {
+        AffinityConfig {
+            session_header: "x-session-id".into(),
+            user_field: true,
+            block_bytes: 64,
+            index_blocks: 200_000,
+        }
+    }
+}
+
+impl AffinityConfig {
+    /// The session header's name, when there is one.
+    pub fn session_header(&self) -> Option<Header> {
+        if self.session_header.is_empty() {
+            return None;
+        }
+        http::HeaderName::from_bytes(self.session_header.as_bytes())
+            .ok()
+            .map(Header)
+    }
+}
+
+impl BalancerConfig {
+    /// The scorers and weights the pick uses, in a fixed order (the file's map is sorted by name).
+    pub fn scorer_weights(&self) -> Vec<(String, f64)> {
+        match &self.scorers {
+            Some(given) => given
+                .iter()
+                .filter(|(_, weight)| **weight > 0.0)
+                .map(|(name, weight)| (name.clone(), *weight))
+                .collect(),
+            None => default_scorers(self.policy)
+                .into_iter()
+                .map(|(name, weight)| (name.to_owned(), weight))
+                .collect(),
+        }
+    }
+
+    pub(super) fn validate(&self, problems: &mut Vec<Problem>) {
+        let mut problem =
+            |field: String, message: String| problems.push(Problem { field, message });
+        if let Some(scorers) = &self.scorers {
+            for (name, weight) in scorers {
+                if !SCORER_NAMES.contains(&name.as_str()) {
+                    problem(
+                        format!("balancer.scorers.{name}"),
+                        format!("is no scorer; there are {}", SCORER_NAMES.join(", ")),
+                    );
+                } else if !(0.0..=100.0).contains(weight) {
+                    problem(
+                        format!("balancer.scorers.{name}"),
+                        format!("must be a weight from 0 to 100, got {weight}"),
+                    );
+                }
+            }
+            if !scorers.values().any(|weight| *weight > 0.0) {
+                problem(
+                    "balancer.scorers".into(),
+                    "must give at least one scorer a weight above 0".into(),
+                );
+            }
+        }
+        let affinity = &self.affinity;
+        if !affinity.session_header.is_empty() && affinity.session_header().is_none() {
+            problem(
+                "balancer.affinity.session_header".into(),
+                format!("{:?} is not a valid header name", affinity.session_header),
+            );
+        }
+        if !(BLOCK_BYTES_MIN..=BLOCK_BYTES_MAX).contains(&affinity.block_bytes) {
+            problem(
+                "balancer.affinity.block_bytes".into(),
+                format!(
+                    "must be between {BLOCK_BYTES_MIN} and {BLOCK_BYTES_MAX}, got {}",
+                    affinity.block_bytes
+                ),
+            );
+        }
+        if affinity.index_blocks > 100_000_000 {
+            problem(
+                "balancer.affinity.index_blocks".into(),
+                format!("must be at most 100000000, got {}", affinity.index_blocks),
+            );
+        }
+    }
 }
 
 impl Default for BalancerConfig {
@@ -25,6 +168,8 @@ impl Default for BalancerConfig {
             policy: BalancePolicy::ExpectedLatency,
             latency_decay: HumanDuration::from_secs(10),
             slow_start: HumanDuration::from_secs(5),
+            scorers: None,
+            affinity: AffinityConfig::default(),
         }
     }
 }
@@ -122,10 +267,10 @@ impl ConcurrencyConfig {
             |field: String, message: String| problems.push(Problem { field, message });
         for (field, value) in [
             (
-                "self.max_outstanding_per_endpoint",
+                "concurrency.max_outstanding_per_endpoint",
                 self.max_outstanding_per_endpoint,
             ),
-            ("self.min_limit", self.min_limit),
+            ("concurrency.min_limit", self.min_limit),
         ] {
             if !(1..=100_000).contains(&value) {
                 problem(
@@ -136,16 +281,16 @@ impl ConcurrencyConfig {
         }
         if self.max_limit < self.min_limit || self.max_limit > 100_000 {
             problem(
-                "self.max_limit".into(),
+                "concurrency.max_limit".into(),
                 format!(
-                    "must be between self.min_limit ({}) and 100000, got {}",
+                    "must be between concurrency.min_limit ({}) and 100000, got {}",
                     self.min_limit, self.max_limit
                 ),
             );
         }
         if !(0.1..1.0).contains(&self.backoff_ratio) {
             problem(
-                "self.backoff_ratio".into(),
+                "concurrency.backoff_ratio".into(),
                 format!(
                     "must be at least 0.1 and below 1, got {}",
                     self.backoff_ratio

@@ -30,6 +30,9 @@ pub struct StaticEndpoint {
     /// slot free anywhere rather than in this endpoint's own queue. Unset: no cap of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_outstanding: Option<u64>,
+    /// The model server it runs, for the names of its metrics. Unset: `signals.engine`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<crate::engine::Engine>,
 }
 
 fn default_weight() -> u32 {
@@ -207,6 +210,7 @@ mod tests {
             url: url.into(),
             weight: 1,
             max_outstanding: None,
+            engine: None,
         };
         let config = DiscoveryConfig {
             static_endpoints: vec![

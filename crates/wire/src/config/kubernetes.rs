@@ -108,6 +108,9 @@ pub struct AnnotationKeys {
     pub port: String,
     pub weight: String,
     pub max_outstanding: String,
+    /// The model server the pod runs (`vllm`, `sglang`, `tgi`), for the names of its metrics; read
+    /// from the pod's annotations, then its labels. Unset: `signals.engine`.
+    pub engine: String,
 }
 
 impl Default for AnnotationKeys {
@@ -118,6 +121,7 @@ impl Default for AnnotationKeys {
             port: "tongs.dev/port".into(),
             weight: "tongs.dev/weight".into(),
             max_outstanding: "tongs.dev/max-outstanding".into(),
+            engine: "tongs.dev/engine".into(),
         }
     }
 }
@@ -303,6 +307,7 @@ impl KubernetesConfig {
                 "annotations.max_outstanding",
                 &self.annotations.max_outstanding,
             ),
+            ("annotations.engine", &self.annotations.engine),
         ];
         for (field, key) in keys {
             if let Err(message) = annotation_key(key) {

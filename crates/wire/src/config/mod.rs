@@ -19,6 +19,7 @@ mod resilience;
 mod salad;
 mod selector;
 mod server;
+mod signals;
 mod upstream;
 mod yaml;
 
@@ -29,7 +30,10 @@ use serde::{Deserialize, Serialize};
 
 pub use address::{AddressGuard, guard, parse_address};
 pub use auth::{AuthConfig, TenantConfig, TenantPriority, parse_keys, tenant_name};
-pub use balance::{BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig};
+pub use balance::{
+    AffinityConfig, BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig,
+    SCORER_NAMES, default_scorers,
+};
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
 pub use header::Header;
@@ -45,6 +49,7 @@ pub use resilience::{BreakerConfig, HealthConfig, HealthRequest, RetryConfig, Re
 pub use salad::{KeyError, SaladApiConfig, SaladConfig};
 pub use selector::{LabelSelector, Requirement, is_label_value, parse_label_selector};
 pub use server::{AdminConfig, Limits, ShutdownConfig, Timeouts};
+pub use signals::{Saturation, SignalsConfig};
 pub use upstream::{DomainPattern, ProxyKind, TailscaleConfig, UpstreamConfig, parse_proxy};
 pub use yaml::{load_validated, parse_validated, parse_yaml};
 
@@ -81,6 +86,8 @@ pub struct Config {
     pub balancer: BalancerConfig,
     pub concurrency: ConcurrencyConfig,
     pub queue: QueueConfig,
+    /// The model servers' own load, read from their metrics.
+    pub signals: SignalsConfig,
     pub shutdown: ShutdownConfig,
     /// Inbound API keys and the tenants they name.
     pub auth: AuthConfig,
@@ -112,6 +119,7 @@ impl Default for Config {
             balancer: BalancerConfig::default(),
             concurrency: ConcurrencyConfig::default(),
             queue: QueueConfig::default(),
+            signals: SignalsConfig::default(),
             shutdown: ShutdownConfig::default(),
             auth: AuthConfig::default(),
             replicas: ReplicasConfig::default(),
@@ -269,6 +277,10 @@ impl Config {
                 false,
             ),
             ("queue.max_wait", self.queue.max_wait, false),
+            ("signals.interval", self.signals.interval, false),
+            ("signals.timeout", self.signals.timeout, false),
+            ("signals.max_age", self.signals.max_age, false),
+            ("signals.absent_retry", self.signals.absent_retry, false),
             (
                 "queue.max_wait_no_endpoints",
                 self.queue.max_wait_no_endpoints.unwrap_or_default(),
@@ -313,6 +325,8 @@ impl Config {
         self.continuation.validate(&mut problems);
         self.concurrency.validate(&mut problems);
         self.queue.validate(&mut problems);
+        self.signals.validate(&mut problems);
+        self.balancer.validate(&mut problems);
         self.limits.validate(&mut problems);
         self.admin.validate(&mut problems);
         self.upstream.validate(&mut problems);

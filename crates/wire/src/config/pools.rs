@@ -54,6 +54,8 @@ pub struct PoolConfig {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queue: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signals: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retry: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub health: Option<Value>,
@@ -163,6 +165,7 @@ impl Config {
             &mut problems,
         );
         merge(&mut config.queue, &pool.queue, "queue", &mut problems);
+        merge(&mut config.signals, &pool.signals, "signals", &mut problems);
         merge(&mut config.retry, &pool.retry, "retry", &mut problems);
         merge(&mut config.health, &pool.health, "health", &mut problems);
         merge(&mut config.breaker, &pool.breaker, "breaker", &mut problems);
@@ -364,6 +367,7 @@ const OVERRIDABLE: &[&str] = &[
     "balancer.",
     "concurrency.",
     "queue.",
+    "signals.",
     "retry.",
     "health.",
     "breaker.",

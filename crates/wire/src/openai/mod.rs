@@ -9,10 +9,12 @@
 //! - [`Splicer`]: what the client has been sent so far, the continuation request, and the rewriting of
 //!   a continuation's chunks into the first piece's stream;
 //! - [`sse`]: the stream cut into whole events;
+//! - [`prefix`]: the prompt's chained block hashes and conversation key, for cache affinity;
 //! - [`model_of`]: the `model` a request body names, and [`with_model`] the body naming another.
 
 mod head;
 mod model;
+pub mod prefix;
 pub mod splice;
 pub mod sse;
 
