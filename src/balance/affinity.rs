@@ -206,6 +206,8 @@ impl Matches {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Affinity {
     pub matches: Matches,
+    /// The share of the prompt its opening is (what other conversations may share).
+    pub opening_share: f64,
     /// The conversation's home among the nodes that may take it.
     pub conversation_home: Option<EndpointId>,
     /// The session's home among the nodes that may take it.

@@ -238,8 +238,14 @@ fn resolve(
     keys: &RequestKeys,
     index: &PrefixIndex,
 ) -> Affinity {
+    let blocks = keys.prompt.blocks.len();
     let mut found = Affinity {
         matches: index.matches(&keys.prompt.blocks),
+        opening_share: if blocks == 0 {
+            0.0
+        } else {
+            keys.prompt.opening_blocks.min(blocks) as f64 / blocks as f64
+        },
         ..Affinity::default()
     };
     let (conversation, session) = (keys.prompt.conversation, keys.session);

@@ -3,16 +3,15 @@
 //! until it is `2^w` times as loaded as the best other (load wins over affinity when the fleet is that
 //! imbalanced, and saturation filters a full node out first).
 //!
-//! The share is the larger of what the pool's prefix index says this tongs sent the node (see
-//! [`affinity`](super::affinity)) and, for the conversation's home (its rendezvous choice, which every
-//! replica computes alike), [`HOME_SHARE`]: a replica that never saw the conversation still sends it
-//! where the others do, and a node that really holds more of the prompt still wins over the home.
+//! The conversation's home (its rendezvous choice, which every replica computes alike) is credited
+//! with the whole prompt: a replica that never saw the conversation sends it where the others do.
+//! Another node is credited with what the pool's prefix index says this tongs sent it (see
+//! [`affinity`](super::affinity)), when that reaches past the prompt's opening (the part other
+//! conversations share, such as a system prompt): after a move, the node the conversation moved to; a
+//! prompt without a conversation key, wherever its prefix went.
 
 use super::PickContext;
 use super::score::{Cost, FACTOR_ONE, Reads, Scorer, Sight};
-
-/// The share the conversation's home is credited with.
-pub const HOME_SHARE: f64 = 0.9;
 
 #[derive(Debug, Default)]
 pub struct Prefix;
@@ -31,10 +30,19 @@ impl Scorer for Prefix {
         let Some(affinity) = ctx.affinity else {
             return Cost::ONE;
         };
-        let mut share = affinity.matches.share(sight.endpoint);
-        if affinity.conversation_home == Some(sight.endpoint.id()) {
-            share = share.max(HOME_SHARE);
-        }
+        let share = if affinity.conversation_home == Some(sight.endpoint.id()) {
+            1.0
+        } else {
+            // Elsewhere, only a match past the opening is this conversation's: the opening (a system
+            // prompt) may be on many nodes, and crediting it would let each replica's own history
+            // pull the conversation away from the home they agree on.
+            let share = affinity.matches.share(sight.endpoint);
+            if share <= affinity.opening_share {
+                0.0
+            } else {
+                share
+            }
+        };
         if share <= 0.0 {
             return Cost::ONE;
         }

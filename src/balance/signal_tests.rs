@@ -132,6 +132,7 @@ fn keys(blocks: &[u64], conversation: Option<u64>, session: Option<u64>) -> Requ
         prompt: PromptKeys {
             blocks: blocks.to_vec(),
             conversation,
+            opening_blocks: 0,
             user: None,
         },
         session,

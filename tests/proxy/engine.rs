@@ -339,3 +339,80 @@ async fn nodes_without_metrics_have_no_signals_and_are_balanced_as_before() {
     }
     proxy.stop().await;
 }
+
+/// Two tongs replicas in front of one fleet share nothing; a conversation's turns alternate between
+/// them, as a Service spreads them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_keep_a_conversation_on_one_node_and_move_it_as_a_whole() {
+    let fleet = sim_fleet(6, engine_nodes(5, 100, |_| {})).await;
+    let urls: Vec<String> = fleet.nodes().iter().map(|n| n.url()).collect();
+    let health = "health: { path: /health, interval: 100ms, fast_interval: 50ms, timeout: 300ms, \
+                  unhealthy_threshold: 2, healthy_threshold: 1 }\n";
+    let config = format!("{SIGNALS}{health}balancer: {{ slow_start: 0s }}\n");
+    let replicas = [
+        start_proxy(config_with(&config, &urls)).await,
+        start_proxy(config_with(&config, &urls)).await,
+    ];
+    let turn = |conversation: usize, turns: usize| {
+        let url = replicas[turns % 2].url("/v1/chat/completions");
+        async move { chat(&url, &history(conversation, turns), &[]).await }
+    };
+    let mut homes = Vec::new();
+    for conversation in 0..6 {
+        let (status, first) = turn(conversation, 1).await;
+        assert_eq!(status, 200);
+        for turns in 2..=5 {
+            let (status, node) = turn(conversation, turns).await;
+            assert_eq!(status, 200);
+            assert_eq!(
+                node,
+                first,
+                "conversation {conversation}, turn {turns} (replica {})",
+                turns % 2
+            );
+        }
+        homes.push(first);
+    }
+    // Both replicas name the same home, and say so.
+    for replica in &replicas {
+        let explained = explain(replica, &history(0, 6)).await;
+        let at = fleet
+            .nodes()
+            .iter()
+            .position(|n| n.name() == homes[0])
+            .unwrap();
+        assert_eq!(
+            explained["conversation_home"],
+            urls[at].as_str(),
+            "{explained}"
+        );
+    }
+    // Conversation 0's node goes: both replicas move its next turns to one and the same node.
+    let at = fleet
+        .nodes()
+        .iter()
+        .position(|n| n.name() == homes[0])
+        .unwrap();
+    fleet.nodes()[at].set_condition(Condition::Interrupted {
+        kind: InterruptionKind::Refuse,
+        factor: 1.0,
+    });
+    for replica in &replicas {
+        eventually_async("the node is declared down", Duration::from_secs(10), || {
+            let home = urls[at].as_str();
+            async move { explain(replica, &history(0, 6)).await["pick"] != home }
+        })
+        .await;
+    }
+    let mut moved = std::collections::BTreeSet::new();
+    for turns in 6..=9 {
+        let (status, node) = turn(0, turns).await;
+        assert_eq!(status, 200);
+        assert_ne!(node, homes[0]);
+        moved.insert(node);
+    }
+    assert_eq!(moved.len(), 1, "the conversation scattered: {moved:?}");
+    for replica in replicas {
+        replica.stop().await;
+    }
+}

@@ -13,7 +13,9 @@
 //! The conversation key is the hash of the stream up to the end of the first user message (chat), so
 //! every turn of one conversation, and the continuation of a broken answer, has the same key while two
 //! conversations that share a system prompt do not; for completions it is the hash of the first four
-//! blocks (the last of them, as blocks chain). XXH3 is specified, so every tongs replica computes the
+//! blocks (the last of them, as blocks chain). The blocks before that point are the opening, which
+//! other conversations may share (a system prompt): a node that holds only them does not hold this
+//! conversation. XXH3 is specified, so every tongs replica computes the
 //! same keys.
 //!
 //! Pure and bounded: a body that is not such a request has no keys; nothing here panics on input.
@@ -40,6 +42,9 @@ pub struct PromptKeys {
     pub blocks: Vec<u64>,
     /// The conversation the request belongs to (see the module's documentation).
     pub conversation: Option<u64>,
+    /// The blocks the conversation key covers (those before the end of the first user message, or a
+    /// completion's first four): what other conversations may share, such as a system prompt.
+    pub opening_blocks: usize,
     /// The hash of the OpenAI `user` field, when the body names one.
     pub user: Option<u64>,
 }
@@ -56,11 +61,13 @@ pub fn prompt_keys(api: Api, body: &[u8], block_bytes: usize) -> Option<PromptKe
     let request: Request<'_> = serde_json::from_slice(body).ok()?;
     let seed = xxh3_64(request.model.as_deref().unwrap_or("").as_bytes());
     let mut blocks = Blocks::new(seed, block_bytes.clamp(BLOCK_BYTES_MIN, BLOCK_BYTES_MAX));
+    let opening_blocks;
     let conversation = match api {
         Api::Chat => {
             let messages = request.messages?;
             let mut conversation = Xxh3::with_seed(seed);
             let mut open = true;
+            let mut opening = 0;
             for message in &messages {
                 let role = message.role.as_deref().unwrap_or("");
                 let pieces = message.text()?;
@@ -76,15 +83,21 @@ pub fn prompt_keys(api: Api, body: &[u8], block_bytes: usize) -> Option<PromptKe
                     feed(piece.as_bytes());
                 }
                 feed(&[0x1E]);
-                if role == "user" {
+                if role == "user" && open {
                     open = false;
+                    opening = blocks.hashes.len();
                 }
             }
+            if open {
+                opening = blocks.hashes.len();
+            }
+            opening_blocks = opening;
             Some(conversation.digest())
         }
         Api::Completions => {
             blocks.feed(request.prompt?.text()?.as_bytes());
             let covered = blocks.hashes.len().min(COMPLETION_KEY_BLOCKS);
+            opening_blocks = covered;
             covered
                 .checked_sub(1)
                 .and_then(|last| blocks.hashes.get(last))
@@ -95,6 +108,7 @@ pub fn prompt_keys(api: Api, body: &[u8], block_bytes: usize) -> Option<PromptKe
     Some(PromptKeys {
         blocks: blocks.hashes,
         conversation,
+        opening_blocks,
         user,
     })
 }
@@ -228,6 +242,9 @@ mod tests {
         assert_eq!(a.blocks[..], b.blocks[..a.blocks.len()]);
         assert_eq!(a.conversation, b.conversation);
         assert!(a.conversation.is_some());
+        // The first turn is all opening; the later one has more after it.
+        assert_eq!(a.opening_blocks, a.blocks.len());
+        assert_eq!(b.opening_blocks, a.blocks.len());
 
         // Another conversation with the same system prompt shares the system prompt's blocks only.
         let other = chat(&[("system", SYSTEM), ("user", "Name a prime number.")]);
@@ -272,6 +289,7 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!(a.blocks.len(), 500 / 64);
         assert_eq!(a.conversation, Some(a.blocks[3]));
+        assert_eq!(a.opening_blocks, 4);
         // Shorter than a block: no blocks, no key, but still a request.
         let short = serde_json::json!({"prompt": "hi"});
         let c = prompt_keys(Api::Completions, &serde_json::to_vec(&short).unwrap(), 64).unwrap();
