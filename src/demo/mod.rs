@@ -18,8 +18,8 @@ pub use schedule::{HEADROOM, Shortfall, shortfall};
 
 use crate::config::{BalancePolicy, Config, HumanDuration, LimitMode, StaticEndpoint};
 use crate::sim::{
-    FirstToken, Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec, Preemption,
-    RandomInterruptions,
+    EngineSpec, FirstToken, Fleet, FleetConfig, Interruption, InterruptionKind, NodeSpec,
+    Preemption, RandomInterruptions,
 };
 use crate::{App, AppError};
 
@@ -122,6 +122,13 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             // its service time.
             spec.tokens = 16;
             spec.report_load = true;
+            // A continuous-batching server: its batch is its capacity, the rest wait in its own queue,
+            // and its /metrics says so (tongs reads it: the table's queue and KV columns). Its KV cache
+            // is sized so that a full batch of the load's short requests fills about half of it.
+            spec.engine = Some(EngineSpec {
+                kv_blocks: capacity * 4,
+                ..EngineSpec::default()
+            });
             if let Some((first_token, preemption)) = pauses(i % PROFILES.len()) {
                 spec.first_token = Some(first_token);
                 spec.preemption = Some(preemption);

@@ -25,6 +25,9 @@ struct NodeRow {
     circuit: &'static str,
     outstanding: u64,
     limit: Option<u64>,
+    /// The node's own queue and KV-cache use, as tongs reads them from its metrics (none: no reading).
+    queue: Option<u64>,
+    cache: Option<f64>,
     served: u64,
     errors: u64,
 }
@@ -66,12 +69,14 @@ pub fn snapshot(
         .map(|node| {
             let url = node.url();
             let endpoint = endpoints.iter().find(|e| e.url() == url);
+            let view = endpoint.map(|e| e.view(now, slow_start, max_age));
+            let signals = view.as_ref().map(|v| v.signals.clone()).filter(|s| s.fresh);
             let stats = node.stats();
             NodeRow {
                 name: node.name().to_owned(),
                 condition: node.condition().label(),
                 // The one word `/debug/endpoints` says: cooldown after a 503, probing, ejected too.
-                health: endpoint.map_or("-", |e| e.view(now, slow_start, max_age).state.as_str()),
+                health: view.as_ref().map_or("-", |v| v.state.as_str()),
                 circuit: endpoint.map_or("-", |e| match e.circuit().state() {
                     State::Closed { .. } => "closed",
                     State::Open { .. } => "open",
@@ -79,6 +84,8 @@ pub fn snapshot(
                 }),
                 outstanding: endpoint.map_or(0, |e| e.outstanding()),
                 limit: endpoint.and_then(|e| e.limit()),
+                queue: signals.as_ref().and_then(|s| s.waiting),
+                cache: signals.as_ref().and_then(|s| s.kv_cache),
                 served: stats.served,
                 errors: endpoint.map_or(0, |e| e.tally().failures())
                     + stats.gateway_503
@@ -124,6 +131,8 @@ const LEGEND: &str = "\
   tongs sees   the node's state in tongs, as /debug/endpoints names it (healthy, unhealthy, stalled,
                ejected, probing, cooldown after a 503, suspect, slow-start); circuit: its breaker
   outstanding  requests on the node now, against its concurrency limit; served / errors so far
+  queue, KV    what the node's own /metrics says, as tongs reads it: requests waiting in its own queue,
+               its KV cache in use (-: no fresh reading)
   ok           answers complete and exact; retried: sent again elsewhere; continued: streams resumed on
                another node; rejected: 503s tongs made itself; queued: waiting for a free slot now
 ";
@@ -132,20 +141,35 @@ fn render(view: &View) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>8} {:>7}",
-        "node", "node state", "tongs sees", "circuit", "outstanding", "limit", "served", "errors"
+        "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>5} {:>5} {:>8} {:>7}",
+        "node",
+        "node state",
+        "tongs sees",
+        "circuit",
+        "outstanding",
+        "limit",
+        "queue",
+        "KV",
+        "served",
+        "errors"
     );
     for node in &view.nodes {
         let limit = node.limit.map_or_else(|| "-".to_owned(), |l| l.to_string());
+        let queue = node.queue.map_or_else(|| "-".to_owned(), |q| q.to_string());
+        let cache = node
+            .cache
+            .map_or_else(|| "-".to_owned(), |c| format!("{:.0}%", 100.0 * c));
         let _ = writeln!(
             out,
-            "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>8} {:>7}",
+            "{:<12} {:<12} {:<10} {:<10} {:>11} {:>5} {:>5} {:>5} {:>8} {:>7}",
             node.name,
             node.condition,
             node.health,
             node.circuit,
             node.outstanding,
             limit,
+            queue,
+            cache,
             node.served,
             node.errors
         );
