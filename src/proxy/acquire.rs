@@ -214,20 +214,11 @@ impl Proxy {
     pub(super) fn pick(&self, settings: &ProxySettings, tried: &Tried) -> Pick {
         let now = Instant::now();
         let snapshot = self.registry.snapshot();
-        let mut ctx = PickContext {
-            now,
-            slow_start_ms: millis_of(settings.balance.slow_start),
-            ignore_health: false,
-            pipeline: &settings.balance.pipeline,
-            fleet_latency_us: self.fleet_latency_us(),
-            latency_decay_ms: millis_of(settings.balance.latency_decay),
-            signals_max_age_ms: millis_of(settings.balance.signals_max_age),
-            keys: tried
-                .keys
-                .as_deref()
-                .map(|keys| (keys, self.prefix_index())),
-            affinity: None,
-        };
+        let keys = tried
+            .keys
+            .as_deref()
+            .map(|keys| (keys, self.prefix_index()));
+        let mut ctx = self.pick_context(settings, now, keys);
         if let Some(slot) = self.slot_among(&snapshot, tried.ids, &mut ctx) {
             self.placed(tried, &slot);
             return Pick::Slot(slot);
@@ -259,6 +250,26 @@ impl Proxy {
             Pick::Wait
         } else {
             Pick::Nowhere
+        }
+    }
+
+    /// What a pick at `now` under `settings` needs besides the endpoints.
+    fn pick_context<'p>(
+        &self,
+        settings: &'p ProxySettings,
+        now: Instant,
+        keys: Option<(&'p RequestKeys, &'p balance::PrefixIndex)>,
+    ) -> PickContext<'p> {
+        PickContext {
+            now,
+            slow_start_ms: millis_of(settings.balance.slow_start),
+            ignore_health: false,
+            pipeline: &settings.balance.pipeline,
+            fleet_latency_us: self.fleet_latency_us(),
+            latency_decay_ms: millis_of(settings.balance.latency_decay),
+            signals_max_age_ms: self.signals_window(settings, now),
+            keys,
+            affinity: None,
         }
     }
 
@@ -371,18 +382,7 @@ impl Proxy {
             headers,
         );
         let snapshot = self.registry.snapshot();
-        let now = Instant::now();
-        let ctx = PickContext {
-            now,
-            slow_start_ms: millis_of(settings.balance.slow_start),
-            ignore_health: false,
-            pipeline: &settings.balance.pipeline,
-            fleet_latency_us: self.fleet_latency_us(),
-            latency_decay_ms: millis_of(settings.balance.latency_decay),
-            signals_max_age_ms: self.signals_window(&settings, now),
-            keys: None,
-            affinity: None,
-        };
+        let ctx = self.pick_context(&settings, Instant::now(), None);
         let explained = balance::explain(
             &snapshot,
             &ctx,

@@ -54,15 +54,20 @@ async fn chat(url: &str, messages: &[(&str, String)], headers: &[(&str, &str)]) 
 
 /// The `signals` of the endpoint at `url`, as /debug/endpoints gives them.
 async fn signals_of(proxy: &TestProxy, url: &str) -> serde_json::Value {
-    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
-    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-    json["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["url"] == url)
-        .map(|e| e["signals"].clone())
-        .unwrap_or_default()
+    endpoint_view(proxy, url).await["signals"].clone()
+}
+
+/// A completion of `prompt` sent to `url`, in a task of its own.
+fn complete(url: String, prompt: String) -> tokio::task::JoinHandle<(u16, String)> {
+    tokio::spawn(async move {
+        let body = serde_json::json!({"model": "sim", "prompt": prompt, "max_tokens": 2});
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(url)
+            .body(full(body.to_string()))
+            .unwrap();
+        send(request).await
+    })
 }
 
 /// What `POST /debug/pick` says of a chat body.
@@ -109,18 +114,7 @@ async fn a_node_whose_own_queue_is_long_gets_no_new_request_while_another_has_ro
     // Another client fills node 0: its batch of 4 and 6 waiting.
     let busy = urls[0].clone();
     let others: Vec<_> = (0..10)
-        .map(|_| {
-            let url = format!("{busy}/v1/completions");
-            tokio::spawn(async move {
-                let body = r#"{"model":"sim","prompt":"elsewhere 1","max_tokens":2}"#;
-                let request = Request::builder()
-                    .method(Method::POST)
-                    .uri(url)
-                    .body(full(body))
-                    .unwrap();
-                send(request).await
-            })
-        })
+        .map(|i| complete(format!("{busy}/v1/completions"), format!("elsewhere {i}")))
         .collect();
     eventually_async(
         "tongs reads node 0's queue",
@@ -140,16 +134,10 @@ async fn a_node_whose_own_queue_is_long_gets_no_new_request_while_another_has_ro
     let before = fleet.nodes()[0].stats().received;
     let mut sent = Vec::new();
     for i in 0..9 {
-        let url = proxy.url("/v1/completions");
-        sent.push(tokio::spawn(async move {
-            let body = format!(r#"{{"model":"sim","prompt":"through tongs {i}","max_tokens":2}}"#);
-            let request = Request::builder()
-                .method(Method::POST)
-                .uri(url)
-                .body(full(body))
-                .unwrap();
-            send(request).await
-        }));
+        sent.push(complete(
+            proxy.url("/v1/completions"),
+            format!("through tongs {i}"),
+        ));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     for task in sent {
@@ -273,15 +261,7 @@ async fn a_restarted_node_forgets_its_prefixes_and_its_conversation_moves_as_a_w
     eventually_async("the node is back", Duration::from_secs(10), || {
         let proxy = &proxy;
         let home_url = &home_url;
-        async move {
-            let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
-            let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-            json["endpoints"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|e| e["url"] == home_url.as_str() && e["state"] == "healthy")
-        }
+        async move { endpoint_view(proxy, home_url).await["state"] == "healthy" }
     })
     .await;
     let explained = explain(&proxy, &history(7, 2)).await;
@@ -313,19 +293,9 @@ async fn nodes_without_metrics_have_no_signals_and_are_balanced_as_before() {
         })
         .await;
     }
-    let mut sent = Vec::new();
-    for i in 0..12 {
-        let url = proxy.url("/v1/completions");
-        sent.push(tokio::spawn(async move {
-            let body = format!(r#"{{"model":"sim","prompt":"no metrics {i}","max_tokens":2}}"#);
-            let request = Request::builder()
-                .method(Method::POST)
-                .uri(url)
-                .body(full(body))
-                .unwrap();
-            send(request).await
-        }));
-    }
+    let sent: Vec<_> = (0..12)
+        .map(|i| complete(proxy.url("/v1/completions"), format!("no metrics {i}")))
+        .collect();
     for task in sent {
         assert_eq!(task.await.unwrap().0, 200);
     }

@@ -66,26 +66,14 @@ async fn endpoint_sample(proxy: &TestProxy, metric: &str, url: &str) -> f64 {
 /// The endpoint's typical gap between its streams' chunks, as /debug/endpoints shows it (`None` before
 /// one was seen).
 async fn token_gap_ms(proxy: &TestProxy, url: &str) -> Option<f64> {
-    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
-    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-    json["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["url"] == url)
-        .and_then(|e| e["token_gap_ms"].as_f64())
+    endpoint_view(proxy, url).await["token_gap_ms"].as_f64()
 }
 
 async fn state_of(proxy: &TestProxy, url: &str) -> String {
-    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
-    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-    json["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["url"] == url)
-        .map(|e| e["state"].as_str().unwrap_or_default().to_owned())
+    endpoint_view(proxy, url).await["state"]
+        .as_str()
         .unwrap_or_default()
+        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

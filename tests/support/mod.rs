@@ -471,6 +471,19 @@ pub fn one_pool(text: &str) -> String {
 /// The value of one sample on the proxy's admin /metrics page (of its one pool, `default`: see
 /// [`one_pool`]); panics when the series is absent (a default of 0 would hide a metric that is not
 /// exported).
+/// The endpoint at `url` as the proxy's /debug/endpoints gives it (null when it lists no such one).
+pub async fn endpoint_view(proxy: &TestProxy, url: &str) -> serde_json::Value {
+    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    json["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["url"] == url)
+        .cloned()
+        .unwrap_or_default()
+}
+
 pub async fn sample(proxy: &TestProxy, series: &str) -> f64 {
     let (_, text) = get(&format!("http://{}/metrics", proxy.admin)).await;
     one_pool(&text)
