@@ -52,3 +52,36 @@ impl Scorer for Prefix {
         )
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balance::affinity::{Affinity, PrefixIndex};
+    use crate::balance::tests::{endpoint, sight_of};
+
+    #[test]
+    fn the_home_counts_whole_and_others_only_past_the_opening() {
+        let (home, holder, other) = (endpoint(1), endpoint(2), endpoint(3));
+        let index = PrefixIndex::new(100);
+        // `holder` was sent the opening (blocks 1 and 2, a system prompt) and `other` the whole prompt.
+        index.record(&[1, 2], &holder);
+        index.record(&[1, 2, 3, 4], &other);
+        let affinity = Affinity {
+            matches: index.matches(&[1, 2, 3, 4]),
+            opening_share: 0.5,
+            conversation_home: Some(home.id()),
+            ..Affinity::default()
+        };
+        let ctx = PickContext {
+            affinity: Some(&affinity),
+            ..PickContext::at(tokio::time::Instant::now())
+        };
+        let cost = |e| Prefix.cost(&sight_of(e, 0), &ctx).as_f64();
+        assert_eq!(cost(&home), 0.5, "2^-1: the whole prompt");
+        assert_eq!(cost(&holder), 1.0, "the opening alone is not this conversation");
+        assert_eq!(cost(&other), 0.5);
+        // No affinity worked out: every endpoint alike.
+        let plain = PickContext::at(tokio::time::Instant::now());
+        assert_eq!(Prefix.cost(&sight_of(&home, 0), &plain), Cost::ONE);
+    }
+}

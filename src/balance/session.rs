@@ -29,3 +29,25 @@ impl Scorer for Session {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balance::affinity::Affinity;
+    use crate::balance::tests::{endpoint, sight_of};
+
+    #[test]
+    fn the_sessions_home_costs_half_and_the_others_one() {
+        let (home, other) = (endpoint(1), endpoint(2));
+        let affinity = Affinity {
+            session_home: Some(home.id()),
+            ..Affinity::default()
+        };
+        let ctx = PickContext {
+            affinity: Some(&affinity),
+            ..PickContext::at(tokio::time::Instant::now())
+        };
+        assert_eq!(Session.cost(&sight_of(&home, 0), &ctx).as_f64(), 0.5);
+        assert_eq!(Session.cost(&sight_of(&other, 0), &ctx), Cost::ONE);
+    }
+}
