@@ -280,6 +280,14 @@ fn resolve(
     found
 }
 
+/// Whether the endpoint could take a request now but the pipeline's filters keep it out (it is
+/// saturated by its own metrics): a request may wait for it.
+pub fn filtered_out(endpoint: &Endpoint, ctx: &PickContext<'_>) -> bool {
+    let now_ms = crate::endpoint::millis(ctx.now);
+    endpoint.eligibility(now_ms, ctx.ignore_health) != Eligibility::No
+        && !ctx.pipeline.admits(&sight(endpoint, ctx, now_ms), ctx)
+}
+
 /// Whether the endpoint may take a request now: eligible, and admitted by the pipeline's filters.
 fn admitted(endpoint: &Endpoint, ctx: &PickContext<'_>, now_ms: u64) -> bool {
     if endpoint.eligibility(now_ms, ctx.ignore_health) == Eligibility::No {

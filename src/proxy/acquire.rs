@@ -224,7 +224,7 @@ impl Proxy {
             return Pick::Slot(slot);
         }
         // Nothing now. A first attempt waits for anything; a retry for an untried endpoint that is up
-        // and merely full or cooling down, else for a busy one.
+        // and merely full, cooling down or saturated by its own metrics, else for a busy one.
         if tried.len() == 0 {
             return Pick::Wait;
         }
@@ -234,7 +234,9 @@ impl Proxy {
                 && e.liveness().is_available()
                 && e.liveness().is_healthy()
                 && !e.is_ejected()
-                && (e.limit().is_some_and(|l| e.outstanding() >= l) || e.cooling_down(now_ms))
+                && (e.limit().is_some_and(|l| e.outstanding() >= l)
+                    || e.cooling_down(now_ms)
+                    || balance::filtered_out(e, &ctx))
         });
         if worth_waiting {
             return Pick::Wait;

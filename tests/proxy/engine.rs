@@ -386,3 +386,58 @@ async fn two_replicas_keep_a_conversation_on_one_node_and_move_it_as_a_whole() {
         replica.stop().await;
     }
 }
+
+/// A retry whose only other node is saturated by its own metrics waits for it in tongs' queue rather
+/// than failing: saturation is "later", not "nowhere".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_waits_for_a_saturated_node_rather_than_failing() {
+    let fleet = sim_fleet(
+        7,
+        engine_nodes(2, 600, |spec| {
+            spec.capacity = 1;
+        }),
+    )
+    .await;
+    let urls: Vec<String> = fleet.nodes().iter().map(|n| n.url()).collect();
+    // Node 0 refuses every connection; heartbeats are off, so only an attempt finds out.
+    fleet.nodes()[0].set_condition(Condition::Interrupted {
+        kind: InterruptionKind::Refuse,
+        factor: 1.0,
+    });
+    let proxy = start_proxy(config_with(SIGNALS, &urls)).await;
+    // Another client saturates node 1: one running, six waiting.
+    let others: Vec<_> = (0..7)
+        .map(|i| {
+            complete(
+                format!("{}/v1/completions", urls[1]),
+                format!("elsewhere {i}"),
+            )
+        })
+        .collect();
+    eventually_async(
+        "tongs reads node 1's queue",
+        Duration::from_secs(10),
+        || {
+            let proxy = &proxy;
+            let url = &urls[1];
+            async move {
+                let seen = signals_of(proxy, url).await;
+                seen["fresh"] == true && seen["waiting"].as_u64().unwrap_or(0) >= 5
+            }
+        },
+    )
+    .await;
+    let (status, body) = complete(proxy.url("/v1/completions"), "through tongs".into())
+        .await
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        fleet.nodes()[1].stats().received >= 8,
+        "{:?}",
+        fleet.nodes()[1].stats()
+    );
+    for task in others {
+        task.await.unwrap();
+    }
+    proxy.stop().await;
+}
