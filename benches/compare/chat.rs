@@ -15,6 +15,8 @@
 //! the first chunk with content. The prefix-cache hit rate is the nodes' own counters (words found ÷
 //! words looked up) over the whole run; "if sticky" replays the same requests, in the order they were
 //! sent, on six caches of the same size with every conversation kept on one node.
+//! `tongs-2-replicas` runs two tongs processes that share nothing in front of the fleet, a
+//! conversation's turns alternating between them: turn 1 to the first, turn 2 to the second, ...
 //!
 //! `saturate`: the same fleet at 130 % of its capacity, streamed completions of distinct prompts;
 //! engines never shed, so what a proxy does not hold waits inside the nodes: the largest waiting line
@@ -65,9 +67,12 @@ pub const SATURATE_LOAD: f64 = 1.3;
 const TURNS: std::ops::RangeInclusive<usize> = 3..=6;
 const MEAN_TURNS: f64 = 4.5;
 
-/// The proxies these scenarios compare.
-fn compared(proxy: Proxy) -> bool {
-    matches!(proxy, Proxy::Tongs | Proxy::TongsOwnCounts | Proxy::Nginx)
+/// The proxies `scenario` compares (two tongs replicas in `chat` only).
+fn compared(proxy: Proxy, scenario: Scenario) -> bool {
+    matches!(
+        proxy,
+        Proxy::Tongs | Proxy::TongsOwnCounts | Proxy::TongsTwoReplicas | Proxy::Nginx
+    ) && proxy.runs_in(scenario)
 }
 
 /// The engines' fleet.
@@ -100,11 +105,15 @@ pub struct EngineRow {
     per_node: Vec<u64>,
 }
 
-/// Runs `scenario` (`chat` or `saturate`) through each of tongs, tongs-own-counts and nginx among
-/// `settings.proxies`, each on a fresh fleet.
+/// Runs `scenario` (`chat` or `saturate`) through each of tongs, tongs-own-counts, tongs-2-replicas
+/// (chat) and nginx among `settings.proxies`, each on a fresh fleet.
 pub async fn rows(scenario: Scenario, settings: &Settings) -> Result<Vec<EngineRow>> {
     let mut rows = Vec::new();
-    for &proxy in settings.proxies.iter().filter(|&&proxy| compared(proxy)) {
+    for &proxy in settings
+        .proxies
+        .iter()
+        .filter(|&&proxy| compared(proxy, scenario))
+    {
         let config = fleet_config(settings.seed);
         let capacity = fleet::capacity(&config);
         let (fleet, running) = super::fleet_and_proxy(&config, proxy, settings).await?;
@@ -319,11 +328,14 @@ async fn chat(running: &Running, capacity: f64, settings: &Settings) -> EngineRo
     for (conversation, plan) in plans.into_iter().enumerate() {
         tokio::time::sleep_until(start + plan.at).await;
         let recorded = plan.at >= settings.warmup;
-        let (client, url) = (client.clone(), running.url.clone());
+        // Turn 1 to the first replica, turn 2 to the second, and so on (one URL but for
+        // tongs-2-replicas).
+        let (client, urls) = (client.clone(), running.urls.clone());
         let (systems, sent) = (Arc::clone(&systems), Arc::clone(&sent));
         tasks.spawn(async move {
             let mut messages = vec![json!({"role": "system", "content": systems[plan.system]})];
-            for (user, think) in plan.turns {
+            for (turn, (user, think)) in plan.turns.into_iter().enumerate() {
+                let url = &urls[turn % urls.len()];
                 messages.push(json!({"role": "user", "content": user}));
                 let context = messages
                     .iter()
@@ -332,7 +344,7 @@ async fn chat(running: &Running, capacity: f64, settings: &Settings) -> EngineRo
                     .join(" ");
                 let answer = answer_to(&context);
                 let at = Instant::now();
-                let outcome = ask(&client, &url, &messages, &answer).await;
+                let outcome = ask(&client, url, &messages, &answer).await;
                 lock(&sent).push(Sent {
                     at,
                     conversation,

@@ -117,7 +117,7 @@ impl Figures {
         paused.sort_by(f64::total_cmp);
         let continuations = match &running.handle {
             Handle::Tongs(tongs) => continuations(&format!("http://{}/metrics", tongs.admin)).await,
-            Handle::Peer { .. } => None,
+            Handle::Replicas(_) | Handle::Peer { .. } => None,
         };
         Figures {
             threshold,

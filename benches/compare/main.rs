@@ -44,7 +44,10 @@
 //! `tongs-capacity` told each node's capacity (`discovery.static[].max_outstanding`), as HAProxy's
 //! `maxconn` tells it HAProxy. `chat` and `saturate` compare tongs, nginx and `tongs-own-counts`
 //! (tongs told to pick by its own counts alone: `signals: {enabled: false}` and
-//! `balancer: {scorers: {expected-latency: 1}}`), which runs only when PROXIES names it. The peers are
+//! `balancer: {scorers: {expected-latency: 1}}`), which runs only when PROXIES names it; `chat` also
+//! `tongs-2-replicas`: two tongs processes with tongs' configuration, sharing nothing, in front of
+//! the same fleet, a conversation's turns alternating between them (the first to one, the second to
+//! the other, ...); it runs in `chat` only. The peers are
 //! configured as well as each allows for the job: least connections; active health checks where the
 //! open-source build has them; retries on connect errors, timeouts and 502/503/504, POST included, on
 //! another server; 1 s connect timeout; 10 s per-try timeout; a queue where there is one. Their
@@ -103,7 +106,8 @@ const OVERLOAD_NODE_QUEUE: usize = 2;
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
 const ALL_SCENARIOS: &str =
     "steady churn overload streaming gray stalls cuts plain pauses chat saturate throughput";
-const ALL_PROXIES: &str = "tongs tongs-adaptive tongs-capacity nginx haproxy caddy";
+const ALL_PROXIES: &str =
+    "tongs tongs-adaptive tongs-capacity tongs-2-replicas nginx haproxy caddy";
 /// Proxies PROXIES may name besides the default ones.
 const OTHER_PROXIES: &str = "tongs-own-counts";
 
@@ -195,6 +199,9 @@ enum Proxy {
     /// tongs picking by its own counts alone: the nodes' metrics not read (`signals.enabled: false`),
     /// the expected latency its one scorer.
     TongsOwnCounts,
+    /// Two tongs processes with `tongs`' configuration, sharing nothing, in front of the same fleet; the
+    /// client alternates between them (`chat` only).
+    TongsTwoReplicas,
     Nginx,
     Haproxy,
     Caddy,
@@ -207,6 +214,7 @@ impl Proxy {
             "tongs-adaptive" => Proxy::TongsAdaptive,
             "tongs-capacity" => Proxy::TongsCapacity,
             "tongs-own-counts" => Proxy::TongsOwnCounts,
+            "tongs-2-replicas" => Proxy::TongsTwoReplicas,
             "nginx" => Proxy::Nginx,
             "haproxy" => Proxy::Haproxy,
             "caddy" => Proxy::Caddy,
@@ -219,15 +227,27 @@ impl Proxy {
     fn is_tongs(self) -> bool {
         matches!(
             self,
-            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts
+            Proxy::Tongs
+                | Proxy::TongsAdaptive
+                | Proxy::TongsCapacity
+                | Proxy::TongsOwnCounts
+                | Proxy::TongsTwoReplicas
         )
+    }
+
+    /// Whether this contender runs in `scenario`: two replicas only where a client's requests belong
+    /// together (`chat`'s conversations).
+    fn runs_in(self, scenario: Scenario) -> bool {
+        self != Proxy::TongsTwoReplicas || scenario == Scenario::Chat
     }
 
     fn program(self) -> &'static str {
         match self {
-            Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts => {
-                "tongs"
-            }
+            Proxy::Tongs
+            | Proxy::TongsAdaptive
+            | Proxy::TongsCapacity
+            | Proxy::TongsOwnCounts
+            | Proxy::TongsTwoReplicas => "tongs",
             Proxy::Nginx => "nginx",
             Proxy::Haproxy => "haproxy",
             Proxy::Caddy => "caddy",
@@ -700,10 +720,11 @@ async fn throughput_rows(settings: &Settings) -> Result<Vec<Row>> {
     // The adaptive limit and the nodes' capacities change nothing against an origin that answers at
     // once.
     for &proxy in settings.proxies.iter().filter(|&&proxy| {
-        !matches!(
-            proxy,
-            Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts
-        )
+        proxy.runs_in(Scenario::Throughput)
+            && !matches!(
+                proxy,
+                Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts
+            )
     }) {
         let running = start_proxy(proxy, &upstreams, settings).await?;
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -797,7 +818,7 @@ async fn run(settings: Settings) -> Result<()> {
             engine_rows.extend(chat::rows(scenario, &settings).await?);
             continue;
         }
-        for &proxy in &settings.proxies {
+        for &proxy in settings.proxies.iter().filter(|p| p.runs_in(scenario)) {
             rows.push(open_loop_row(scenario, proxy, &settings).await?);
         }
     }

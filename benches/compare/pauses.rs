@@ -33,7 +33,7 @@ use tongs::sim::{FirstToken, FleetConfig, NodeSpec, Preemption, ResponseKind};
 use super::peers::{Handle, Running};
 use super::support::stats::{latency_histogram, micros, quantile_ms};
 use super::support::{self, lock};
-use super::{Proxy, Settings};
+use super::{Proxy, Scenario, Settings};
 
 /// Tokens of every answer.
 const TOKENS: u32 = 60;
@@ -136,7 +136,7 @@ pub async fn rows(settings: &Settings) -> Result<Vec<PauseRow>> {
     let mut rows = Vec::new();
     for variant in VARIANTS {
         for &proxy in &settings.proxies {
-            if !(proxy.is_tongs() || proxy == Proxy::Haproxy) {
+            if !(proxy.is_tongs() || proxy == Proxy::Haproxy) || !proxy.runs_in(Scenario::Pauses) {
                 continue;
             }
             let config = fleet_config(variant, settings.seed);

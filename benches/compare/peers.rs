@@ -13,13 +13,21 @@ use super::{PER_TRY_TIMEOUT, Proxy, Settings};
 /// A proxy running as its own process in front of the upstreams.
 pub struct Running {
     pub label: String,
+    /// Where clients send requests (the first replica's, for `tongs-2-replicas`).
     pub url: String,
+    /// Every replica's: one but for `tongs-2-replicas`.
+    pub urls: Vec<String>,
     pub handle: Handle,
 }
 
 pub enum Handle {
     Tongs(TongsProcess),
-    Peer { process: Process, _dir: TempDir },
+    /// `tongs-2-replicas`: processes with the same configuration, sharing nothing.
+    Replicas(Vec<TongsProcess>),
+    Peer {
+        process: Process,
+        _dir: TempDir,
+    },
 }
 
 impl Running {
@@ -27,6 +35,7 @@ impl Running {
     pub fn pids(&self) -> Vec<u32> {
         match &self.handle {
             Handle::Tongs(tongs) => tongs.process.pids(),
+            Handle::Replicas(replicas) => replicas.iter().flat_map(|t| t.process.pids()).collect(),
             Handle::Peer { process, .. } => process.pids(),
         }
     }
@@ -82,13 +91,27 @@ pub async fn start_proxy(
                     .map(|upstream| format!("http://{}", upstream.addr)),
             ));
         }
-        let tongs = TongsProcess::start(&config).await?;
         if settings.show_configs {
             println!("tongs configuration:\n```yaml\n{config}```");
         }
+        if proxy == Proxy::TongsTwoReplicas {
+            let replicas = vec![
+                TongsProcess::start(&config).await?,
+                TongsProcess::start(&config).await?,
+            ];
+            let urls: Vec<String> = replicas.iter().map(TongsProcess::url).collect();
+            return Ok(Running {
+                label: label + ", 2 replicas",
+                url: urls[0].clone(),
+                urls,
+                handle: Handle::Replicas(replicas),
+            });
+        }
+        let tongs = TongsProcess::start(&config).await?;
         return Ok(Running {
             label,
             url: tongs.url(),
+            urls: vec![tongs.url()],
             handle: Handle::Tongs(tongs),
         });
     }
@@ -134,9 +157,11 @@ pub async fn start_proxy(
                 support::program_version(&binary, "version"),
             )
         }
-        Proxy::Tongs | Proxy::TongsAdaptive | Proxy::TongsCapacity | Proxy::TongsOwnCounts => {
-            unreachable!("tongs is started above")
-        }
+        Proxy::Tongs
+        | Proxy::TongsAdaptive
+        | Proxy::TongsCapacity
+        | Proxy::TongsOwnCounts
+        | Proxy::TongsTwoReplicas => unreachable!("tongs is started above"),
     };
     let path = dir.path().join(config_name);
     std::fs::write(&path, &config).with_context(|| format!("writing {}", path.display()))?;
@@ -151,6 +176,7 @@ pub async fn start_proxy(
     Ok(Running {
         label: format!("{} {version}", proxy.program()),
         url: format!("http://{addr}"),
+        urls: vec![format!("http://{addr}")],
         handle: Handle::Peer { process, _dir: dir },
     })
 }
