@@ -16,7 +16,6 @@
 //! to its share of keys. The conversation key comes from the prompt; the session key from
 //! `balancer.affinity.session_header` or the OpenAI `user` field.
 
-use std::num::NonZeroUsize;
 use std::sync::Mutex;
 
 use lru::LruCache;
@@ -74,7 +73,23 @@ impl Holders {
 /// A pool's record of which prompt blocks went to which nodes.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: Mutex<LruCache<u64, Holders>>,
+    blocks: Mutex<Bounded>,
+}
+
+/// The blocks by recency, and how many may be kept. Bounded here rather than by `LruCache::new`, which
+/// reserves its whole capacity at once: an index grows only as prompts come.
+#[derive(Debug)]
+struct Bounded {
+    blocks: LruCache<u64, Holders>,
+    capacity: usize,
+}
+
+impl Bounded {
+    fn trim(&mut self) {
+        while self.blocks.len() > self.capacity {
+            self.blocks.pop_lru();
+        }
+    }
 }
 
 /// A node's match for a request: the share of the request's blocks it was sent, from the first, in
@@ -89,34 +104,34 @@ pub struct Match {
 impl PrefixIndex {
     /// An index of at most `capacity` blocks (at least one).
     pub fn new(capacity: usize) -> PrefixIndex {
-        let capacity = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
         PrefixIndex {
-            blocks: Mutex::new(LruCache::new(capacity)),
+            blocks: Mutex::new(Bounded {
+                blocks: LruCache::unbounded(),
+                capacity: capacity.max(1),
+            }),
         }
     }
 
     /// Keeps at most `capacity` blocks from now on (the least recently used go first).
     pub fn resize(&self, capacity: usize) {
-        let capacity = NonZeroUsize::new(capacity.max(1)).unwrap_or(NonZeroUsize::MIN);
         let mut index = self.lock();
-        if index.cap() != capacity {
-            index.resize(capacity);
-        }
+        index.capacity = capacity.max(1);
+        index.trim();
     }
 
     pub fn capacity(&self) -> usize {
-        self.lock().cap().get()
+        self.lock().capacity
     }
 
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().blocks.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Holders>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Bounded> {
         self.blocks
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -130,15 +145,16 @@ impl PrefixIndex {
         let epoch = endpoint.cache_epoch();
         let mut index = self.lock();
         for &block in blocks {
-            match index.get_mut(&block) {
+            match index.blocks.get_mut(&block) {
                 Some(holders) => holders.add(endpoint.id(), epoch),
                 None => {
                     let mut holders = Holders::default();
                     holders.add(endpoint.id(), epoch);
-                    index.push(block, holders);
+                    index.blocks.push(block, holders);
                 }
             }
         }
+        index.trim();
     }
 
     /// The nodes that were sent a prefix of `blocks`, each with its share (at most [`HOLDERS`] nodes:
@@ -150,14 +166,14 @@ impl PrefixIndex {
             return found;
         };
         let index = self.lock();
-        let Some(holders) = index.peek(&first) else {
+        let Some(holders) = index.blocks.peek(&first) else {
             return found;
         };
         // Each holder of the first block, followed down the blocks.
         for &(id, epoch) in &holders.ids[..usize::from(holders.len)] {
             let held = blocks
                 .iter()
-                .take_while(|block| index.peek(block).is_some_and(|h| h.holds(id, epoch)))
+                .take_while(|block| index.blocks.peek(block).is_some_and(|h| h.holds(id, epoch)))
                 .count();
             found.push(Match {
                 endpoint: id,
