@@ -9,6 +9,9 @@ pub enum Refusal {
     QueueFull,
     /// The request waited `queue.max_wait`, or until its own deadline, without an endpoint freeing up.
     QueueTimeout,
+    /// The queue stands above `queue.target_wait` under sustained overload, and this request would
+    /// have waited longer: refused at arrival, with a `Retry-After` from how fast the queue drains.
+    Overloaded,
     /// No endpoint is available at all (none discovered, or every one down) and the queue is off or the
     /// wait ran out.
     NoEndpoints,
@@ -23,9 +26,10 @@ pub enum Refusal {
 
 impl Refusal {
     /// The refusals a queue makes, in the order its counts keep them.
-    pub const ALL: [Refusal; 5] = [
+    pub const ALL: [Refusal; 6] = [
         Refusal::QueueFull,
         Refusal::QueueTimeout,
+        Refusal::Overloaded,
         Refusal::NoEndpoints,
         Refusal::ShedLowPriority,
         Refusal::TenantQueueFull,
@@ -35,6 +39,7 @@ impl Refusal {
         match self {
             Refusal::QueueFull => "queue-full",
             Refusal::QueueTimeout => "queue-timeout",
+            Refusal::Overloaded => "overloaded",
             Refusal::NoEndpoints => "no-endpoints",
             Refusal::ShedLowPriority => "shed-low-priority",
             Refusal::TenantQueueFull => "tenant-queue-full",

@@ -15,6 +15,10 @@
 //! request lines up just after the clock. Without tenants every request is the same one tenant's, and
 //! the order is arrival order.
 //!
+//! Under sustained overload the queue keeps waits near `queue.target_wait`: once arrivals have
+//! expected to wait longer for `queue.overload_after`, those expected past the target are refused at
+//! once (see [`standing`]); a burst the fleet drains sooner still queues.
+//!
 //! A full queue answers at once. A higher-priority arrival displaces the newest waiter of the lowest
 //! priority below its own. While the oldest waiter has waited longer than `shed_low_priority_after`,
 //! low-priority arrivals are refused at once.
@@ -31,9 +35,12 @@ use crate::config::QueueConfig;
 
 mod drain;
 mod kinds;
+pub mod standing;
 mod tenant;
 use drain::DrainMeter;
 pub use kinds::{Priority, Refusal};
+pub use standing::Outlook;
+use standing::{Standing, Target};
 pub use tenant::{InFlight, Place, TENANT_CLASSES, Tenant, TenantSettings};
 
 /// How often the waiter at the head of the queue looks for capacity that came back by the clock.
@@ -47,6 +54,8 @@ pub struct QueueSettings {
     pub shed_after: Duration,
     /// The wait while the pool has no endpoint at all.
     pub max_wait_no_endpoints: Duration,
+    /// The wait kept to under sustained overload (see [`standing`]).
+    pub target: Target,
 }
 
 impl QueueSettings {
@@ -58,6 +67,10 @@ impl QueueSettings {
             max_wait_no_endpoints: config
                 .max_wait_no_endpoints
                 .map_or(config.max_wait.get(), |wait| wait.get()),
+            target: Target {
+                wait: config.target_wait.get().min(config.max_wait.get()),
+                after: config.overload_after.get(),
+            },
         }
     }
 }
@@ -78,7 +91,7 @@ pub struct QueueStats {
     /// Total time admitted requests waited, in microseconds.
     pub wait_us: AtomicU64,
     /// Refusals by reason, in [`Refusal::ALL`] order.
-    pub rejected: [AtomicU64; 5],
+    pub rejected: [AtomicU64; 6],
 }
 
 impl QueueStats {
@@ -127,6 +140,7 @@ struct State {
     nobody: Arc<str>,
     settings: QueueSettings,
     drain: DrainMeter,
+    standing: Standing,
 }
 
 impl State {
@@ -180,6 +194,7 @@ impl Queue {
                 nobody: Arc::from(""),
                 settings,
                 drain: DrainMeter::new(),
+                standing: Standing::default(),
             }),
             waiting: AtomicUsize::new(0),
             stats: QueueStats::default(),
@@ -349,6 +364,24 @@ impl Queue {
             .range(..(place.priority, finish, u64::MAX))
             .count() as f64;
         Some(Duration::from_secs_f64((ahead + 1.0) / rate))
+    }
+
+    /// What a request of `place` arriving now may expect: its wait at the rate the queue drains (see
+    /// [`Queue::expected_wait`]), and whether the queue, standing above `target_wait`, refuses it.
+    pub fn outlook(&self, place: &Place) -> Outlook {
+        let expected = self.expected_wait(place);
+        let mut state = self.lock();
+        let target = state.settings.target;
+        let overloaded = state.standing.arrival(Instant::now(), expected, target);
+        Outlook {
+            expected,
+            overloaded,
+        }
+    }
+
+    /// Whether the queue stands above `target_wait` (see [`standing`]).
+    pub fn is_standing(&self) -> bool {
+        self.lock().standing.is_standing()
     }
 
     /// Seconds a refused client should wait before trying again: how long the queue, at the rate it has
@@ -535,6 +568,7 @@ impl Ticket<'_> {
         }
         if state.entries.is_empty() && state.looking.is_empty() {
             state.drain.emptied(Instant::now());
+            state.standing.emptied();
         }
     }
 }
@@ -573,6 +607,10 @@ mod tests {
             max_wait: Duration::from_secs(10),
             shed_after: Duration::from_secs(1),
             max_wait_no_endpoints: Duration::from_secs(10),
+            target: Target {
+                wait: Duration::ZERO,
+                after: Duration::ZERO,
+            },
         })
     }
 

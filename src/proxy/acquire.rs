@@ -156,7 +156,12 @@ impl Proxy {
         }
         let allowed = max_wait.saturating_sub(*queued);
         let until = deadline.min(joined + allowed);
-        if let Some(wait) = queue.expected_wait(place)
+        // Under sustained overload, one the queue would keep past `queue.target_wait` is told now too.
+        let outlook = queue.outlook(place);
+        if outlook.overloaded {
+            return Err(Stop::Refused(self.refusal(Refusal::Overloaded)));
+        }
+        if let Some(wait) = outlook.expected
             && Instant::now() + wait > until
         {
             return Err(Stop::Refused(self.refusal(Refusal::QueueFull)));
@@ -200,7 +205,9 @@ impl Proxy {
     fn refusal(&self, reason: Refusal) -> Refusal {
         let none_up = self.registry.counts().up() == 0;
         match reason {
-            Refusal::QueueFull | Refusal::QueueTimeout if none_up => Refusal::NoEndpoints,
+            Refusal::QueueFull | Refusal::QueueTimeout | Refusal::Overloaded if none_up => {
+                Refusal::NoEndpoints
+            }
             other => other,
         }
     }

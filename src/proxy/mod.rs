@@ -437,12 +437,14 @@ impl Proxy {
                 }
                 Err(Stop::Nowhere) => break,
                 Err(Stop::Refused(reason)) => match last_failure {
-                    // A retry that found no room: the endpoint's failure is the better answer.
-                    Some(failure) => {
+                    // A retry that found no room: the endpoint's failure is the better answer, unless
+                    // that failure was only a busy node's refusal: then the queue's own refusal says
+                    // more (why, and a `Retry-After` from how fast the fleet drains).
+                    Some(failure) if failure.kind != FailureKind::BackPressure => {
                         let response = self.fail(settings, failure, &request_id, deadline);
                         return Ok((response, Outcome::Failed));
                     }
-                    None => return Ok((self.refuse(reason, &request_id), Outcome::Refused)),
+                    _ => return Ok((self.refuse(reason, &request_id), Outcome::Refused)),
                 },
             };
             let Some(attempt_body) = body.for_attempt() else {

@@ -179,6 +179,11 @@ impl Proxy {
                 "no endpoint freed up within the wait allowed (queue.max_wait {}, or the request's deadline)",
                 humantime::format_duration(settings.max_wait)
             ),
+            Refusal::Overloaded => format!(
+                "the fleet is overloaded: the queue has stood above queue.target_wait ({}) and would \
+                 have kept this request longer",
+                humantime::format_duration(settings.target.wait)
+            ),
             Refusal::NoEndpoints => "no endpoint is available".to_owned(),
             Refusal::ShedLowPriority => {
                 "low-priority request shed while the queue is congested".to_owned()

@@ -352,7 +352,7 @@ async fn retry_after_follows_how_fast_the_queue_drains() {
     })
     .await;
     let config = "concurrency: { limit: static, max_outstanding_per_endpoint: 1 }\n\
-                  queue: { max_length: 10, max_wait: 60s }\n";
+                  queue: { max_length: 10, max_wait: 60s, target_wait: 0s }\n";
     let proxy = start_proxy(config_with(config, &[slow.url()])).await;
     let url = proxy.url("/v1/generate");
     // 25 requests a second for 3 s against 10 a second of capacity.
@@ -723,5 +723,144 @@ async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold
         let answer = task.await.unwrap();
         assert_eq!(answer.status, 200, "{answer:?}");
     }
+    proxy.stop().await;
+}
+
+/// A model server as loaded inference servers behave: `slots` requests served at once, each for
+/// `service`; `line` more wait inside it; beyond that it answers 503 with `Retry-After: 1`.
+async fn model_server(slots: usize, line: usize, service: Duration) -> Backend {
+    let serving = Arc::new(tokio::sync::Semaphore::new(slots));
+    let inside = Arc::new(AtomicUsize::new(0));
+    backend(move |_request: Request<Incoming>| {
+        let (serving, inside) = (Arc::clone(&serving), Arc::clone(&inside));
+        async move {
+            if inside.fetch_add(1, Ordering::SeqCst) >= slots + line {
+                inside.fetch_sub(1, Ordering::SeqCst);
+                return Response::builder()
+                    .status(503)
+                    .header("retry-after", "1")
+                    .body(full("busy"))
+                    .unwrap();
+            }
+            let permit = serving.acquire().await.unwrap();
+            tokio::time::sleep(service).await;
+            drop(permit);
+            inside.fetch_sub(1, Ordering::SeqCst);
+            Response::new(full("ok"))
+        }
+    })
+    .await
+}
+
+/// Open-loop load, whatever the answers: `per_second` requests a second for `seconds`, for each step
+/// of `steps` in turn; each answer with the time its request was sent, from the start.
+async fn open_loop(url: &str, steps: &[(u32, u32)]) -> Vec<(Duration, Answer)> {
+    let start = Instant::now();
+    let mut at = start;
+    let mut tasks = Vec::new();
+    for &(per_second, seconds) in steps {
+        let gap = Duration::from_secs(1) / per_second;
+        for _ in 0..per_second * seconds {
+            tokio::time::sleep_until(at).await;
+            at += gap;
+            let url = url.to_owned();
+            tasks.push(tokio::spawn(async move {
+                let sent = Instant::now() - start;
+                (sent, ask(&url, &[]).await)
+            }));
+        }
+    }
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.unwrap());
+    }
+    answers
+}
+
+/// Sustained overload (twice what two nodes serve, for 6 s, with the defaults but for a short
+/// `target_wait`): once the queue stands above its target, an arrival the fleet cannot serve within it
+/// is refused at once (`overloaded`, with a `Retry-After`), and those that wait are served within the
+/// target and a service time or so, where before they sat out up to `queue.max_wait` (30 s) behind a
+/// backlog that only grew.
+#[tokio::test]
+async fn sustained_overload_is_refused_at_arrival_and_keeps_waits_near_the_target() {
+    let service = Duration::from_millis(100);
+    let a = model_server(2, 2, service).await;
+    let b = model_server(2, 2, service).await;
+    // Two nodes of 2 slots at 100 ms: 40 requests a second.
+    let config = "queue: { target_wait: 300ms, overload_after: 300ms }\n";
+    let proxy = start_proxy(config_with(config, &[a.url(), b.url()])).await;
+    let answers = open_loop(&proxy.url("/v1/generate"), &[(80, 6)]).await;
+    let first_refusal = answers
+        .iter()
+        .filter(|(_, answer)| answer.reason.as_deref() == Some("overloaded"))
+        .map(|(sent, _)| *sent)
+        .min()
+        .expect("twice the capacity for 6 s makes the queue stand");
+    let (mut served, mut refused) = (Vec::new(), Vec::new());
+    for (sent, answer) in &answers {
+        match (answer.status, answer.reason.as_deref()) {
+            (200, _) => served.push((*sent, answer.took)),
+            (503, Some("overloaded")) => {
+                assert!(answer.retry_after.is_some_and(|s| s >= 1), "{answer:?}");
+                refused.push(answer.took);
+            }
+            _ => panic!("only answers and overload refusals: {answer:?}"),
+        }
+    }
+    let slowest_refusal = refused.iter().max().unwrap();
+    let later: Vec<Duration> = served
+        .iter()
+        .filter(|(sent, _)| *sent > first_refusal)
+        .map(|(_, took)| *took)
+        .collect();
+    let slowest_later = later.iter().max().unwrap();
+    println!(
+        "served {}, refused {} (slowest refusal {slowest_refusal:?}); first refusal for a request \
+         sent at {first_refusal:?}; slowest success sent after it {slowest_later:?}",
+        served.len(),
+        refused.len()
+    );
+    assert!(
+        served.len() >= 150,
+        "the fleet serves what it can: {}",
+        served.len()
+    );
+    // Refused at arrival: far below the wait a refusal at the end of a growing backlog would take.
+    assert!(
+        *slowest_refusal < Duration::from_secs(1),
+        "{slowest_refusal:?}"
+    );
+    // The target (300 ms) plus a service time (100 ms), with room for this machine's noise; a backlog
+    // growing at 40 requests a second would have reached seconds by the end of the run.
+    assert!(
+        *slowest_later < Duration::from_millis(1500),
+        "{slowest_later:?}"
+    );
+    proxy.stop().await;
+}
+
+/// A burst of three times the usual load for 2 s, above what the fleet serves, queues briefly and is
+/// served whole: the queue stands only when arrivals keep expecting waits past the target.
+#[tokio::test]
+async fn a_burst_the_fleet_drains_in_time_queues_and_is_served_whole() {
+    let service = Duration::from_millis(100);
+    let a = model_server(2, 2, service).await;
+    let b = model_server(2, 2, service).await;
+    let proxy = start_proxy(config_with("", &[a.url(), b.url()])).await;
+    let url = proxy.url("/v1/generate");
+    // 16 a second (40 % of the 40 a second the fleet serves), then 48 a second (120 %) for 2 s, then 16.
+    let answers = open_loop(&url, &[(16, 1), (48, 2), (16, 1)]).await;
+    for (_, answer) in &answers {
+        assert_eq!(answer.status, 200, "{answer:?}");
+    }
+    let stats = proxy.app_queue.stats();
+    let queued = stats.enqueued.load(Ordering::Relaxed);
+    println!("{} served, {queued} of them queued in tongs", answers.len());
+    assert!(
+        queued > 0,
+        "the burst went past what the nodes take at once"
+    );
+    assert!(!proxy.app_queue.is_standing());
     proxy.stop().await;
 }

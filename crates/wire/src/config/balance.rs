@@ -246,6 +246,14 @@ pub struct QueueConfig {
     /// `tongs_demand`, which is what lets an autoscaler see them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_wait_no_endpoints: Option<HumanDuration>,
+    /// The wait tongs keeps the queue to under sustained overload. Once arrivals have expected (from
+    /// how fast the queue drains) to wait longer than this for `overload_after` on end, an arrival
+    /// expected to wait longer is refused at once, with a `Retry-After` from the drain rate, until the
+    /// queue next empties. A burst the fleet drains sooner still queues, up to `max_wait` (which also
+    /// caps this). `0s` turns the control off (requests wait up to `max_wait`).
+    pub target_wait: HumanDuration,
+    /// How long expected waits must stay above `target_wait` before arrivals are refused for it.
+    pub overload_after: HumanDuration,
 }
 
 impl Default for QueueConfig {
@@ -257,6 +265,8 @@ impl Default for QueueConfig {
             deadline_header: Header::from_static("x-tongs-timeout-ms"),
             shed_low_priority_after: HumanDuration::from_secs(5),
             max_wait_no_endpoints: None,
+            target_wait: HumanDuration::from_millis(500),
+            overload_after: HumanDuration::from_millis(500),
         }
     }
 }

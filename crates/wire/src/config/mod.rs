@@ -291,6 +291,8 @@ impl Config {
                 self.queue.shed_low_priority_after,
                 false,
             ),
+            ("queue.target_wait", self.queue.target_wait, true),
+            ("queue.overload_after", self.queue.overload_after, true),
         ];
         for (field, value, zero_allowed) in durations {
             if value.get().is_zero() && !zero_allowed {

@@ -1,0 +1,135 @@
+//! A standing queue, told apart from a burst: the control that keeps waits short under sustained
+//! overload (CoDel's idea, applied at arrival).
+//!
+//! A burst fills the queue and the fleet drains it; sustained overload fills it and it never drains,
+//! so every wait beyond the fleet's pace is pure delay: no client is helped by an answer half a minute
+//! late. The signal is the wait each arrival is expected to have (requests ahead of it over the rate the
+//! queue hands requests to endpoints). Once every arrival for `overload_after` on end expected to
+//! wait longer than `target_wait`, the queue is *standing*: from then until it next empties, an arrival
+//! expected to wait longer than the target is refused at once (with a `Retry-After` from the drain
+//! rate) instead of joining. Those already waiting keep their place: refusing them now would only make
+//! their refusal late.
+//!
+//! Pure: the time and the expected wait come in.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The control's settings (from `queue.target_wait` and `queue.overload_after`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The wait kept to under sustained overload; zero turns the control off.
+    pub wait: Duration,
+    /// How long expected waits must stay above `wait` before the queue counts as standing.
+    pub after: Duration,
+}
+
+/// What an arrival may expect of the queue (see [`super::Queue::outlook`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Outlook {
+    /// Its wait at the rate the queue drains; `None` without a basis for a guess.
+    pub expected: Option<Duration>,
+    /// The queue stands above `target_wait` and this arrival would wait longer: refuse it now.
+    pub overloaded: bool,
+}
+
+/// Whether the queue stands, and since when arrivals expected to wait past the target.
+#[derive(Debug, Default)]
+pub(super) struct Standing {
+    /// Since when every arrival expected to wait longer than the target (`None`: the last one did not).
+    above_since: Option<Instant>,
+    /// The queue stands: arrivals expected past the target are refused until it empties.
+    standing: bool,
+}
+
+impl Standing {
+    /// An arrival at `now` expects to wait `expected` (`None`: the queue has not drained lately, no
+    /// basis for a guess). Whether it is refused for the standing queue.
+    pub(super) fn arrival(
+        &mut self,
+        now: Instant,
+        expected: Option<Duration>,
+        target: Target,
+    ) -> bool {
+        if target.wait.is_zero() {
+            *self = Standing::default();
+            return false;
+        }
+        let Some(expected) = expected.filter(|&wait| wait > target.wait) else {
+            if !self.standing {
+                self.above_since = None;
+            }
+            return false;
+        };
+        let since = *self.above_since.get_or_insert(now);
+        if now.saturating_duration_since(since) >= target.after {
+            self.standing = true;
+        }
+        self.standing && expected > target.wait
+    }
+
+    /// The queue emptied: whatever stood has drained.
+    pub(super) fn emptied(&mut self) {
+        *self = Standing::default();
+    }
+
+    pub(super) fn is_standing(&self) -> bool {
+        self.standing
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TARGET: Target = Target {
+        wait: Duration::from_millis(500),
+        after: Duration::from_millis(500),
+    };
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[test]
+    fn a_short_excursion_past_the_target_is_a_burst() {
+        let start = Instant::now();
+        let mut standing = Standing::default();
+        assert!(!standing.arrival(start, Some(ms(900)), TARGET));
+        assert!(!standing.arrival(start + ms(400), Some(ms(1200)), TARGET));
+        // One arrival under the target: the clock starts over.
+        assert!(!standing.arrival(start + ms(450), Some(ms(300)), TARGET));
+        assert!(!standing.arrival(start + ms(600), Some(ms(900)), TARGET));
+        assert!(!standing.arrival(start + ms(1000), Some(ms(900)), TARGET));
+        assert!(!standing.is_standing());
+    }
+
+    #[test]
+    fn waits_past_the_target_for_overload_after_make_it_stand_until_it_empties() {
+        let start = Instant::now();
+        let mut standing = Standing::default();
+        assert!(!standing.arrival(start, Some(ms(600)), TARGET));
+        assert!(standing.arrival(start + ms(500), Some(ms(800)), TARGET));
+        // Standing: an arrival within the target joins, and the queue still stands.
+        assert!(!standing.arrival(start + ms(510), Some(ms(400)), TARGET));
+        assert!(standing.arrival(start + ms(520), Some(ms(501)), TARGET));
+        // Not yet draining at a known pace: no basis to refuse on.
+        assert!(!standing.arrival(start + ms(530), None, TARGET));
+        standing.emptied();
+        assert!(!standing.arrival(start + ms(600), Some(ms(5000)), TARGET));
+    }
+
+    #[test]
+    fn a_zero_target_turns_the_control_off() {
+        let start = Instant::now();
+        let off = Target {
+            wait: Duration::ZERO,
+            after: Duration::ZERO,
+        };
+        let mut standing = Standing::default();
+        for step in 0..10 {
+            assert!(!standing.arrival(start + ms(step * 100), Some(ms(60_000)), off));
+        }
+    }
+}
