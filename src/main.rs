@@ -66,6 +66,7 @@ enum LimitArg {
     None,
     Static,
     Adaptive,
+    Learned,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -111,7 +112,7 @@ enum Command {
         #[arg(long, value_enum, default_value_t = PolicyArg::ExpectedLatency)]
         policy: PolicyArg,
         /// Per-node concurrency limit (concurrency.limit); the excess waits in tongs' queue.
-        #[arg(long, value_enum, default_value_t = LimitArg::Adaptive)]
+        #[arg(long, value_enum, default_value_t = LimitArg::Learned)]
         limit: LimitArg,
     },
     /// Serve a simulated fleet described by a YAML file until stopped (point a tongs config at it).
@@ -183,6 +184,7 @@ fn main() -> ExitCode {
                     LimitArg::None => LimitMode::None,
                     LimitArg::Static => LimitMode::Static,
                     LimitArg::Adaptive => LimitMode::Adaptive,
+                    LimitArg::Learned => LimitMode::Learned,
                 },
             };
             exit_on_error(demo(options))

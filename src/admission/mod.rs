@@ -367,12 +367,15 @@ impl Queue {
     }
 
     /// What a request of `place` arriving now may expect: its wait at the rate the queue drains (see
-    /// [`Queue::expected_wait`]), and whether the queue, standing above `target_wait`, refuses it.
-    pub fn outlook(&self, place: &Place) -> Outlook {
+    /// [`Queue::expected_wait`]), and whether the queue, standing above `target_wait`, refuses it
+    /// (`fleet_full`: the fleet said lately that it is full; see [`standing`]).
+    pub fn outlook(&self, place: &Place, fleet_full: bool) -> Outlook {
         let expected = self.expected_wait(place);
         let mut state = self.lock();
         let target = state.settings.target;
-        let overloaded = state.standing.arrival(Instant::now(), expected, target);
+        let overloaded = state
+            .standing
+            .arrival(Instant::now(), expected, target, fleet_full);
         Outlook {
             expected,
             overloaded,

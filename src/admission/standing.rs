@@ -5,9 +5,15 @@
 //! so every wait beyond the fleet's pace is pure delay: no client is helped by an answer half a minute
 //! late. The signal is the wait each arrival is expected to have (requests ahead of it over the rate the
 //! queue hands requests to endpoints). Once every arrival for `overload_after` on end expected to
-//! wait longer than `target_wait`, the queue is *standing*: from then until it next empties, an arrival
-//! expected to wait longer than the target is refused at once (with a `Retry-After` from the drain
-//! rate) instead of joining. Those already waiting keep their place: refusing them now would only make
+//! wait longer than `target_wait`, and the fleet itself has lately said it is full (a node refused a
+//! request while serving others, its own metrics showed it saturated, its learned limit found its
+//! capacity, or the limits are capacities someone told tongs) with every endpoint up, the queue is
+//! *standing*:
+//! from then until it next empties or the fleet stops saying so, an arrival expected to wait longer
+//! than the target is refused at once (with a `Retry-After` from the drain rate) instead of joining.
+//! A queue that grows because tongs holds the fleet back (a limit still learning, nodes coming back
+//! from an interruption) or because a node is down is not overload: an interruption passes, and its
+//! requests wait for it, up to `max_wait`. Those already waiting keep their place: refusing them now would only make
 //! their refusal late.
 //!
 //! Pure: the time and the expected wait come in.
@@ -51,10 +57,14 @@ impl Standing {
         now: Instant,
         expected: Option<Duration>,
         target: Target,
+        fleet_full: bool,
     ) -> bool {
         if target.wait.is_zero() {
             *self = Standing::default();
             return false;
+        }
+        if !fleet_full {
+            self.standing = false;
         }
         let Some(expected) = expected.filter(|&wait| wait > target.wait) else {
             if !self.standing {
@@ -63,7 +73,7 @@ impl Standing {
             return false;
         };
         let since = *self.above_since.get_or_insert(now);
-        if now.saturating_duration_since(since) >= target.after {
+        if fleet_full && now.saturating_duration_since(since) >= target.after {
             self.standing = true;
         }
         self.standing && expected > target.wait
@@ -96,12 +106,12 @@ mod tests {
     fn a_short_excursion_past_the_target_is_a_burst() {
         let start = Instant::now();
         let mut standing = Standing::default();
-        assert!(!standing.arrival(start, Some(ms(900)), TARGET));
-        assert!(!standing.arrival(start + ms(400), Some(ms(1200)), TARGET));
+        assert!(!standing.arrival(start, Some(ms(900)), TARGET, true));
+        assert!(!standing.arrival(start + ms(400), Some(ms(1200)), TARGET, true));
         // One arrival under the target: the clock starts over.
-        assert!(!standing.arrival(start + ms(450), Some(ms(300)), TARGET));
-        assert!(!standing.arrival(start + ms(600), Some(ms(900)), TARGET));
-        assert!(!standing.arrival(start + ms(1000), Some(ms(900)), TARGET));
+        assert!(!standing.arrival(start + ms(450), Some(ms(300)), TARGET, true));
+        assert!(!standing.arrival(start + ms(600), Some(ms(900)), TARGET, true));
+        assert!(!standing.arrival(start + ms(1000), Some(ms(900)), TARGET, true));
         assert!(!standing.is_standing());
     }
 
@@ -109,15 +119,28 @@ mod tests {
     fn waits_past_the_target_for_overload_after_make_it_stand_until_it_empties() {
         let start = Instant::now();
         let mut standing = Standing::default();
-        assert!(!standing.arrival(start, Some(ms(600)), TARGET));
-        assert!(standing.arrival(start + ms(500), Some(ms(800)), TARGET));
+        assert!(!standing.arrival(start, Some(ms(600)), TARGET, true));
+        assert!(standing.arrival(start + ms(500), Some(ms(800)), TARGET, true));
         // Standing: an arrival within the target joins, and the queue still stands.
-        assert!(!standing.arrival(start + ms(510), Some(ms(400)), TARGET));
-        assert!(standing.arrival(start + ms(520), Some(ms(501)), TARGET));
+        assert!(!standing.arrival(start + ms(510), Some(ms(400)), TARGET, true));
+        assert!(standing.arrival(start + ms(520), Some(ms(501)), TARGET, true));
         // Not yet draining at a known pace: no basis to refuse on.
-        assert!(!standing.arrival(start + ms(530), None, TARGET));
+        assert!(!standing.arrival(start + ms(530), None, TARGET, true));
         standing.emptied();
-        assert!(!standing.arrival(start + ms(600), Some(ms(5000)), TARGET));
+        assert!(!standing.arrival(start + ms(600), Some(ms(5000)), TARGET, true));
+    }
+
+    #[test]
+    fn a_fleet_that_has_not_said_it_is_full_is_not_overloaded() {
+        let start = Instant::now();
+        let mut standing = Standing::default();
+        for step in 0..20 {
+            assert!(!standing.arrival(start + ms(step * 100), Some(ms(5000)), TARGET, false));
+        }
+        // Once it says so, the time above the target already counts.
+        assert!(standing.arrival(start + ms(2000), Some(ms(5000)), TARGET, true));
+        // And when it stops saying so, arrivals wait again.
+        assert!(!standing.arrival(start + ms(2100), Some(ms(5000)), TARGET, false));
     }
 
     #[test]
@@ -129,7 +152,7 @@ mod tests {
         };
         let mut standing = Standing::default();
         for step in 0..10 {
-            assert!(!standing.arrival(start + ms(step * 100), Some(ms(60_000)), off));
+            assert!(!standing.arrival(start + ms(step * 100), Some(ms(60_000)), off, true));
         }
     }
 }

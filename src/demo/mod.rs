@@ -50,7 +50,7 @@ impl Default for DemoOptions {
             json: false,
             interruptions: true,
             policy: BalancePolicy::default(),
-            limit: LimitMode::Adaptive,
+            limit: LimitMode::Learned,
         }
     }
 }

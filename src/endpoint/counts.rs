@@ -16,6 +16,11 @@ pub struct FleetCounts {
     /// that is older than `signals.max_age`, no endpoint has a reading the pick may use, and the pick
     /// skips the scorers that read them.
     last_reading_ms: AtomicU64,
+    /// When an endpoint last said itself that it is full (0: never): it refused a request while
+    /// serving others of ours, or its own metrics showed it saturated. Only then may the queue refuse
+    /// arrivals for standing (see `admission::standing`): a fleet tongs merely holds back (a limit
+    /// still learning, nodes coming back from an interruption) has not said it cannot take more.
+    last_full_ms: AtomicU64,
 }
 
 impl FleetCounts {
@@ -39,6 +44,11 @@ impl FleetCounts {
         self.last_reading_ms.load(Ordering::Relaxed)
     }
 
+    /// When an endpoint last said it is full (0: never).
+    pub fn last_full_ms(&self) -> u64 {
+        self.last_full_ms.load(Ordering::Relaxed)
+    }
+
     fn counters(&self) -> [&AtomicUsize; 3] {
         [&self.ejected, &self.healthy, &self.up]
     }
@@ -53,6 +63,13 @@ impl Endpoint {
     pub fn note_reading(&self, now_ms: u64) {
         if let Some(counts) = self.counts.get() {
             counts.last_reading_ms.fetch_max(now_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// It said at `now_ms` that it is full (see [`FleetCounts::last_full_ms`]).
+    pub fn note_full(&self, now_ms: u64) {
+        if let Some(counts) = self.counts.get() {
+            counts.last_full_ms.fetch_max(now_ms, Ordering::Relaxed);
         }
     }
 

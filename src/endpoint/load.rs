@@ -10,7 +10,7 @@ use tokio::time::Instant;
 
 use super::{Endpoint, SlotFreed};
 use crate::config::LimitMode;
-use crate::limit::{LimitSettings, Limiter};
+use crate::limit::{Learned, LimitSettings, Limiter};
 
 impl Endpoint {
     pub fn outstanding(&self) -> u64 {
@@ -90,27 +90,60 @@ impl Endpoint {
             }
             LimitMode::Adaptive => {
                 let state = match limiter.take() {
-                    Some(mut kept) => {
+                    Some(Learner::Gradient(mut kept)) => {
                         kept.set_settings(*settings);
                         kept
                     }
-                    None => Limiter::new(*settings, self.millis(now)),
+                    _ => Limiter::new(*settings, self.millis(now)),
                 };
                 let limit = u64::from(state.limit());
-                *limiter = Some(state);
+                *limiter = Some(Learner::Gradient(state));
+                limit
+            }
+            LimitMode::Learned => {
+                let state = match limiter.take() {
+                    Some(Learner::Profile(mut kept)) => {
+                        kept.set_bounds(settings.min, settings.max);
+                        kept
+                    }
+                    _ => Learned::new(settings.min, settings.max),
+                };
+                let limit = state.limit().map_or(u64::MAX, u64::from);
+                *limiter = Some(Learner::Profile(state));
+                self.limits.configured.store(u64::MAX, Ordering::Relaxed);
                 limit
             }
         };
         self.store_limit(limit);
     }
 
-    /// Feeds the adaptive limiter a committed request's time to first byte.
+    /// Feeds the adaptive or learned limit a committed request's time to first byte.
     pub fn observe_limit_sample(&self, sample: Duration, in_flight: u64, now: Instant) {
         let mut limiter = self.limits.lock();
         if let Some(state) = limiter.as_mut() {
-            let limit = state.on_sample(sample, in_flight, self.millis(now));
+            let now_ms = self.millis(now);
+            let limit = match state {
+                Learner::Gradient(gradient) => {
+                    u64::from(gradient.on_sample(sample, in_flight, now_ms))
+                }
+                Learner::Profile(profile) => {
+                    let learned = profile.on_sample(sample, in_flight, now_ms);
+                    // A node that reports its own queue says when it is full (the pick's saturation
+                    // filter reads it): its latency profile is kept, not enforced. A continuous
+                    // batching server's first token slows as its batch grows, which the profile
+                    // would take for a line forming.
+                    if self.signals().now(now_ms, OWN_REPORT_MS, 0).is_some() {
+                        u64::MAX
+                    } else {
+                        if profile.is_full() {
+                            self.note_full(now_ms);
+                        }
+                        learned.map_or(u64::MAX, u64::from)
+                    }
+                }
+            };
             drop(limiter);
-            self.store_limit(u64::from(limit));
+            self.store_limit(limit);
         }
     }
 
@@ -123,7 +156,12 @@ impl Endpoint {
         let holding = self.outstanding().saturating_sub(1);
         let mut limiter = self.limits.lock();
         let limit = match limiter.as_mut() {
-            Some(state) => u64::from(state.on_back_pressure(self.millis(now), holding)),
+            Some(Learner::Gradient(state)) => {
+                u64::from(state.on_back_pressure(self.millis(now), holding))
+            }
+            Some(Learner::Profile(state)) => state
+                .on_back_pressure(holding, self.millis(now))
+                .map_or(u64::MAX, u64::from),
             None => {
                 let until = self.millis(now + HOLD).max(1);
                 self.held_until.store(until, Ordering::Relaxed);
@@ -177,6 +215,7 @@ impl Endpoint {
     /// a second.
     pub fn pushed_back_while_busy(&self) {
         self.tally.cooldowns.fetch_add(1, Ordering::Relaxed);
+        self.note_full(self.millis(Instant::now()));
         tracing::debug!(endpoint = self.url(), "busy endpoint refused a request");
     }
 
@@ -190,8 +229,8 @@ impl Endpoint {
 /// the pick's path (the limit in force is the endpoint's own `limit`).
 #[derive(Debug)]
 pub struct LimitState {
-    /// The adaptive limit's state (only with `concurrency.limit: adaptive`).
-    pub(super) limiter: Mutex<Option<Limiter>>,
+    /// What learns the limit (only with `concurrency.limit: adaptive` or `learned`).
+    pub(super) limiter: Mutex<Option<Learner>>,
     /// The limit the configuration sets without an adaptive limiter (`u64::MAX`: none).
     pub(super) configured: AtomicU64,
     /// A cap on the concurrency limit, whatever the mode says: this replica's share of a pod's own
@@ -208,20 +247,45 @@ impl LimitState {
         }
     }
 
-    /// The adaptive limiter's unloaded latency in microseconds, if it measured one.
+    /// The unloaded latency the adaptive limiter measured, or the learned limit's baseline, in
+    /// microseconds, if there is one.
     pub fn unloaded_latency_us(&self) -> Option<u64> {
         self.lock()
             .as_ref()
-            .map(Limiter::unloaded_us)
+            .map(|learner| match learner {
+                Learner::Gradient(gradient) => gradient.unloaded_us(),
+                Learner::Profile(profile) => profile.baseline_us(),
+            })
             .filter(|&us| us > 0)
     }
 
-    pub(super) fn lock(&self) -> MutexGuard<'_, Option<Limiter>> {
+    /// The capacity the learned limit found (`None`: none yet, or another mode).
+    pub fn learned_capacity(&self) -> Option<u32> {
+        match self.lock().as_ref() {
+            Some(Learner::Profile(profile)) => Some(profile.capacity()).filter(|&c| c > 0),
+            _ => None,
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, Option<Learner>> {
         self.limiter
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
+
+/// What learns an endpoint's limit.
+#[derive(Debug)]
+pub enum Learner {
+    /// `concurrency.limit: adaptive`: a gradient against the unloaded latency (see [`Limiter`]).
+    Gradient(Limiter),
+    /// `concurrency.limit: learned`: the node's latency profile by load (see [`Learned`]).
+    Profile(Learned),
+}
+
+/// A node whose own metrics were read this recently reports its own queue (see
+/// [`Endpoint::observe_limit_sample`]).
+const OWN_REPORT_MS: u64 = 5_000;
 
 /// How long a node that refused while busy is held to what it held, without an adaptive limit.
 pub const HOLD: Duration = Duration::from_secs(2);

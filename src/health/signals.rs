@@ -115,7 +115,10 @@ fn keep(
     let was = saturated(signals, config, now_ms, max_age, outstanding);
     signals.record(engine, load, outstanding, now_ms);
     endpoint.note_reading(now_ms);
-    if was && !saturated(signals, config, now_ms, max_age, outstanding) {
+    let is = saturated(signals, config, now_ms, max_age, outstanding);
+    if is {
+        endpoint.note_full(now_ms);
+    } else if was {
         endpoint.wake_waiters();
     }
 }

@@ -13,6 +13,10 @@ use crate::balance::{self, PickContext, RequestKeys};
 use crate::breaker::Admission;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
 
+/// How long an endpoint's word that it is full counts as the fleet's (see
+/// `admission::standing`): a few refusals' `Retry-After`, a few metrics readings.
+const FULL_EVIDENCE: Duration = Duration::from_secs(5);
+
 /// Endpoint ids a pick leaves out (no allocation; more than fit are not excluded).
 #[derive(Clone, Copy, Default)]
 pub(super) struct Exclude {
@@ -157,7 +161,7 @@ impl Proxy {
         let allowed = max_wait.saturating_sub(*queued);
         let until = deadline.min(joined + allowed);
         // Under sustained overload, one the queue would keep past `queue.target_wait` is told now too.
-        let outlook = queue.outlook(place);
+        let outlook = queue.outlook(place, self.fleet_said_full());
         if outlook.overloaded {
             return Err(Stop::Refused(self.refusal(Refusal::Overloaded)));
         }
@@ -199,6 +203,33 @@ impl Proxy {
         };
         *queued += joined.elapsed();
         result
+    }
+
+    /// Whether the fleet's capacity is known to be what holds requests back: an endpoint said lately
+    /// that it is full (refused while busy, or saturated by its own metrics, within
+    /// [`FULL_EVIDENCE`]), or the limits are the capacities someone told tongs (`static`, or every
+    /// endpoint's own `max_outstanding`).
+    ///
+    /// Never while an endpoint is down, ejected or stalled: a fleet short of a node is an
+    /// interruption, which passes (the node comes back, or is replaced), and its requests wait for it
+    /// rather than being refused.
+    fn fleet_said_full(&self) -> bool {
+        let snapshot = self.registry.snapshot();
+        if self.registry.counts().up() < snapshot.len() {
+            return false;
+        }
+        let last = self.registry.counts().last_full_ms();
+        let now_ms = crate::endpoint::millis(Instant::now());
+        if last != 0 && now_ms.saturating_sub(last) <= millis_of(FULL_EVIDENCE) {
+            return true;
+        }
+        if self.registry.limits().mode == crate::config::LimitMode::Static {
+            return true;
+        }
+        !snapshot.is_empty()
+            && snapshot
+                .iter()
+                .all(|endpoint| endpoint.origin().max_outstanding.is_some())
     }
 
     /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.

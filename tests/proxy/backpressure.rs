@@ -1,7 +1,7 @@
 //! Back-pressure: per-endpoint concurrency limits, the queue, priorities, refusals and the adaptive
 //! limit, over real sockets against the simulator's nodes (`tongs::sim`, standing in for GPU nodes) and
 //! scripted in-process backends. How the adaptive limit settles near a node's capacity is checked in
-//! `src/limit.rs`, in synthetic time; here, what the request path feeds it and how it reacts.
+//! `src/limit/`, in synthetic time; here, what the request path feeds it and how it reacts.
 //!
 //! Durations printed here are for reading; assertions on time only check what a wait proves (a refusal
 //! came long before the wait it would otherwise have sat out), never how fast this machine is.
@@ -487,7 +487,7 @@ fn load(url: String, clients: usize, stop: Arc<AtomicBool>) -> Vec<tokio::task::
         .collect()
 }
 
-/// How the adaptive limit settles near a node's capacity is checked in `src/limit.rs`'s unit tests, on
+/// How the adaptive limit settles near a node's capacity is checked in `src/limit/mod.rs`'s unit tests, on
 /// a simulated node under closed-loop load in synthetic time; this checks the request path's side of it:
 /// the limit learns from real answers, grows while the node takes everything, and comes down as soon
 /// as the node refuses.
@@ -862,5 +862,68 @@ async fn a_burst_the_fleet_drains_in_time_queues_and_is_served_whole() {
         "the burst went past what the nodes take at once"
     );
     assert!(!proxy.app_queue.is_standing());
+    proxy.stop().await;
+}
+
+/// With `concurrency.limit: learned`, tongs learns each node's capacity from what its answers take at
+/// each load, on a fleet whose nodes differ 8× (2, 4 and 16 requests at once, 200 ms each, queueing beyond inside
+/// themselves: the simulator's nodes, standing in for GPU servers): under closed-loop load of twice
+/// the fleet's capacity, each node's limit settles near its capacity and the rest wait in tongs' queue.
+/// How the limit follows a node that changes is checked in `src/limit/learned.rs`, in synthetic time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learned_limit_finds_each_nodes_capacity() {
+    let node = |name: &str, capacity: usize| {
+        let mut spec = tongs::sim::NodeSpec::new(name, Duration::from_millis(200));
+        spec.service_time.spread = 0.1;
+        spec.capacity = capacity;
+        spec.queue = 64;
+        spec
+    };
+    let fleet = sim_fleet(
+        11,
+        vec![node("two", 2), node("four", 4), node("sixteen", 16)],
+    )
+    .await;
+    let proxy = start_proxy(config_with(
+        "concurrency: { limit: learned }\n",
+        &fleet.urls(),
+    ))
+    .await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = load(proxy.url("/v1/generate"), 44, Arc::clone(&stop));
+    let registry = Arc::clone(&proxy.app_registry);
+    let limits = || {
+        let snapshot = registry.snapshot();
+        fleet
+            .urls()
+            .iter()
+            .map(|url| {
+                snapshot
+                    .iter()
+                    .find(|e| e.url() == url)
+                    .and_then(|e| e.limit())
+            })
+            .collect::<Vec<_>>()
+    };
+    let near = |capacity: u64, limit: Option<u64>| {
+        limit.is_some_and(|l| (capacity - capacity / 8..=capacity + capacity / 3 + 1).contains(&l))
+    };
+    let mut last = Vec::new();
+    eventually(
+        "every node's limit near its capacity",
+        Duration::from_secs(40),
+        || {
+            last = limits();
+            near(2, last[0]) && near(4, last[1]) && near(16, last[2])
+        },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let mut served = 0;
+    for client in clients {
+        served += client.await.unwrap();
+    }
+    println!("limits (2, 4, 16): {last:?}; {served} served");
+    assert!(served > 0);
     proxy.stop().await;
 }

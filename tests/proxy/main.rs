@@ -1,4 +1,4 @@
-//! The request path (`src/proxy/`, `src/balance/`, `src/limit.rs`, `src/admission/`,
+//! The request path (`src/proxy/`, `src/balance/`, `src/limit/`, `src/admission/`,
 //! `src/retry/`, `src/breaker.rs`, `src/http/`): forwarding, streaming, resilience, back-pressure,
 //! inbound limits and balancing, through a real proxy over loopback sockets.
 //!

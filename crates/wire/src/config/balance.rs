@@ -187,8 +187,9 @@ pub enum BalancePolicy {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ConcurrencyConfig {
-    /// `none` (no per-endpoint limit), `static` (`max_outstanding_per_endpoint` each), or `adaptive`
-    /// (learned per endpoint from its latency and its own 429/503 answers).
+    /// `none` (no per-endpoint limit; the default), `static` (`max_outstanding_per_endpoint` each),
+    /// `adaptive` (a gradient against the endpoint's unloaded latency), or `learned` (each endpoint's
+    /// capacity read off what its answers took at each load, and its own 429/503 answers).
     pub limit: LimitMode,
     /// The static limit, and the adaptive limit's starting value.
     pub max_outstanding_per_endpoint: u32,
@@ -222,6 +223,7 @@ pub enum LimitMode {
     None,
     Static,
     Adaptive,
+    Learned,
 }
 
 /// Where requests wait when no endpoint can take them.
@@ -266,7 +268,7 @@ impl Default for QueueConfig {
             shed_low_priority_after: HumanDuration::from_secs(5),
             max_wait_no_endpoints: None,
             target_wait: HumanDuration::from_millis(500),
-            overload_after: HumanDuration::from_millis(500),
+            overload_after: HumanDuration::from_secs(1),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Per-endpoint concurrency limits: static, or adaptive.
+//! Per-endpoint concurrency limits: static, adaptive, or learned (see [`learned`]).
 //!
 //! The adaptive limiter follows Envoy's adaptive concurrency filter (a gradient against the endpoint's
 //! unloaded latency), but runs per endpoint, because the nodes of one fleet differ by an order of
@@ -19,6 +19,9 @@
 use std::time::Duration;
 
 use crate::config::{ConcurrencyConfig, LimitMode};
+
+pub mod learned;
+pub use learned::Learned;
 
 /// What a limit is made of, as the registry applies it to every endpoint.
 #[derive(Clone, Copy, Debug, PartialEq)]
