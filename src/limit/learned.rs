@@ -41,8 +41,7 @@ pub const MIN_SAMPLES: u32 = 12;
 pub const FORGET_MS: u64 = 30_000;
 /// Levels sampled this recently are the ones in use.
 pub const FRESH_MS: u64 = 10_000;
-/// How much slower than the levels below a level may be and still count in the baseline (twice
-/// this).
+/// How much slower than the levels below it a level may be and still count in the baseline.
 const TOLERANCE: f64 = 0.15;
 /// Samples the baseline pools at most.
 const BASELINE_SAMPLES: f64 = 64.0;
@@ -318,24 +317,6 @@ mod tests {
                 self.now += 1.0;
                 if (self.now as u64).is_multiple_of(1000) {
                     limits.push(learned.limit());
-                    if std::env::var("DUMP").is_ok() {
-                        let judged: Vec<String> = learned
-                            .levels
-                            .iter()
-                            .enumerate()
-                            .filter(|(_, l)| l.samples >= MIN_SAMPLES)
-                            .map(|(i, l)| {
-                                format!("{}:{:.0}/{}", i + 1, l.mean_us / 1000.0, l.samples)
-                            })
-                            .collect();
-                        eprintln!(
-                            "t={} limit={:?} cap={} {}",
-                            self.now / 1000.0,
-                            learned.limit(),
-                            learned.capacity,
-                            judged.join(" ")
-                        );
-                    }
                 }
             }
             limits
