@@ -521,6 +521,11 @@ impl Proxy {
                 // Its answer still holds this request's slot there.
                 let holding = failure.endpoint.outstanding().saturating_sub(1);
                 tried.mark_busy(&failure.endpoint, holding);
+                // Under sustained overload the other nodes are full too: the queue decides at once
+                // (a place within its target, or a refusal) rather than a round of refusals.
+                if self.queue.is_standing() {
+                    tried.wait_first();
+                }
             }
             last_failure = Some(failure);
             if !retry {
@@ -541,7 +546,13 @@ impl Proxy {
                 }
             }
             self.stats.retries.count(kind);
-            let backoff = settings.retry.backoff(attempt);
+            // A busy node's refusal is no failure to back off from: the next look goes to the queue or
+            // to a node with room.
+            let backoff = if bounce {
+                Duration::ZERO
+            } else {
+                settings.retry.backoff(attempt)
+            };
             if !backoff.is_zero() {
                 tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
             }
