@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::attempt::{Failure, Slot};
+use super::attempt::Slot;
+use super::retrying::Attempts;
 use super::{Proxy, ProxySettings, millis_of};
 use crate::admission::{Place, Refusal, Waited};
 use crate::balance::{self, PickContext, RequestKeys};
@@ -67,6 +68,11 @@ impl Tried {
     /// would when the queue is not empty.
     pub fn wait_first(&mut self) {
         self.wait_first = true;
+    }
+
+    #[cfg(test)]
+    pub fn waits_first(&self) -> bool {
+        self.wait_first
     }
 
     /// `endpoint` turned the request away for being busy while it held `holding` other requests.
@@ -130,8 +136,7 @@ impl Proxy {
         tried: &mut Tried,
         place: &Place,
         deadline: Instant,
-        queued: &mut Duration,
-        last_failure: &mut Option<Failure>,
+        attempts: &mut Attempts,
     ) -> Result<Slot, Stop> {
         let wait_first = std::mem::take(&mut tried.wait_first);
         let queue = &self.queue;
@@ -142,10 +147,7 @@ impl Proxy {
                 Pick::Wait => {}
             }
         }
-        // A failed attempt's answer holds its endpoint's slot; waiting must not keep it from others.
-        if let Some(failure) = last_failure.as_mut() {
-            failure.response = None;
-        }
+        attempts.release_answer();
         // A request the queue will not reach in time is told so now, not when its wait runs out.
         let joined = Instant::now();
         // A pool with no endpoint at all (scaling from zero) holds requests for its own wait.
@@ -158,7 +160,7 @@ impl Proxy {
         if max_wait.is_zero() {
             return Err(Stop::Refused(Refusal::NoEndpoints));
         }
-        let allowed = max_wait.saturating_sub(*queued);
+        let allowed = max_wait.saturating_sub(attempts.queued);
         let until = deadline.min(joined + allowed);
         // Under sustained overload, one the queue would keep past `queue.target_wait` is told now too.
         let outlook = queue.outlook(place, self.fleet_said_full());
@@ -201,7 +203,7 @@ impl Proxy {
                 Waited::Shed => break Err(Stop::Refused(Refusal::ShedLowPriority)),
             }
         };
-        *queued += joined.elapsed();
+        attempts.queued += joined.elapsed();
         result
     }
 

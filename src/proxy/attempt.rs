@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{Request, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use tokio::time::Instant;
@@ -50,6 +50,20 @@ pub(super) struct Failure {
     pub error: ProxyError,
     pub response: Option<(Response<ResponseBody>, Outstanding)>,
     pub endpoint: Arc<Endpoint>,
+}
+
+impl Failure {
+    /// Says in the debug log that attempt `number` of `request_id` failed, and why.
+    pub fn trace(&self, request_id: &HeaderValue, number: u32) {
+        tracing::debug!(
+            request_id = request_id.to_str().unwrap_or_default(),
+            endpoint = self.endpoint.url(),
+            attempt = number,
+            reason = self.kind.as_str(),
+            error = %self.error,
+            "attempt failed"
+        );
+    }
 }
 
 /// An endpoint's answer, ready for the client: its headers, the first body frame read before commit

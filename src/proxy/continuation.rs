@@ -17,10 +17,11 @@ use http::{Response, StatusCode};
 use tokio::time::Instant;
 
 use super::acquire::Tried;
-use super::attempt::{Attempt, Failure, Sending};
+use super::attempt::{Attempt, Sending};
 use super::hedge::Race;
 use super::request::Template;
 use super::respond::Piece;
+use super::retrying::{self, Attempts, Next, Retrying};
 use super::{Proxy, ProxySettings, WorkerPath};
 use crate::admission::Place;
 use crate::http::relay::{Relay, Resume, Resuming};
@@ -246,10 +247,9 @@ impl Continuer {
     /// Attempts of the continuation, like a request's: the first spliceable stream is the next piece.
     async fn attempts(&mut self, sending: &Sending) -> Result<(ProxyBody, Arc<str>), String> {
         let settings = Arc::clone(&self.settings);
-        let mut queued = Duration::ZERO;
-        let mut last_failure: Option<Failure> = None;
+        let mut attempts = Attempts::for_continuation(&settings.retry);
         let mut detail = "no endpoint left to try".to_owned();
-        for attempt in 1..=settings.retry.max_attempts().max(1) {
+        while attempts.next().is_some() {
             let acquired = self
                 .proxy
                 .acquire(
@@ -257,8 +257,7 @@ impl Continuer {
                     &mut self.tried,
                     &self.place,
                     self.deadline,
-                    &mut queued,
-                    &mut last_failure,
+                    &mut attempts,
                 )
                 .await;
             let Ok(slot) = acquired else {
@@ -267,9 +266,8 @@ impl Continuer {
             let Some(attempt_body) = sending.body.for_attempt() else {
                 break;
             };
-            let endpoint = Arc::clone(slot.outstanding.endpoint());
-            self.tried.push(endpoint.id());
-            drop(last_failure.take());
+            self.tried.push(slot.outstanding.endpoint().id());
+            attempts.under_way();
             self.proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
             let mut slot = slot;
             let race = Race {
@@ -316,20 +314,17 @@ impl Continuer {
                 }
                 Attempt::Failed(failure) => {
                     detail = format!("{}: {}", failure.endpoint.url(), failure.error);
-                    let retry = settings.retry.should_retry(
-                        attempt,
-                        failure.kind,
-                        true,
-                        Instant::now() < self.deadline,
-                    );
-                    last_failure = Some(failure);
-                    if !retry {
-                        break;
-                    }
-                    let backoff = settings.retry.backoff(attempt);
-                    if !backoff.is_zero() {
-                        let until = (Instant::now() + backoff).min(self.deadline);
-                        tokio::time::sleep_until(until).await;
+                    let retrying = Retrying {
+                        policy: &settings.retry,
+                        body: &sending.body,
+                        deadline: self.deadline,
+                        queue: self.proxy.queue(),
+                        budget: &self.worker.budget,
+                        stats: &self.proxy.stats.retries,
+                    };
+                    match attempts.failed(failure, &retrying, &mut self.tried) {
+                        Next::Retry(backoff) => retrying::back_off(backoff, self.deadline).await,
+                        Next::Stop => break,
                     }
                 }
             }

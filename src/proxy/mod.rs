@@ -24,6 +24,7 @@ mod hedge;
 mod receive;
 mod request;
 mod respond;
+mod retrying;
 mod stream;
 
 use std::sync::Arc;
@@ -37,11 +38,12 @@ use tokio_util::task::TaskTracker;
 
 pub use self::acquire::PickExplanation;
 use self::acquire::{Stop, Tried};
-use self::attempt::{Attempt, Failure, Sending};
+use self::attempt::{Attempt, Committed, Failure, Sending};
 use self::continuation::Committing;
 use self::hedge::{HedgeBudget, Race};
 pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
+use self::retrying::{Attempts, Next, Retrying};
 pub use self::stream::StreamSettings;
 use crate::admission::{Queue, Refusal};
 use crate::balance::{Pipeline, PrefixIndex, Saturation, Unsaturated};
@@ -51,7 +53,7 @@ use crate::http::ProxyBody;
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::openai::Continuable;
 use crate::registry::Registry;
-use crate::retry::{FailureKind, ReplayBudget, RetryBudget, RetryPolicy};
+use crate::retry::{FailureKind, ReplayBody, ReplayBudget, RetryBudget, RetryPolicy};
 use crate::trace::AttemptKind;
 use crate::upstream::UpstreamClient;
 
@@ -246,6 +248,15 @@ pub struct WorkerPath {
     hedges: HedgeBudget,
 }
 
+/// What the client's answer is made of besides the committed attempt and the request itself.
+struct Answered<'a> {
+    worker: &'a Arc<WorkerPath>,
+    settings: &'a Arc<ProxySettings>,
+    continuable: Option<Continuable>,
+    tried: Tried,
+    body: &'a ReplayBody,
+}
+
 /// Counts a request in the metrics when dropped: with its answer's body, so a stream counts when it
 /// ends.
 struct Finish {
@@ -349,6 +360,8 @@ impl Proxy {
         }
     }
 
+    /// The request's steps: read what it carries, then attempts (a slot from the pick or the queue, a
+    /// race against a hedge, the decision after a failure) until one commits or none is left.
     async fn answer(
         self: &Arc<Self>,
         settings: &Arc<ProxySettings>,
@@ -360,24 +373,14 @@ impl Proxy {
             return Err(received);
         }
         let Received {
-            request,
+            mut request,
             body,
             started,
         } = received;
-        let ClientRequest {
-            request_id,
-            deadline,
-            place,
-            retries_wanted,
-            upgrade,
-            template,
-        } = request;
-        let client_allows_retries = retries_wanted;
-        let retries_wanted = retries_wanted && settings.retry.enabled();
         self.stats.requests.fetch_add(1, Ordering::Relaxed);
-
+        let retries_wanted = request.retries_wanted && settings.retry.enabled();
         // A streamed OpenAI completion that can be continued elsewhere if its node breaks mid-stream.
-        let continuable = match (template.openai_api(), body.bytes()) {
+        let continuable = match (request.template.openai_api(), body.bytes()) {
             (Some(api), Some(bytes)) if settings.continuation.enabled && retries_wanted => {
                 Continuable::read(api, bytes).ok()
             }
@@ -386,187 +389,160 @@ impl Proxy {
         let mut tried = Tried::default();
         tried.keys = request::affinity_keys(
             settings,
-            template.openai_api(),
+            request.template.openai_api(),
             body.bytes(),
-            template.headers(),
+            request.template.headers(),
         );
         let sending = Sending {
             settings: Arc::clone(settings),
             upstream: worker.upstream.clone(),
-            deadline,
+            deadline: request.deadline,
             body,
         };
-        let body = &sending.body;
-        let mut last_failure: Option<Failure> = None;
-        // Time spent in the queue so far: `queue.max_wait` bounds it over all attempts together.
-        let mut queued = Duration::ZERO;
-        // Attempts turned away by a busy endpoint (see below).
-        let mut bounced = 0;
-        let mut attempt = 0;
-        while attempt < settings.retry.max_attempts().max(1) {
-            attempt += 1;
-            let slot = match self
+        let retrying = Retrying {
+            policy: &settings.retry,
+            body: &sending.body,
+            deadline: request.deadline,
+            queue: &self.queue,
+            budget: &worker.budget,
+            stats: &self.stats.retries,
+        };
+        let mut attempts = Attempts::for_request(&settings.retry, retries_wanted);
+        while let Some(number) = attempts.next() {
+            let acquired = self
                 .acquire(
                     settings,
                     &mut tried,
-                    &place,
-                    deadline,
-                    &mut queued,
-                    &mut last_failure,
+                    &request.place,
+                    request.deadline,
+                    &mut attempts,
                 )
-                .await
-            {
+                .await;
+            let slot = match acquired {
                 Ok(slot) => slot,
-                Err(Stop::Nowhere | Stop::Refused(_))
-                    if handing_on && tried.len() == 0 && last_failure.is_none() =>
-                {
+                Err(_) if handing_on && tried.len() == 0 && attempts.none_failed() => {
                     // Nothing was sent: the next pool gets the request as it came.
-                    let request = ClientRequest {
-                        request_id,
-                        deadline,
-                        place,
-                        retries_wanted: client_allows_retries,
-                        upgrade,
-                        template,
-                    };
+                    let body = sending.body;
                     return Err(Received {
                         request,
-                        body: sending.body,
+                        body,
                         started,
                     });
                 }
                 Err(Stop::Nowhere) => break,
-                Err(Stop::Refused(reason)) => match last_failure {
-                    // A retry that found no room: the endpoint's failure is the better answer, unless
-                    // that failure was only a busy node's refusal: then the queue's own refusal says
-                    // more (why, and a `Retry-After` from how fast the fleet drains).
-                    Some(failure) if failure.kind != FailureKind::BackPressure => {
-                        let response = self.fail(settings, failure, &request_id, deadline);
-                        return Ok((response, Outcome::Failed));
-                    }
-                    _ => return Ok((self.refuse(reason, &request_id), Outcome::Refused)),
-                },
+                Err(Stop::Refused(reason)) => {
+                    let last = attempts.into_last_failure();
+                    return Ok(self.unanswered(settings, last, Some(reason), &request));
+                }
             };
-            let Some(attempt_body) = body.for_attempt() else {
+            let Some(attempt_body) = sending.body.for_attempt() else {
                 break;
             };
-            let endpoint = Arc::clone(slot.outstanding.endpoint());
-            tried.push(endpoint.id());
-            // The failure being retried is dropped (its connection released) only once a new attempt is
-            // really under way; until then it is the answer.
-            drop(last_failure.take());
+            tried.push(slot.outstanding.endpoint().id());
+            attempts.under_way();
             self.stats.attempts.fetch_add(1, Ordering::Relaxed);
             let mut slot = slot;
             let race = Race {
-                request: template.build(&mut slot, attempt_body, AttemptKind::Next),
+                request: request
+                    .template
+                    .build(&mut slot, attempt_body, AttemptKind::Next),
                 slot,
-                template: &template,
+                template: &request.template,
                 hedgeable: retries_wanted,
             };
             let failure = match self.race(&sending, worker, &mut tried, race).await {
                 Attempt::Committed(committed) => {
                     self.metrics.first_byte(started.elapsed());
-                    let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
-                    let at = (
-                        &request_id,
-                        deadline,
-                        continuable.is_some(),
-                        body.kept_len(),
-                    );
-                    let response = self.commit(settings, committed, upgrade, at);
-                    let Some(continuable) = continuable else {
-                        return Ok((response, Outcome::Proxied));
-                    };
-                    let at = Committing {
+                    let answered = Answered {
                         worker,
                         settings,
-                        template: &template,
+                        continuable,
                         tried,
-                        request_id: &request_id,
-                        place: &place,
-                        deadline,
-                        body,
+                        body: &sending.body,
                     };
-                    let response = self.relay(response, continuable, &streaming, at);
-                    return Ok((response, Outcome::Proxied));
+                    return Ok((
+                        self.answered(committed, &mut request, answered),
+                        Outcome::Proxied,
+                    ));
                 }
                 Attempt::Failed(failure) => failure,
             };
-            tracing::debug!(
-                request_id = request_id.to_str().unwrap_or_default(),
-                endpoint = failure.endpoint.url(),
-                attempt,
-                reason = failure.kind.as_str(),
-                error = %failure.error,
-                "attempt failed"
-            );
-            let kind = failure.kind;
-            // A busy endpoint's refusal says "later", not "broken": it does not use up one of
-            // `retry.max_attempts`, and once every endpoint turned the request away it waits in the
-            // queue for the next free slot (see `acquire`). Bounded, so a fleet refusing for good
-            // still gets its answer passed on.
-            let bounce = kind == FailureKind::BackPressure && bounced < MAX_BOUNCES;
-            if bounce {
-                attempt -= 1;
-            }
-            let retry = retries_wanted
-                && settings.retry.should_retry(
-                    attempt,
-                    kind,
-                    body.replayable(),
-                    Instant::now() < deadline,
-                );
-            if bounce && retry {
-                bounced += 1;
-                // Its answer still holds this request's slot there.
-                let holding = failure.endpoint.outstanding().saturating_sub(1);
-                tried.mark_busy(&failure.endpoint, holding);
-                // Under sustained overload the other nodes are full too: the queue decides at once
-                // (a place within its target, or a refusal) rather than a round of refusals.
-                if self.queue.is_standing() {
-                    tried.wait_first();
-                }
-            }
-            last_failure = Some(failure);
-            if !retry {
-                break;
-            }
-            if !worker.budget.withdraw() {
-                // The budget keeps retries from multiplying the load on a failing fleet. A request a
-                // busy endpoint turned away adds none by waiting in the queue for a slot to free, as
-                // any new arrival would; it just may not go straight to another endpoint.
-                if bounce {
-                    tried.wait_first();
-                } else {
-                    self.stats
-                        .retries
-                        .budget_exhausted
-                        .fetch_add(1, Ordering::Relaxed);
-                    break;
-                }
-            }
-            self.stats.retries.count(kind);
-            // A busy node's refusal is no failure to back off from: the next look goes to the queue or
-            // to a node with room.
-            let backoff = if bounce {
-                Duration::ZERO
-            } else {
-                settings.retry.backoff(attempt)
-            };
-            if !backoff.is_zero() {
-                tokio::time::sleep_until((Instant::now() + backoff).min(deadline)).await;
+            failure.trace(&request.request_id, number);
+            match attempts.failed(failure, &retrying, &mut tried) {
+                Next::Retry(backoff) => retrying::back_off(backoff, request.deadline).await,
+                Next::Stop => break,
             }
         }
-        Ok(match last_failure {
-            Some(failure) => (
-                self.fail(settings, failure, &request_id, deadline),
+        let last = attempts.into_last_failure();
+        Ok(self.unanswered(settings, last, None, &request))
+    }
+
+    /// The client's answer from a committed attempt: the endpoint's response, and for a continuable
+    /// stream the relay that continues it elsewhere if its node breaks.
+    fn answered(
+        self: &Arc<Self>,
+        committed: Committed,
+        request: &mut ClientRequest,
+        answered: Answered<'_>,
+    ) -> Response<ProxyBody> {
+        let Answered {
+            worker,
+            settings,
+            continuable,
+            tried,
+            body,
+        } = answered;
+        let streaming: Arc<str> = committed.outstanding.endpoint().url().into();
+        let at = (
+            &request.request_id,
+            request.deadline,
+            continuable.is_some(),
+            body.kept_len(),
+        );
+        let response = self.commit(settings, committed, request.upgrade.take(), at);
+        let Some(continuable) = continuable else {
+            return response;
+        };
+        let at = Committing {
+            worker,
+            settings,
+            template: &request.template,
+            tried,
+            request_id: &request.request_id,
+            place: &request.place,
+            deadline: request.deadline,
+            body,
+        };
+        self.relay(response, continuable, &streaming, at)
+    }
+
+    /// The client's answer when no attempt committed: the last endpoint's failure, or the queue's
+    /// refusal (`refused`), or no endpoint at all. After a refusal, a failure that was only a busy
+    /// node's refusal gives way to the queue's own, which says more (why, and a `Retry-After` from how
+    /// fast the fleet drains).
+    fn unanswered(
+        &self,
+        settings: &ProxySettings,
+        last: Option<Failure>,
+        refused: Option<Refusal>,
+        request: &ClientRequest,
+    ) -> (Response<ProxyBody>, Outcome) {
+        let (request_id, deadline) = (&request.request_id, request.deadline);
+        match (last, refused) {
+            (Some(failure), Some(_)) if failure.kind != FailureKind::BackPressure => (
+                self.fail(settings, failure, request_id, deadline),
                 Outcome::Failed,
             ),
-            None => (
-                self.refuse(Refusal::NoEndpoints, &request_id),
+            (Some(failure), None) => (
+                self.fail(settings, failure, request_id, deadline),
+                Outcome::Failed,
+            ),
+            (_, Some(reason)) => (self.refuse(reason, request_id), Outcome::Refused),
+            (None, None) => (
+                self.refuse(Refusal::NoEndpoints, request_id),
                 Outcome::Refused,
             ),
-        })
+        }
     }
 
     /// Whether this pool may serve a request now, or should hand it to a fallback: it has an endpoint
@@ -580,9 +556,6 @@ impl Proxy {
         self.registry.counts().up() > 0 && self.queue.len() < queue.max_length.max(1)
     }
 }
-
-/// Refusals from busy endpoints one request may take on top of `retry.max_attempts`.
-const MAX_BOUNCES: u32 = 4;
 
 /// Whether one more endpoint of `registry` may be ejected without exceeding `max_ejected_percent`.
 fn may_eject(registry: &Registry, max_ejected_percent: u32) -> bool {
