@@ -175,11 +175,13 @@ async fn a_new_endpoint_gets_traffic_at_once() {
         })
         .collect();
     proxy.app_registry.replace(specs);
+    // Untried and idle, it ranks first: the very next request goes there. (What share it keeps after
+    // that depends on what it answers in, which a busy machine can make anything: not asserted here.)
+    load(&url, 1, 1).await;
+    let fresh = fleet.nodes()[2].stats().served;
+    assert_eq!(fresh, 1, "the next request went to the new endpoint");
     load(&url, 30, 4).await;
     let fresh = fleet.nodes()[2].stats().served;
-    println!("the new endpoint served {fresh} of the next 30");
-    // Untried, it takes the next request at once; after that it competes on what it answered in, so
-    // on a busy machine a slow first answer can hold its share below a third for a while.
-    assert!(fresh >= 3, "new endpoint used at once: {fresh}");
+    println!("the new endpoint served {fresh} of 31");
     proxy.stop().await;
 }
