@@ -143,28 +143,162 @@ pub(super) struct Race<'a> {
     pub hedgeable: bool,
 }
 
-impl Proxy {
-    /// The endpoint's expected time to first byte (the fleet's while it has no estimate of its own).
-    fn expected_first_byte(
-        &self,
-        settings: &ProxySettings,
-        endpoint: &Endpoint,
-        now: Instant,
-    ) -> Duration {
-        let micros = endpoint.latency().estimate(
-            crate::endpoint::millis(now),
-            self.fleet_latency_us(),
+/// One race's own state: the first attempt's endpoint and timing, and what its stall point found;
+/// and what a second attempt beside it is made from.
+struct Racer<'a> {
+    proxy: &'a Arc<Proxy>,
+    settings: &'a ProxySettings,
+    worker: &'a WorkerPath,
+    template: &'a Template,
+    body: &'a ReplayBody,
+    /// The first attempt's endpoint.
+    endpoint: Arc<Endpoint>,
+    timing: Timing,
+    /// A second attempt may be sent beside the first (the body is kept whole, the client allows it).
+    replayable: bool,
+    /// The first attempt reached its stall point.
+    stalled: bool,
+    /// It was found waiting alone there or since (and its stall counted, if it was one).
+    found_alone: bool,
+}
+
+impl<'a> Racer<'a> {
+    fn new(
+        proxy: &'a Arc<Proxy>,
+        sending: &'a Sending,
+        worker: &'a WorkerPath,
+        template: &'a Template,
+        endpoint: &Arc<Endpoint>,
+        hedgeable: bool,
+    ) -> Racer<'a> {
+        let settings = &*sending.settings;
+        let started = Instant::now();
+        let own = match endpoint.latency().estimate_us() {
+            0 => None,
+            us => Some(Duration::from_micros(us)),
+        };
+        // The endpoint's expected time to first byte (the fleet's while it has no estimate of its own).
+        let expected = Duration::from_micros(endpoint.latency().estimate(
+            crate::endpoint::millis(started),
+            proxy.fleet_latency_us(),
             super::millis_of(settings.balance.latency_decay),
-        );
-        Duration::from_micros(micros)
+        ));
+        Racer {
+            proxy,
+            settings,
+            worker,
+            template,
+            body: &sending.body,
+            endpoint: Arc::clone(endpoint),
+            timing: Timing::new(settings, started, expected, own),
+            replayable: hedgeable && settings.hedge.enabled && sending.body.is_buffered(),
+            stalled: false,
+            found_alone: false,
+        }
     }
 
+    /// The first attempt is past its stall point (and is looked at again every
+    /// [`STALLED_LOOK_AGAIN`]): whether it waits alone now. Its stall is counted the first time.
+    fn alone_past_stall_point(&mut self) -> bool {
+        self.stalled = true;
+        if self.found_alone {
+            waiting_alone(&self.proxy.last_answer, &self.endpoint, self.timing.started)
+        } else {
+            self.found_alone =
+                self.proxy
+                    .stall_point(self.settings, &self.endpoint, self.timing.started);
+            self.found_alone
+        }
+    }
+
+    /// The first attempt reached its stall point while a second one runs beside it.
+    fn reached_stall_point(&mut self) {
+        self.stalled = true;
+        self.proxy
+            .stall_point(self.settings, &self.endpoint, self.timing.started);
+    }
+
+    /// A second attempt on an endpoint not yet tried, if one has room now, no request is queued
+    /// for a slot, and the budgets `spend` names allow.
+    fn second(&self, tried: &mut Tried, spend: Spend) -> Option<(Slot, Request<UpstreamBody>)> {
+        let (proxy, worker) = (self.proxy, self.worker);
+        let hedge = spend == Spend::Hedge;
+        if !proxy.queue.is_empty() || (hedge && !worker.hedges.withdraw()) {
+            return None;
+        }
+        let refund = || {
+            if hedge {
+                worker.hedges.refund();
+            }
+        };
+        let Pick::Slot(mut slot) = proxy.pick(self.settings, tried) else {
+            refund();
+            return None;
+        };
+        // The retry budget is asked last: its withdrawal cannot be given back.
+        let Some(attempt_body) = self.body.for_attempt().filter(|_| worker.budget.withdraw())
+        else {
+            refund();
+            if slot.probe {
+                slot.outstanding.endpoint().release_probe(Instant::now());
+            }
+            return None;
+        };
+        let endpoint = Arc::clone(slot.outstanding.endpoint());
+        tried.push(endpoint.id());
+        proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
+        if hedge {
+            proxy.stats.hedges.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
+        } else {
+            proxy.stats.retries.count(FailureKind::Timeout);
+            tracing::debug!(
+                endpoint = endpoint.url(),
+                "a stalled attempt gets a second one"
+            );
+        }
+        let kind = if hedge {
+            AttemptKind::Hedge
+        } else {
+            AttemptKind::Stalled
+        };
+        let request = self.template.build(&mut slot, attempt_body, kind);
+        Some((slot, request))
+    }
+
+    /// The first attempt, which the second beat. Cancelled (its connection closed, so its GPU stops)
+    /// — unless nothing else is finding out whether its endpoint is slow or hung: then it goes on by
+    /// itself until it answers (slow: its latency teaches the endpoint's estimate, and the answer is
+    /// dropped) or until its stall point (hung: a stall is counted), whichever comes first. Cancelling
+    /// every beaten attempt would leave a node that merely slowed down no way to show it still works,
+    /// and it would be taken for stalled. At most one such attempt runs per endpoint.
+    fn beaten(&self, attempt: impl Future<Output = Attempt> + Send + 'static) {
+        if self.stalled || !self.endpoint.circuit().begin_investigation() {
+            return;
+        }
+        let endpoint = Arc::clone(&self.endpoint);
+        let settings = self.settings.clone();
+        let proxy = Arc::clone(self.proxy);
+        let timing = self.timing;
+        tokio::spawn(async move {
+            tokio::select! {
+                outcome = attempt => drop(outcome),
+                () = tokio::time::sleep_until(timing.stall_at) => {
+                    proxy.stall_point(&settings, &endpoint, timing.started);
+                }
+            }
+            endpoint.circuit().end_investigation();
+        });
+    }
+}
+
+impl Proxy {
     /// An attempt at `endpoint` started at `started` reached its stall point. It is worth a second
     /// attempt elsewhere only if the rest of the fleet answered something since it started while this
     /// endpoint answered nothing: when every node is slow (a burst of long requests, say) none is
     /// better. It counts as a stall of the endpoint only if, besides, the endpoint showed no progress
     /// at all (see [`stalled_alone`]). Returns whether the attempt waits alone.
-    fn stalled(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) -> bool {
+    fn stall_point(&self, settings: &ProxySettings, endpoint: &Endpoint, started: Instant) -> bool {
         if !waiting_alone(&self.last_answer, endpoint, started) {
             return false;
         }
@@ -190,26 +324,11 @@ impl Proxy {
             template,
             hedgeable,
         } = race;
-        let settings = &*sending.settings;
-        let first_endpoint = Arc::clone(slot.outstanding.endpoint());
-        let started = Instant::now();
-        let own = match first_endpoint.latency().estimate_us() {
-            0 => None,
-            us => Some(Duration::from_micros(us)),
-        };
-        let timing = Timing::new(
-            settings,
-            started,
-            self.expected_first_byte(settings, &first_endpoint, started),
-            own,
-        );
-        let replayable = hedgeable && settings.hedge.enabled && sending.body.is_buffered();
-        let mut may_hedge = replayable;
+        let endpoint = Arc::clone(slot.outstanding.endpoint());
+        let mut racer = Racer::new(self, sending, worker, template, &endpoint, hedgeable);
+        let timing = racer.timing;
+        let mut may_hedge = racer.replayable;
         let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
-        // The attempt reached its stall point.
-        let mut first_stalled = false;
-        // It was found waiting alone there or since (and its stall counted, if it was one).
-        let mut found_alone = false;
         // One timer, set to the next moment that matters: the hedge, the stall point, then each look
         // again past it.
         let timer = tokio::time::sleep_until(timing.hedge_at);
@@ -217,9 +336,9 @@ impl Proxy {
         let (second, spent) = loop {
             let wake = if may_hedge {
                 timing.hedge_at.min(sending.deadline)
-            } else if !first_stalled {
+            } else if !racer.stalled {
                 timing.stall_at
-            } else if replayable && Instant::now() < sending.deadline {
+            } else if racer.replayable && Instant::now() < sending.deadline {
                 (Instant::now() + STALLED_LOOK_AGAIN).min(sending.deadline)
             } else {
                 return first.await;
@@ -238,19 +357,12 @@ impl Proxy {
                         // emptied, a slot freed, the retry budget refilled) may come later too; an
                         // attempt left to itself would wait for its node's ejection, which may
                         // never come.
-                        first_stalled = true;
-                        let alone = if found_alone {
-                            waiting_alone(&self.last_answer, &first_endpoint, started)
-                        } else {
-                            found_alone = self.stalled(settings, &first_endpoint, started);
-                            found_alone
-                        };
-                        if !alone || !replayable {
+                        if !racer.alone_past_stall_point() || !racer.replayable {
                             continue;
                         }
                         Spend::Retry
                     };
-                    if let Some(second) = self.start_hedge(settings, worker, tried, template, &sending.body, spend) {
+                    if let Some(second) = racer.second(tried, spend) {
                         break (second, spend);
                     }
                 }
@@ -272,104 +384,18 @@ impl Proxy {
                             self.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
                         }
                         if !first_done {
-                            self.beaten(settings, first, &first_endpoint, timing, first_stalled);
+                            racer.beaten(first);
                         }
                         return Attempt::Committed(committed);
                     }
                     Attempt::Failed(failure) if first_done => return Attempt::Failed(failure),
                     Attempt::Failed(_) => second_done = true,
                 },
-                () = tokio::time::sleep_until(timing.stall_at), if !first_stalled && !first_done => {
-                    first_stalled = true;
-                    self.stalled(settings, &first_endpoint, started);
+                () = tokio::time::sleep_until(timing.stall_at), if !racer.stalled && !first_done => {
+                    racer.reached_stall_point();
                 }
             }
         }
-    }
-
-    /// An attempt a hedge beat. Cancelled (its connection closed, so its GPU stops) — unless nothing
-    /// else is finding out whether its endpoint is slow or hung: then it goes on by itself until it
-    /// answers (slow: its latency teaches the endpoint's estimate, and the answer is dropped) or until
-    /// its stall point (hung: a stall is counted), whichever comes first. Cancelling every beaten
-    /// attempt would leave a node that merely slowed down no way to show it still works, and it would
-    /// be taken for stalled. At most one such attempt runs per endpoint.
-    fn beaten(
-        self: &Arc<Self>,
-        settings: &ProxySettings,
-        attempt: impl Future<Output = Attempt> + Send + 'static,
-        endpoint: &Arc<Endpoint>,
-        timing: Timing,
-        stall_counted: bool,
-    ) {
-        if stall_counted || !endpoint.circuit().begin_investigation() {
-            return;
-        }
-        let endpoint = Arc::clone(endpoint);
-        let settings = settings.clone();
-        let proxy = Arc::clone(self);
-        tokio::spawn(async move {
-            tokio::select! {
-                outcome = attempt => drop(outcome),
-                () = tokio::time::sleep_until(timing.stall_at) => {
-                    proxy.stalled(&settings, &endpoint, timing.started);
-                }
-            }
-            endpoint.circuit().end_investigation();
-        });
-    }
-
-    /// A second attempt on an endpoint not yet tried, if one has room now, no request is queued
-    /// for a slot, and the budgets `spend` names allow.
-    fn start_hedge(
-        &self,
-        settings: &ProxySettings,
-        worker: &WorkerPath,
-        tried: &mut Tried,
-        template: &Template,
-        body: &ReplayBody,
-        spend: Spend,
-    ) -> Option<(Slot, Request<UpstreamBody>)> {
-        let hedge = spend == Spend::Hedge;
-        if !self.queue.is_empty() || (hedge && !worker.hedges.withdraw()) {
-            return None;
-        }
-        let refund = || {
-            if hedge {
-                worker.hedges.refund();
-            }
-        };
-        let Pick::Slot(mut slot) = self.pick(settings, tried) else {
-            refund();
-            return None;
-        };
-        // The retry budget is asked last: its withdrawal cannot be given back.
-        let Some(attempt_body) = body.for_attempt().filter(|_| worker.budget.withdraw()) else {
-            refund();
-            if slot.probe {
-                slot.outstanding.endpoint().release_probe(Instant::now());
-            }
-            return None;
-        };
-        let endpoint = Arc::clone(slot.outstanding.endpoint());
-        tried.push(endpoint.id());
-        self.stats.attempts.fetch_add(1, Ordering::Relaxed);
-        if hedge {
-            self.stats.hedges.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
-        } else {
-            self.stats.retries.count(FailureKind::Timeout);
-            tracing::debug!(
-                endpoint = endpoint.url(),
-                "a stalled attempt gets a second one"
-            );
-        }
-        let kind = if hedge {
-            AttemptKind::Hedge
-        } else {
-            AttemptKind::Stalled
-        };
-        let request = template.build(&mut slot, attempt_body, kind);
-        Some((slot, request))
     }
 }
 
