@@ -496,10 +496,10 @@ async fn sample(
             _ = tick.tick() => {}
         }
         let endpoints = by_node(&registry, &authorities, |endpoint| {
-            let now = endpoint.millis(Instant::now());
+            let now = tongs::endpoint::millis(Instant::now());
             Some(EndpointPoint {
-                limit: endpoint.limit(),
-                cooling: endpoint.cooling_down(now),
+                limit: endpoint.load().limit(),
+                cooling: endpoint.load().cooling_down(now),
                 outstanding: endpoint.outstanding(),
             })
         })

@@ -101,7 +101,7 @@ impl Registry {
             if endpoint.liveness().is_available() {
                 endpoints += 1;
                 capacity = capacity
-                    .zip(endpoint.limit())
+                    .zip(endpoint.load().limit())
                     .map(|(sum, limit)| sum.saturating_add(limit));
             }
         }
@@ -152,7 +152,7 @@ impl Registry {
         };
         let now = tokio::time::Instant::now();
         for endpoint in self.snapshot.load().iter() {
-            endpoint.apply_limit(&settings, now);
+            endpoint.load().apply_limit(&settings, now);
         }
         self.slot_freed.call();
     }
@@ -316,12 +316,12 @@ impl Registry {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let endpoint = Endpoint::new(id, &spec.url, spec.parsed.clone(), spec.weight)
             .with_origin(&spec.origin);
-        endpoint.apply_limit(settings, now);
+        endpoint.load().apply_limit(settings, now);
         // The first set starts together; an endpoint joining a serving set ramps in.
         if serving {
             endpoint.start_slow_start(now);
         }
-        endpoint.set_slot_freed(self.slot_freed.clone());
+        endpoint.load().set_slot_freed(self.slot_freed.clone());
         endpoint.count_in(Arc::clone(&self.counts));
         tracing::debug!(
             endpoint = endpoint.url(),
@@ -664,9 +664,9 @@ mod tests {
         let [a, b, _] = [0, 1, 2].map(|i| Arc::clone(&registry.snapshot()[i]));
         let breaker = crate::breaker::BreakerSettings::default();
         for _ in 0..breaker.consecutive_failures {
-            a.record_failure(&breaker, now, true);
+            a.breaker().record_failure(&breaker, now, true);
         }
-        assert!(a.is_ejected());
+        assert!(a.breaker().is_ejected());
         assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 3, 2));
         b.set_healthy(false, now);
         assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (1, 2, 1));
@@ -680,7 +680,7 @@ mod tests {
         assert_eq!((counts.ejected(), counts.healthy(), counts.up()), (0, 2, 2));
         let scanned =
             |test: fn(&Endpoint) -> bool| registry.snapshot().iter().filter(|e| test(e)).count();
-        assert_eq!(scanned(|e| e.is_ejected()), counts.ejected());
+        assert_eq!(scanned(|e| e.breaker().is_ejected()), counts.ejected());
         assert_eq!(scanned(|e| e.liveness().is_healthy()), counts.healthy());
     }
 }

@@ -669,7 +669,9 @@ pub(crate) mod tests {
         let now = Instant::now();
         endpoints[0].set_healthy(false, now);
         endpoints[1].set_suspect(true);
-        endpoints[2].cool_down(std::time::Duration::from_secs(10), now);
+        endpoints[2]
+            .load()
+            .cool_down(std::time::Duration::from_secs(10), now);
         for _ in 0..20 {
             assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 3);
         }
@@ -688,9 +690,9 @@ pub(crate) mod tests {
         let now = Instant::now();
         let settings = crate::breaker::BreakerSettings::default();
         for _ in 0..settings.consecutive_failures {
-            endpoints[0].record_failure(&settings, now, true);
+            endpoints[0].breaker().record_failure(&settings, now, true);
         }
-        assert!(endpoints[0].is_ejected());
+        assert!(endpoints[0].breaker().is_ejected());
         for _ in 0..20 {
             assert_eq!(pick(&endpoints, &[], &ctx()).unwrap().0.id(), 1);
         }
@@ -708,12 +710,12 @@ pub(crate) mod tests {
         let now = Instant::now() + std::time::Duration::from_secs(60);
         endpoints[0].set_healthy(false, now);
         endpoints[0].set_healthy(true, now);
-        let ramping = endpoints[0].effective_weight(endpoints[0].millis(now), window);
-        let steady = endpoints[1].effective_weight(endpoints[1].millis(now), window);
+        let ramping = endpoints[0].effective_weight(crate::endpoint::millis(now), window);
+        let steady = endpoints[1].effective_weight(crate::endpoint::millis(now), window);
         assert_eq!((ramping, steady), (100, 1000));
         let halfway = now + std::time::Duration::from_secs(5);
         assert_eq!(
-            endpoints[0].effective_weight(endpoints[0].millis(halfway), window),
+            endpoints[0].effective_weight(crate::endpoint::millis(halfway), window),
             550
         );
         // Holding requests open: the ramping endpoint gets about a tenth of them.

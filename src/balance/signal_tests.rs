@@ -36,7 +36,7 @@ fn read(endpoint: &Endpoint, running: u32, waiting: u32, cache: Option<f64>) {
         waiting,
         cache,
     };
-    let now_ms = endpoint.millis(Instant::now());
+    let now_ms = crate::endpoint::millis(Instant::now());
     endpoint
         .signals()
         .record(Engine::Vllm, load, endpoint.outstanding(), now_ms);

@@ -83,7 +83,7 @@ pub fn snapshot(
                     State::HalfOpen { .. } => "half-open",
                 }),
                 outstanding: endpoint.map_or(0, |e| e.outstanding()),
-                limit: endpoint.and_then(|e| e.limit()),
+                limit: endpoint.and_then(|e| e.load().limit()),
                 queue: signals.as_ref().and_then(|s| s.waiting),
                 cache: signals.as_ref().and_then(|s| s.kv_cache),
                 served: stats.served,

@@ -1,8 +1,8 @@
 //! How many of a registry's endpoints are ejected, healthy, and up, kept as endpoints change state, so
 //! the request path never scans the fleet to know (a refusal, a failure that may eject, panic mode).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use super::{Endpoint, GATE_CLOSED};
 
@@ -54,21 +54,25 @@ impl FleetCounts {
     }
 }
 
-/// What one endpoint adds to its registry's counts: a bit per counter of [`FleetCounts::counters`].
+/// The registry's counts one endpoint is counted in (set once, by the registry), and what it adds to
+/// them now: a bit per counter of [`FleetCounts::counters`].
 #[derive(Debug, Default)]
-pub(super) struct Counted(AtomicU8);
+pub(super) struct Counted {
+    counts: OnceLock<Arc<FleetCounts>>,
+    bits: AtomicU8,
+}
 
 impl Endpoint {
     /// Its own metrics were read at `now_ms`: the registry's counts say a reading is about.
     pub fn note_reading(&self, now_ms: u64) {
-        if let Some(counts) = self.counts.get() {
+        if let Some(counts) = self.counted.counts.get() {
             counts.last_reading_ms.fetch_max(now_ms, Ordering::Relaxed);
         }
     }
 
     /// It said at `now_ms` that it is full (see [`FleetCounts::last_full_ms`]).
     pub fn note_full(&self, now_ms: u64) {
-        if let Some(counts) = self.counts.get() {
+        if let Some(counts) = self.counted.counts.get() {
             counts.last_full_ms.fetch_max(now_ms, Ordering::Relaxed);
         }
     }
@@ -76,7 +80,7 @@ impl Endpoint {
     /// Counts this endpoint in `counts` from now on (set once, by the registry, as it joins the set).
     pub fn count_in(&self, counts: Arc<FleetCounts>) {
         let _breaker = self.circuit.lock();
-        if self.counts.set(counts).is_ok() {
+        if self.counted.counts.set(counts).is_ok() {
             self.recount();
         }
     }
@@ -85,7 +89,7 @@ impl Endpoint {
     /// every change of the breaker's gate, of health or of draining, so changes to one endpoint are
     /// counted in order and the counts are exact once they settle.
     pub(super) fn recount(&self) {
-        let Some(counts) = self.counts.get() else {
+        let Some(counts) = self.counted.counts.get() else {
             return;
         };
         let in_set = !self.liveness.draining.load(Ordering::Relaxed);
@@ -95,7 +99,7 @@ impl Endpoint {
             .iter()
             .enumerate()
             .fold(0u8, |mask, (bit, on)| mask | (u8::from(*on) << bit));
-        let was = self.counted.0.swap(now, Ordering::Relaxed);
+        let was = self.counted.bits.swap(now, Ordering::Relaxed);
         for (bit, counter) in counts.counters().into_iter().enumerate() {
             match ((was >> bit) & 1, (now >> bit) & 1) {
                 (0, 1) => {

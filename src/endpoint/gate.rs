@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use tokio::time::Instant;
 
-use super::Endpoint;
+use super::{Endpoint, millis};
 use crate::breaker::{Admission, Breaker, BreakerSettings, State, Transition};
 
 /// `gate` value of a closed breaker.
@@ -15,9 +15,24 @@ pub(super) const GATE_CLOSED: u64 = 0;
 pub(super) const GATE_PROBING: u64 = u64::MAX;
 
 impl Endpoint {
+    /// What its requests' outcomes and its heartbeats tell the breaker (see [`BreakerControl`]).
+    pub fn breaker(&self) -> BreakerControl<'_> {
+        BreakerControl { endpoint: self }
+    }
+}
+
+/// The breaker concern of one endpoint, borrowed: requests' outcomes, stalls and passing heartbeats fed
+/// to its breaker, the half-open probe claimed and released, and the breaker mirrored into the
+/// lock-free gate the pick reads (through [`Endpoint::eligibility`]).
+#[derive(Clone, Copy, Debug)]
+pub struct BreakerControl<'a> {
+    endpoint: &'a Endpoint,
+}
+
+impl BreakerControl<'_> {
     /// Asks the breaker for a request now (claims the half-open probe when that is what is left).
     pub fn admit(&self, now: Instant) -> Admission {
-        let mut breaker = self.circuit.lock();
+        let mut breaker = self.endpoint.circuit.lock();
         let (admission, transition) = breaker.admit(now);
         self.publish(&breaker, now, transition);
         admission
@@ -26,20 +41,20 @@ impl Endpoint {
     /// The endpoint answered a request well.
     pub fn record_success(&self, now: Instant) {
         // The common case, a closed breaker with no failure streak, takes no lock.
-        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED
-            && self.circuit.streak.load(Ordering::Relaxed) == 0
+        if self.endpoint.gate.load(Ordering::Relaxed) == GATE_CLOSED
+            && self.endpoint.circuit.streak.load(Ordering::Relaxed) == 0
         {
             return;
         }
-        let mut breaker = self.circuit.lock();
+        let mut breaker = self.endpoint.circuit.lock();
         let transition = breaker.on_success(now);
         self.publish(&breaker, now, transition);
     }
 
     /// A request failed at this endpoint. `may_eject`: the fleet can afford one more ejection.
     pub fn record_failure(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
-        self.tally.failures.fetch_add(1, Ordering::Relaxed);
-        let mut breaker = self.circuit.lock();
+        self.endpoint.tally.failures.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.endpoint.circuit.lock();
         let transition = breaker.on_failure(settings, now, may_eject, fastrand::f64());
         self.publish(&breaker, now, transition);
     }
@@ -50,8 +65,8 @@ impl Endpoint {
     /// once rather than each waiting out its own limit). Otherwise a plain failure. Counted in the
     /// endpoint's failures either way.
     pub fn record_stream_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
-        if self.liveness().is_healthy() {
-            self.tally.failures.fetch_add(1, Ordering::Relaxed);
+        if self.endpoint.liveness().is_healthy() {
+            self.endpoint.tally.failures.fetch_add(1, Ordering::Relaxed);
             self.record_stall(settings, now, may_eject);
         } else {
             self.record_failure(settings, now, may_eject);
@@ -62,20 +77,22 @@ impl Endpoint {
     /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
     /// the endpoint stalled: ejected, with its waiting attempts told to move at once.
     pub fn record_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) -> bool {
-        if !self.liveness().is_healthy() {
+        if !self.endpoint.liveness().is_healthy() {
             return false;
         }
-        self.tally.stalls.fetch_add(1, Ordering::Relaxed);
-        let mut breaker = self.circuit.lock();
+        self.endpoint.tally.stalls.fetch_add(1, Ordering::Relaxed);
+        let mut breaker = self.endpoint.circuit.lock();
         let transition = breaker.on_stall(settings, now, may_eject, fastrand::f64());
         self.publish(&breaker, now, transition);
         drop(breaker);
         let stalled = matches!(transition, Some(Transition::Opened { .. }));
         if stalled {
-            self.gone.send_modify(|generation| *generation += 1);
+            self.endpoint
+                .gone
+                .send_modify(|generation| *generation += 1);
             tracing::warn!(
-                endpoint = self.url(),
-                outstanding = self.outstanding(),
+                endpoint = self.endpoint.url(),
+                outstanding = self.endpoint.outstanding(),
                 "endpoint stalled: heartbeats pass but requests hang; ejected until a real request succeeds"
             );
         }
@@ -84,24 +101,24 @@ impl Endpoint {
 
     /// A half-open probe ended without a verdict (its client left): let another request probe.
     pub fn release_probe(&self, now: Instant) {
-        let mut breaker = self.circuit.lock();
+        let mut breaker = self.endpoint.circuit.lock();
         breaker.release_probe();
         self.publish(&breaker, now, None);
     }
 
     /// A heartbeat passed: it counts as the breaker's probe once the ejection time is over.
     pub fn heartbeat_passed(&self, now: Instant) {
-        if self.gate.load(Ordering::Relaxed) == GATE_CLOSED {
+        if self.endpoint.gate.load(Ordering::Relaxed) == GATE_CLOSED {
             return;
         }
-        let mut breaker = self.circuit.lock();
+        let mut breaker = self.endpoint.circuit.lock();
         let transition = breaker.on_heartbeat_success(now);
         self.publish(&breaker, now, transition);
     }
 
     /// Whether the breaker currently keeps this endpoint out (open or probing).
     pub fn is_ejected(&self) -> bool {
-        self.gate.load(Ordering::Relaxed) != GATE_CLOSED
+        self.endpoint.gate.load(Ordering::Relaxed) != GATE_CLOSED
     }
 
     /// Mirrors the breaker into the gate and logs a transition once.
@@ -110,7 +127,10 @@ impl Endpoint {
             State::Closed { failures } => failures,
             _ => 0,
         };
-        self.circuit.streak.store(streak, Ordering::Relaxed);
+        self.endpoint
+            .circuit
+            .streak
+            .store(streak, Ordering::Relaxed);
         let gate = match breaker.state() {
             State::Closed { .. } => GATE_CLOSED,
             State::HalfOpen {
@@ -119,32 +139,36 @@ impl Endpoint {
             // Half-open with the probe slot free: eligible as a probe from now on.
             State::HalfOpen {
                 probe_in_flight: false,
-            } => self.millis(now).max(1),
-            State::Open { until } => self.millis(until).max(1),
+            } => millis(now).max(1),
+            State::Open { until } => millis(until).max(1),
         };
-        self.gate.store(gate, Ordering::Relaxed);
-        self.circuit
+        self.endpoint.gate.store(gate, Ordering::Relaxed);
+        self.endpoint
+            .circuit
             .stalled
             .store(breaker.is_stalled(), Ordering::Relaxed);
-        self.recount();
+        self.endpoint.recount();
         match transition {
             Some(Transition::Opened { for_ }) => {
-                self.tally.ejections.fetch_add(1, Ordering::Relaxed);
+                self.endpoint
+                    .tally
+                    .ejections
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
-                    endpoint = self.url(),
+                    endpoint = self.endpoint.url(),
                     ejected_ms = for_.as_millis() as u64,
                     "circuit opened"
                 );
             }
             Some(Transition::HalfOpened) => {
                 tracing::info!(
-                    endpoint = self.url(),
+                    endpoint = self.endpoint.url(),
                     "circuit half-open: one probe request admitted"
                 );
             }
             Some(Transition::Closed) => {
-                self.start_slow_start(now);
-                tracing::info!(endpoint = self.url(), "circuit closed");
+                self.endpoint.start_slow_start(now);
+                tracing::info!(endpoint = self.endpoint.url(), "circuit closed");
             }
             None => {}
         }

@@ -21,7 +21,7 @@ impl Endpoint {
             tracing::info!(endpoint = self.url(), "endpoint healthy");
             let mut breaker = self.circuit.lock();
             let transition = breaker.on_recovery(now);
-            self.publish(&breaker, now, transition);
+            self.breaker().publish(&breaker, now, transition);
         } else {
             {
                 let _counting = self.circuit.lock();

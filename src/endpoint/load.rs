@@ -2,13 +2,13 @@
 //! concurrency limit (static or adaptive), and back-off the endpoint asked for.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Endpoint, SlotFreed};
+use super::{Endpoint, SlotFreed, millis};
 use crate::config::LimitMode;
 use crate::limit::{Learned, LimitSettings, Limiter};
 
@@ -54,9 +54,39 @@ impl Endpoint {
         })
     }
 
+    /// Lifts a hold whose time is over at `now_ms` (see [`LoadControl::limit_back_pressure`]).
+    pub(super) fn lift_hold(&self, now_ms: u64) {
+        let until = self.held_until.load(Ordering::Relaxed);
+        if until != 0
+            && now_ms >= until
+            && self
+                .held_until
+                .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.load()
+                .store_limit(self.limits.configured.load(Ordering::Relaxed));
+        }
+    }
+
+    /// Its concurrency limit and the back-off it asked for (see [`LoadControl`]).
+    pub fn load(&self) -> LoadControl<'_> {
+        LoadControl { endpoint: self }
+    }
+}
+
+/// The load concern of one endpoint, borrowed: its concurrency limit (static, adaptive or learned, and
+/// a hold after a refusal), what wakes its waiters when a slot comes free, and back-off it asked for.
+/// Off the pick's path, which reads the limit and the back-off through [`Endpoint::eligibility`].
+#[derive(Clone, Copy, Debug)]
+pub struct LoadControl<'a> {
+    endpoint: &'a Endpoint,
+}
+
+impl LoadControl<'_> {
     /// The concurrency limit in force (`None`: unlimited).
     pub fn limit(&self) -> Option<u64> {
-        match self.limit.load(Ordering::Relaxed) {
+        match self.endpoint.limit.load(Ordering::Relaxed) {
             u64::MAX => None,
             limit => Some(limit),
         }
@@ -64,28 +94,40 @@ impl Endpoint {
 
     /// What to call when a slot comes free (set once, by the registry).
     pub fn set_slot_freed(&self, slot_freed: SlotFreed) {
-        let _ = self.slot_freed.set(slot_freed);
+        let _ = self.endpoint.limits.slot_freed.set(slot_freed);
     }
 
     /// Applies the limit settings (on creation and on reload). An adaptive limiter keeps what it learnt
     /// when only other settings changed.
     pub fn apply_limit(&self, settings: &LimitSettings, now: Instant) {
-        self.held_until.store(0, Ordering::Relaxed);
-        let cap = self.origin.max_outstanding.unwrap_or(u64::MAX).max(1);
-        self.limits
+        self.endpoint.held_until.store(0, Ordering::Relaxed);
+        let cap = self
+            .endpoint
+            .origin
+            .max_outstanding
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.endpoint
+            .limits
             .cap
             .store(settings.share(cap), Ordering::Relaxed);
-        let mut limiter = self.limits.lock();
+        let mut limiter = self.endpoint.limits.lock();
         let limit = match settings.mode {
             LimitMode::None => {
                 *limiter = None;
-                self.limits.configured.store(u64::MAX, Ordering::Relaxed);
+                self.endpoint
+                    .limits
+                    .configured
+                    .store(u64::MAX, Ordering::Relaxed);
                 u64::MAX
             }
             LimitMode::Static => {
                 *limiter = None;
                 let limit = settings.share(u64::from(settings.initial));
-                self.limits.configured.store(limit, Ordering::Relaxed);
+                self.endpoint
+                    .limits
+                    .configured
+                    .store(limit, Ordering::Relaxed);
                 limit
             }
             LimitMode::Adaptive => {
@@ -94,7 +136,7 @@ impl Endpoint {
                         kept.set_settings(*settings);
                         kept
                     }
-                    _ => Limiter::new(*settings, self.millis(now)),
+                    _ => Limiter::new(*settings, millis(now)),
                 };
                 let limit = u64::from(state.limit());
                 *limiter = Some(Learner::Gradient(state));
@@ -110,7 +152,10 @@ impl Endpoint {
                 };
                 let limit = state.limit().map_or(u64::MAX, u64::from);
                 *limiter = Some(Learner::Profile(state));
-                self.limits.configured.store(u64::MAX, Ordering::Relaxed);
+                self.endpoint
+                    .limits
+                    .configured
+                    .store(u64::MAX, Ordering::Relaxed);
                 limit
             }
         };
@@ -119,9 +164,9 @@ impl Endpoint {
 
     /// Feeds the adaptive or learned limit a committed request's time to first byte.
     pub fn observe_limit_sample(&self, sample: Duration, in_flight: u64, now: Instant) {
-        let mut limiter = self.limits.lock();
+        let mut limiter = self.endpoint.limits.lock();
         if let Some(state) = limiter.as_mut() {
-            let now_ms = self.millis(now);
+            let now_ms = millis(now);
             let limit = match state {
                 Learner::Gradient(gradient) => {
                     u64::from(gradient.on_sample(sample, in_flight, now_ms))
@@ -132,11 +177,16 @@ impl Endpoint {
                     // filter reads it): its latency profile is kept, not enforced. A continuous
                     // batching server's first token slows as its batch grows, which the profile
                     // would take for a line forming.
-                    if self.signals().now(now_ms, OWN_REPORT_MS, 0).is_some() {
+                    if self
+                        .endpoint
+                        .signals()
+                        .now(now_ms, OWN_REPORT_MS, 0)
+                        .is_some()
+                    {
                         u64::MAX
                     } else {
                         if profile.is_full() {
-                            self.note_full(now_ms);
+                            self.endpoint.note_full(now_ms);
                         }
                         learned.map_or(u64::MAX, u64::from)
                     }
@@ -153,46 +203,32 @@ impl Endpoint {
     /// refusal. A node still at capacity when the hold lifts refuses again and is held again.
     pub fn limit_back_pressure(&self, now: Instant) {
         // The refused request still counts as outstanding here; the node holds the others.
-        let holding = self.outstanding().saturating_sub(1);
-        let mut limiter = self.limits.lock();
+        let holding = self.endpoint.outstanding().saturating_sub(1);
+        let mut limiter = self.endpoint.limits.lock();
         let limit = match limiter.as_mut() {
             Some(Learner::Gradient(state)) => {
-                u64::from(state.on_back_pressure(self.millis(now), holding))
+                u64::from(state.on_back_pressure(millis(now), holding))
             }
             Some(Learner::Profile(state)) => state
-                .on_back_pressure(holding, self.millis(now))
+                .on_back_pressure(holding, millis(now))
                 .map_or(u64::MAX, u64::from),
             None => {
-                let until = self.millis(now + HOLD).max(1);
-                self.held_until.store(until, Ordering::Relaxed);
+                let until = millis(now + HOLD).max(1);
+                self.endpoint.held_until.store(until, Ordering::Relaxed);
                 holding
                     .max(1)
-                    .min(self.limits.configured.load(Ordering::Relaxed))
+                    .min(self.endpoint.limits.configured.load(Ordering::Relaxed))
             }
         };
         drop(limiter);
         self.store_limit(limit);
     }
 
-    /// Lifts a hold whose time is over at `now_ms` (see [`Endpoint::limit_back_pressure`]).
-    pub(super) fn lift_hold(&self, now_ms: u64) {
-        let until = self.held_until.load(Ordering::Relaxed);
-        if until != 0
-            && now_ms >= until
-            && self
-                .held_until
-                .compare_exchange(until, 0, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.store_limit(self.limits.configured.load(Ordering::Relaxed));
-        }
-    }
-
     fn store_limit(&self, limit: u64) {
-        let limit = limit.min(self.limits.cap.load(Ordering::Relaxed));
-        let old = self.limit.swap(limit, Ordering::Relaxed);
+        let limit = limit.min(self.endpoint.limits.cap.load(Ordering::Relaxed));
+        let old = self.endpoint.limit.swap(limit, Ordering::Relaxed);
         if limit > old
-            && let Some(slot_freed) = self.slot_freed.get()
+            && let Some(slot_freed) = self.endpoint.limits.slot_freed.get()
         {
             slot_freed.call();
         }
@@ -200,11 +236,16 @@ impl Endpoint {
 
     /// Back-pressure from the endpoint: no new requests for `pause` (it is not a failure).
     pub fn cool_down(&self, pause: Duration, now: Instant) {
-        let until = self.millis(now + pause);
-        self.cooldown_until.fetch_max(until, Ordering::Relaxed);
-        self.tally.cooldowns.fetch_add(1, Ordering::Relaxed);
+        let until = millis(now + pause);
+        self.endpoint
+            .cooldown_until
+            .fetch_max(until, Ordering::Relaxed);
+        self.endpoint
+            .tally
+            .cooldowns
+            .fetch_add(1, Ordering::Relaxed);
         tracing::info!(
-            endpoint = self.url(),
+            endpoint = self.endpoint.url(),
             pause_ms = pause.as_millis() as u64,
             "endpoint asked for back-off"
         );
@@ -214,14 +255,20 @@ impl Endpoint {
     /// cuts an adaptive limit instead). Logged at debug: under standing overload it happens many times
     /// a second.
     pub fn pushed_back_while_busy(&self) {
-        self.tally.cooldowns.fetch_add(1, Ordering::Relaxed);
-        self.note_full(self.millis(Instant::now()));
-        tracing::debug!(endpoint = self.url(), "busy endpoint refused a request");
+        self.endpoint
+            .tally
+            .cooldowns
+            .fetch_add(1, Ordering::Relaxed);
+        self.endpoint.note_full(millis(Instant::now()));
+        tracing::debug!(
+            endpoint = self.endpoint.url(),
+            "busy endpoint refused a request"
+        );
     }
 
     /// Whether the endpoint asked for back-off that has not ended at `now_ms`.
     pub fn cooling_down(&self, now_ms: u64) -> bool {
-        self.cooldown_until.load(Ordering::Relaxed) > now_ms
+        self.endpoint.cooldown_until.load(Ordering::Relaxed) > now_ms
     }
 }
 
@@ -236,6 +283,8 @@ pub struct LimitState {
     /// A cap on the concurrency limit, whatever the mode says: this replica's share of a pod's own
     /// annotation (see [`crate::limit::LimitSettings::share`]).
     pub(super) cap: AtomicU64,
+    /// Called when a slot here comes free (wakes whoever waits for one).
+    pub(super) slot_freed: OnceLock<SlotFreed>,
 }
 
 impl LimitState {
@@ -244,6 +293,7 @@ impl LimitState {
             limiter: Mutex::new(None),
             configured: AtomicU64::new(u64::MAX),
             cap: AtomicU64::new(cap),
+            slot_freed: OnceLock::new(),
         }
     }
 
@@ -284,7 +334,7 @@ pub enum Learner {
 }
 
 /// A node whose own metrics were read this recently reports its own queue (see
-/// [`Endpoint::observe_limit_sample`]).
+/// [`LoadControl::observe_limit_sample`]).
 const OWN_REPORT_MS: u64 = 5_000;
 
 /// How long a node that refused while busy is held to what it held, without an adaptive limit.
@@ -317,7 +367,7 @@ impl Drop for Outstanding {
         // SeqCst on both sides of the hand-off (this decrement then the queue's waiting count; a joiner's
         // increment of that count then its look at this one): one of the two always sees the other.
         self.endpoint.outstanding.fetch_sub(1, Ordering::SeqCst);
-        if let Some(slot_freed) = self.endpoint.slot_freed.get() {
+        if let Some(slot_freed) = self.endpoint.limits.slot_freed.get() {
             slot_freed.call();
         }
     }

@@ -11,6 +11,8 @@
 //! silences normally are, by phase, and when it was last heard from), [`liveness`] (heartbeats'
 //! verdicts), [`models`] (what it says it serves), [`signals`] (what its own metrics say of its load)
 //! and [`view`] (what operators see); [`counts`] keeps the registry's fleet-wide counts as they change.
+//! What the pick reads sits on `Endpoint` itself; the load and breaker concerns' other operations are
+//! reached through borrowed views of their own, [`Endpoint::load`] and [`Endpoint::breaker`].
 
 mod address;
 mod counts;
@@ -35,11 +37,11 @@ use crate::config::EndpointUrl;
 pub use self::address::Address;
 use self::counts::Counted;
 pub use self::counts::FleetCounts;
-pub use self::gate::Circuit;
+pub use self::gate::{BreakerControl, Circuit};
 use self::gate::{GATE_CLOSED, GATE_PROBING};
 pub use self::latency::{LOAD_BUCKETS, LatencyModel, Waiting};
 pub use self::liveness::{LastHeartbeat, Liveness};
-pub use self::load::{LimitState, Outstanding};
+pub use self::load::{LimitState, LoadControl, Outstanding};
 pub use self::models::ServedModels;
 pub use self::pace::{OPENING_GAPS, Pace, Typical};
 pub use self::signals::{EngineNow, EngineSignals, ReadStatus};
@@ -120,10 +122,7 @@ pub struct Endpoint {
     signals: EngineSignals,
     /// The limit as the configuration, the pod and the adaptive limiter set it.
     limits: LimitState,
-    /// Called when a slot here comes free (wakes whoever waits for one).
-    slot_freed: OnceLock<SlotFreed>,
     /// The registry's counts this endpoint is counted in, and what it adds to them now.
-    counts: OnceLock<Arc<FleetCounts>>,
     counted: Counted,
     /// Where the endpoint came from (`static` or `kubernetes`, and the pod).
     origin: Origin,
@@ -193,8 +192,6 @@ impl Endpoint {
             served_models: ServedModels::default(),
             signals: EngineSignals::default(),
             limits: LimitState::new(u64::MAX),
-            slot_freed: OnceLock::new(),
-            counts: OnceLock::new(),
             counted: Counted::default(),
             origin: Origin::default(),
         }
@@ -219,11 +216,6 @@ impl Endpoint {
 
     pub fn source(&self) -> &'static str {
         self.origin.source
-    }
-
-    /// Milliseconds from the process's epoch to `now` (see [`millis`]).
-    pub fn millis(&self, now: Instant) -> u64 {
-        millis(now)
     }
 
     /// Whether a new request may go here at `now_ms` (see [`millis`]).
@@ -266,8 +258,7 @@ impl Endpoint {
 
     /// Ramps the endpoint's share in from 10 % over the slow-start window, from `now`.
     pub fn start_slow_start(&self, now: Instant) {
-        self.ramp_start
-            .store(self.millis(now).max(1), Ordering::Relaxed);
+        self.ramp_start.store(millis(now).max(1), Ordering::Relaxed);
     }
 
     /// What its answers took, and the attempts waiting for one now.
@@ -322,7 +313,7 @@ impl Endpoint {
     /// Wakes whoever waits for a slot here (the pool's queue): the node may take a request it would
     /// not take before, for a reason other than a slot freed (its own metrics say it has room again).
     pub fn wake_waiters(&self) {
-        if let Some(slot_freed) = self.slot_freed.get() {
+        if let Some(slot_freed) = self.limits.slot_freed.get() {
             slot_freed.call();
         }
     }
@@ -372,12 +363,12 @@ mod tests {
     async fn a_node_that_refuses_while_busy_is_held_to_what_it_held_for_a_while() {
         let ep = endpoint("http://127.0.0.1:1");
         let settings = crate::limit::LimitSettings::from_config(&Default::default());
-        ep.apply_limit(&settings, Instant::now());
-        assert_eq!(ep.limit(), None, "no limit by default");
+        ep.load().apply_limit(&settings, Instant::now());
+        assert_eq!(ep.load().limit(), None, "no limit by default");
         let held: Vec<_> = (0..3).map(|_| ep.start_request()).collect();
         // The third request was refused while the node held the other two.
-        ep.limit_back_pressure(Instant::now());
-        assert_eq!(ep.limit(), Some(2));
+        ep.load().limit_back_pressure(Instant::now());
+        assert_eq!(ep.load().limit(), Some(2));
         let now_ms = millis(Instant::now());
         assert_eq!(ep.eligibility(now_ms, false), Eligibility::No, "full");
         tokio::time::advance(load::HOLD).await;
@@ -387,7 +378,7 @@ mod tests {
             Eligibility::Yes,
             "the hold lifted"
         );
-        assert_eq!(ep.limit(), None);
+        assert_eq!(ep.load().limit(), None);
 
         // A static limit is never raised by a hold, and a refusal holding nothing keeps one slot.
         let settings = crate::limit::LimitSettings {
@@ -395,13 +386,13 @@ mod tests {
             initial: 1,
             ..settings
         };
-        ep.apply_limit(&settings, Instant::now());
-        ep.limit_back_pressure(Instant::now());
-        assert_eq!(ep.limit(), Some(1));
+        ep.load().apply_limit(&settings, Instant::now());
+        ep.load().limit_back_pressure(Instant::now());
+        assert_eq!(ep.load().limit(), Some(1));
         drop(held);
         let lone = ep.start_request();
-        ep.limit_back_pressure(Instant::now());
-        assert_eq!(ep.limit(), Some(1), "at least one");
+        ep.load().limit_back_pressure(Instant::now());
+        assert_eq!(ep.load().limit(), Some(1), "at least one");
         drop(lone);
     }
 

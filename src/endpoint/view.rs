@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Endpoint, ReadStatus};
+use super::{Endpoint, ReadStatus, millis};
 use crate::breaker::State;
 
 /// What an endpoint is doing, for /debug/endpoints, metrics and the status page.
@@ -68,6 +68,33 @@ pub struct SignalsView {
     pub waiting: Option<u64>,
     pub batch: Option<u64>,
     pub kv_cache: Option<f64>,
+}
+
+impl SignalsView {
+    /// What `endpoint`'s own metrics say at `now_ms`; a reading older than `max_age` is not fresh.
+    fn of(endpoint: &Endpoint, now_ms: u64, max_age: Duration) -> SignalsView {
+        let status = endpoint.signals().status();
+        let (engine, detail) = match &status {
+            ReadStatus::Read(engine) => (Some(engine.as_str()), None),
+            ReadStatus::Absent(why) | ReadStatus::Failed(why) => (None, Some(why.clone())),
+            ReadStatus::Unread => (None, None),
+        };
+        let last = endpoint
+            .signals()
+            .now(now_ms, u64::MAX, endpoint.outstanding());
+        let max_age_ms = u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX);
+        SignalsView {
+            status: status.as_str(),
+            engine,
+            detail,
+            age_s: last.map(|now| now.age_ms as f64 / 1000.0),
+            fresh: last.is_some_and(|now| max_age_ms > 0 && now.age_ms <= max_age_ms),
+            in_node: last.map(|now| now.in_node),
+            waiting: last.map(|now| now.waiting),
+            batch: last.map(|now| now.batch),
+            kv_cache: last.and_then(|now| now.cache),
+        }
+    }
 }
 
 /// An endpoint's counters, in its view (their names are the JSON's).
@@ -162,7 +189,7 @@ impl Endpoint {
         slow_start: Duration,
         signals_max_age: Duration,
     ) -> EndpointView {
-        let now_ms = self.millis(now);
+        let now_ms = millis(now);
         let breaker_state = self.circuit().state();
         let breaker = match breaker_state {
             State::Closed { .. } => "closed",
@@ -172,7 +199,7 @@ impl Endpoint {
         let healthy = self.liveness().is_healthy();
         let suspect = self.liveness().is_suspect();
         let draining = !self.liveness().is_available();
-        let cooling_down = self.cooling_down(now_ms);
+        let cooling_down = self.load().cooling_down(now_ms);
         let window = u64::try_from(slow_start.as_millis()).unwrap_or(u64::MAX);
         let slow =
             window > 0 && self.effective_weight(now_ms, window) < u64::from(self.weight) * 1000;
@@ -211,7 +238,7 @@ impl Endpoint {
             slow_start: slow,
             breaker,
             outstanding: self.outstanding(),
-            limit: self.limit(),
+            limit: self.load().limit(),
             max_outstanding: self.origin.max_outstanding,
             counts: TallyView {
                 requests: self.tally().requests(),
@@ -237,29 +264,7 @@ impl Endpoint {
                 last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
                 last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
             },
-            signals: self.signals_view(now_ms, signals_max_age),
-        }
-    }
-
-    fn signals_view(&self, now_ms: u64, max_age: Duration) -> SignalsView {
-        let status = self.signals().status();
-        let (engine, detail) = match &status {
-            ReadStatus::Read(engine) => (Some(engine.as_str()), None),
-            ReadStatus::Absent(why) | ReadStatus::Failed(why) => (None, Some(why.clone())),
-            ReadStatus::Unread => (None, None),
-        };
-        let last = self.signals().now(now_ms, u64::MAX, self.outstanding());
-        let max_age_ms = u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX);
-        SignalsView {
-            status: status.as_str(),
-            engine,
-            detail,
-            age_s: last.map(|now| now.age_ms as f64 / 1000.0),
-            fresh: last.is_some_and(|now| max_age_ms > 0 && now.age_ms <= max_age_ms),
-            in_node: last.map(|now| now.in_node),
-            waiting: last.map(|now| now.waiting),
-            batch: last.map(|now| now.batch),
-            kv_cache: last.and_then(|now| now.cache),
+            signals: SignalsView::of(self, now_ms, signals_max_age),
         }
     }
 }

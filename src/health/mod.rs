@@ -290,7 +290,7 @@ async fn probe_loop(
             .heartbeat()
             .record(passed, now.saturating_duration_since(started), now);
         if passed {
-            endpoint.heartbeat_passed(now);
+            endpoint.breaker().heartbeat_passed(now);
         }
         let verdict = streak.record(passed, endpoint.liveness().is_healthy(), &config);
         endpoint.set_suspect(!passed && endpoint.liveness().is_healthy() && verdict.is_none());

@@ -23,7 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{self as health, Senders};
 use crate::config::SignalsConfig;
-use crate::endpoint::{Endpoint, EngineSignals, ReadStatus};
+use crate::endpoint::{Endpoint, EngineSignals, ReadStatus, millis};
 use crate::engine::{self, Engine, EngineLoad, NoReading};
 use crate::registry::Registry;
 use crate::upstream::UpstreamClient;
@@ -73,7 +73,7 @@ async fn read_loop(
             let engine = endpoint.origin().engine.unwrap_or(config.engine);
             match read(&endpoint, &config, &client, engine).await {
                 Ok(load) => {
-                    let now_ms = endpoint.millis(Instant::now());
+                    let now_ms = millis(Instant::now());
                     keep(&endpoint, &config, engine, load, now_ms);
                     health::jittered(config.interval.get(), 0.1)
                 }

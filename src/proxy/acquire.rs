@@ -102,7 +102,9 @@ impl Tried {
     /// Whether a busy endpoint that may free a slot is still up: worth waiting for.
     fn busy_may_free(&self) -> bool {
         self.busy.iter().any(|(busy, _)| {
-            busy.liveness().is_available() && busy.liveness().is_healthy() && !busy.is_ejected()
+            busy.liveness().is_available()
+                && busy.liveness().is_healthy()
+                && !busy.breaker().is_ejected()
         })
     }
 }
@@ -273,9 +275,9 @@ impl Proxy {
             !tried.ids.as_slice().contains(&e.id())
                 && e.liveness().is_available()
                 && e.liveness().is_healthy()
-                && !e.is_ejected()
-                && (e.limit().is_some_and(|l| e.outstanding() >= l)
-                    || e.cooling_down(now_ms)
+                && !e.breaker().is_ejected()
+                && (e.load().limit().is_some_and(|l| e.outstanding() >= l)
+                    || e.load().cooling_down(now_ms)
                     || balance::filtered_out(e, &ctx))
         });
         if worth_waiting {
@@ -359,7 +361,7 @@ impl Proxy {
             };
             let probe = match eligibility {
                 Eligibility::Yes => false,
-                _ => match endpoint.admit(ctx.now) {
+                _ => match endpoint.breaker().admit(ctx.now) {
                     Admission::Admit => false,
                     Admission::Probe => true,
                     Admission::Reject => {
@@ -379,7 +381,7 @@ impl Proxy {
                 }
                 None => {
                     if probe {
-                        endpoint.release_probe(ctx.now);
+                        endpoint.breaker().release_probe(ctx.now);
                     }
                     exclude.push(endpoint.id());
                 }

@@ -97,7 +97,7 @@ struct ProbeGuard<'a> {
 impl Drop for ProbeGuard<'_> {
     fn drop(&mut self) {
         if self.pending {
-            self.endpoint.release_probe(Instant::now());
+            self.endpoint.breaker().release_probe(Instant::now());
         }
     }
 }
@@ -122,7 +122,7 @@ impl Probe {
     /// The probe's answer came through: the breaker closes.
     pub fn succeeded(mut self, now: Instant) {
         if let Some(endpoint) = self.endpoint.take() {
-            endpoint.record_success(now);
+            endpoint.breaker().record_success(now);
         }
     }
 
@@ -130,7 +130,7 @@ impl Probe {
     pub fn failed(mut self, settings: &crate::breaker::BreakerSettings, now: Instant) {
         if let Some(endpoint) = self.endpoint.take() {
             // A half-open breaker reopens whatever the rest of the fleet looks like.
-            endpoint.record_failure(settings, now, true);
+            endpoint.breaker().record_failure(settings, now, true);
         }
     }
 }
@@ -138,7 +138,7 @@ impl Probe {
 impl Drop for Probe {
     fn drop(&mut self) {
         if let Some(endpoint) = self.endpoint.take() {
-            endpoint.release_probe(Instant::now());
+            endpoint.breaker().release_probe(Instant::now());
         }
     }
 }
@@ -269,16 +269,16 @@ impl Proxy {
         if let Some(kind) = classify_status(response.status(), response.headers()) {
             if kind == FailureKind::BackPressure {
                 // A node that refuses while still serving others of ours is saying "fewer at once":
-                // its limit drops to what it held (see `Endpoint::limit_back_pressure`). Pausing it
+                // its limit drops to what it held (see `LoadControl::limit_back_pressure`). Pausing it
                 // for Retry-After would idle a node that is busy: under standing overload every node
                 // would sit paused for most of each second while requests waited. A node refusing
                 // with nothing else of ours in flight is paused as it asked.
                 let busy = endpoint.outstanding() > 1;
                 if busy {
-                    endpoint.pushed_back_while_busy();
-                    endpoint.limit_back_pressure(Instant::now());
+                    endpoint.load().pushed_back_while_busy();
+                    endpoint.load().limit_back_pressure(Instant::now());
                 } else {
-                    endpoint.cool_down(
+                    endpoint.load().cool_down(
                         retry_after(response.headers(), MAX_COOLDOWN),
                         Instant::now(),
                     );
@@ -340,7 +340,7 @@ impl Proxy {
             Probe::new(Arc::clone(endpoint))
         });
         if probe.is_none() {
-            endpoint.record_success(now);
+            endpoint.breaker().record_success(now);
         }
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
@@ -352,7 +352,9 @@ impl Proxy {
             millis_of(settings.balance.latency_decay),
         );
         self.observe_latency(settings, endpoint, first_byte, now);
-        endpoint.observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
+        endpoint
+            .load()
+            .observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
         Attempt::Committed(Committed {
             response,
             first,
@@ -426,10 +428,14 @@ impl Proxy {
     fn record(&self, settings: &ProxySettings, failure: Failure) -> Failure {
         let endpoint = &failure.endpoint;
         if failure.kind.is_endpoint_fault() {
-            endpoint.record_failure(&settings.breaker, Instant::now(), self.may_eject(settings));
+            endpoint.breaker().record_failure(
+                &settings.breaker,
+                Instant::now(),
+                self.may_eject(settings),
+            );
         } else {
             // A probe turned away by back-pressure tells nothing about health: let another request probe.
-            endpoint.release_probe(Instant::now());
+            endpoint.breaker().release_probe(Instant::now());
         }
         failure
     }

@@ -240,7 +240,10 @@ impl<'a> Racer<'a> {
         else {
             refund();
             if slot.probe {
-                slot.outstanding.endpoint().release_probe(Instant::now());
+                slot.outstanding
+                    .endpoint()
+                    .breaker()
+                    .release_probe(Instant::now());
             }
             return None;
         };
@@ -304,7 +307,9 @@ impl Proxy {
         }
         if stalled_alone(&self.last_answer, endpoint, started) {
             let may_eject = self.may_eject(settings);
-            endpoint.record_stall(&settings.breaker, Instant::now(), may_eject);
+            endpoint
+                .breaker()
+                .record_stall(&settings.breaker, Instant::now(), may_eject);
         }
         true
     }

@@ -286,7 +286,9 @@ impl StreamGuard for Streamed {
                          so it waits until stream.pause_max for its node to resume"
                     );
                     let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
-                    endpoint.record_stream_stall(&self.breaker, now, may_eject);
+                    endpoint
+                        .breaker()
+                        .record_stream_stall(&self.breaker, now, may_eject);
                 }
                 Silence::Until(since + self.idle.pause_max)
             }
@@ -346,7 +348,9 @@ impl StreamGuard for Streamed {
                      and counted as a stall of the node"
                 );
                 let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
-                endpoint.record_stream_stall(&self.breaker, Instant::now(), may_eject);
+                endpoint
+                    .breaker()
+                    .record_stream_stall(&self.breaker, Instant::now(), may_eject);
             }
             Cut::Paused(silent) if self.stall_counted => {
                 tracing::warn!(

@@ -143,7 +143,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
         "the request under way finished on the endpoint that left"
     );
     let endpoint = Arc::clone(&proxy.app_registry.snapshot()[0]);
-    assert_eq!(endpoint.limit(), Some(2), "limits applied live");
+    assert_eq!(endpoint.load().limit(), Some(2), "limits applied live");
     assert_eq!(
         handle.settings().total_timeout,
         Duration::from_secs(40),
@@ -192,7 +192,7 @@ async fn a_configmap_swap_changes_behaviour_without_dropping_a_request() {
     .await;
     assert_eq!(proxy.app_registry.snapshot()[0].url(), a.url());
     assert_eq!(
-        proxy.app_registry.snapshot()[0].limit(),
+        proxy.app_registry.snapshot()[0].load().limit(),
         None,
         "limit back to none"
     );

@@ -525,21 +525,21 @@ async fn the_adaptive_limit_drops_when_the_node_rejects() {
     eventually(
         "the limit grows past 4 while the node takes everything",
         Duration::from_secs(20),
-        || endpoint.limit().is_some_and(|l| l > 4),
+        || endpoint.load().limit().is_some_and(|l| l > 4),
     )
     .await;
-    let before = endpoint.limit().unwrap();
+    let before = endpoint.load().limit().unwrap();
     rejecting.store(true, Ordering::SeqCst);
     let cut = Instant::now();
     eventually(
         "the limit comes down to what the node accepts",
         Duration::from_secs(10),
-        || endpoint.limit().is_some_and(|l| l <= 3),
+        || endpoint.load().limit().is_some_and(|l| l <= 3),
     )
     .await;
     println!(
         "limit {before} → {} within {:?} of the node starting to reject",
-        endpoint.limit().unwrap(),
+        endpoint.load().limit().unwrap(),
         cut.elapsed()
     );
     stop.store(true, Ordering::Relaxed);
@@ -709,10 +709,10 @@ async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold
     .await;
     // The node counts its refusal before tongs has read it: the hold follows a moment later.
     eventually("held to what it held", Duration::from_secs(10), || {
-        endpoint.limit() == Some(1)
+        endpoint.load().limit() == Some(1)
     })
     .await;
-    assert_eq!(endpoint.limit(), Some(1), "held to what it held");
+    assert_eq!(endpoint.load().limit(), Some(1), "held to what it held");
     let third = send();
     queued(&proxy, 2).await;
     assert_eq!(refusals.load(Ordering::SeqCst), 1, "the third was not sent");
@@ -901,7 +901,7 @@ async fn the_learned_limit_finds_each_nodes_capacity() {
                 snapshot
                     .iter()
                     .find(|e| e.url() == url)
-                    .and_then(|e| e.limit())
+                    .and_then(|e| e.load().limit())
             })
             .collect::<Vec<_>>()
     };

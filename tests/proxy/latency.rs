@@ -65,7 +65,7 @@ async fn idle_for(proxy: &TestProxy, url: &str, idle: Duration) {
         &format!("{} idle for {idle:?}", endpoint.url()),
         idle * 3,
         || {
-            let now_ms = endpoint.millis(tokio::time::Instant::now());
+            let now_ms = tongs::endpoint::millis(tokio::time::Instant::now());
             endpoint.latency().estimate_us() > 0
                 && endpoint.latency().estimate(now_ms, NEUTRAL, idle_ms) == NEUTRAL
         },
