@@ -4,28 +4,18 @@
 # headers nodes and clients send, a node's stream as a continued OpenAI stream reads it, a request
 # body's model as pools read and rewrite it, a model server's metrics page, and a prompt's block hashes.
 # Usage: bash scripts/fuzz.sh [RUNS_SCALE]   (1 = CI's bounded run; 10 = ten times the inputs)
-#        bash scripts/fuzz.sh --build-only   (installs cargo-fuzz if missing and builds the targets)
 # Needs cargo-fuzz (installed from crates.io when missing); builds without a sanitizer, on the stable
 # toolchain, so it needs nothing but what `cargo` already has. A crash leaves its input in
 # fuzz/artifacts/TARGET/ and fails the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-build_only=false
-scale=1
-if [ "${1:-}" = "--build-only" ]; then
-  build_only=true
-elif [ -n "${1:-}" ]; then
-  scale=$1
-fi
+scale=${1:-1}
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "fuzz.sh: installing cargo-fuzz from crates.io" >&2
   cargo install cargo-fuzz --locked --version 0.13.2
 fi
 cd fuzz
 cargo fuzz build -s none
-if $build_only; then
-  exit 0
-fi
 # Inputs per target: each takes 5 to 15 s on one core at scale 1. libFuzzer runs on one core, so the
 # targets run two at a time (JOBS, default the machine's cores): on CI's 2 cores, half the wall time.
 jobs=${JOBS:-$(nproc)}
