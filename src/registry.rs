@@ -216,6 +216,15 @@ impl Registry {
         self.publish(&mut wanted, &touched);
     }
 
+    /// The endpoint at `url` in the set now, found through the sources' index (no scan).
+    pub fn endpoint_at(&self, url: &str) -> Option<Arc<Endpoint>> {
+        let place = self.lock_writer().by_url.get(url)?.place?;
+        self.snapshot()
+            .get(place)
+            .filter(|endpoint| endpoint.url() == url)
+            .cloned()
+    }
+
     fn lock_writer(&self) -> std::sync::MutexGuard<'_, Wanted> {
         self.writer
             .lock()

@@ -1,5 +1,5 @@
-//! Headers nodes and clients send: `Retry-After` never waits past its cap, any `x-priority` is a
-//! priority.
+//! Headers nodes and clients send: `Retry-After` never waits past its cap, a drain notice never says
+//! more time than its cap, any `x-priority` is a priority.
 #![no_main]
 
 use std::time::Duration;
@@ -13,6 +13,10 @@ fuzz_target!(|bytes: &[u8]| {
     };
     let mut headers = HeaderMap::new();
     headers.insert(RETRY_AFTER, value.clone());
+    headers.insert(tongs_wire::header::DRAIN, value.clone());
+    if let Some(Some(left)) = tongs_wire::header::drain_notice(&headers) {
+        assert!(left <= tongs_wire::header::MAX_DRAIN_NOTICE);
+    }
     let cap = Duration::from_secs(30);
     assert!(tongs_wire::header::retry_after(&headers, cap) <= cap);
     let _ = tongs_wire::header::Priority::from_header(Some(&value));

@@ -92,7 +92,7 @@ impl Endpoint {
         let Some(counts) = self.counted.counts.get() else {
             return;
         };
-        let in_set = !self.liveness.draining.load(Ordering::Relaxed);
+        let in_set = self.liveness.is_available();
         let closed = self.gate.load(Ordering::Relaxed) == GATE_CLOSED;
         let healthy = in_set && self.liveness.healthy.load(Ordering::Relaxed);
         let now = [in_set && !closed, healthy, healthy && closed]

@@ -53,6 +53,10 @@ impl BreakerControl<'_> {
 
     /// A request failed at this endpoint. `may_eject`: the fleet can afford one more ejection.
     pub fn record_failure(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
+        if self.endpoint.liveness().is_announced() {
+            // A node that said it is going fails as it goes: nothing counts against it.
+            return;
+        }
         self.endpoint.tally.failures.fetch_add(1, Ordering::Relaxed);
         let mut breaker = self.endpoint.circuit.lock();
         let transition = breaker.on_failure(settings, now, may_eject, fastrand::f64());
@@ -65,6 +69,9 @@ impl BreakerControl<'_> {
     /// once rather than each waiting out its own limit). Otherwise a plain failure. Counted in the
     /// endpoint's failures either way.
     pub fn record_stream_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) {
+        if self.endpoint.liveness().is_announced() {
+            return;
+        }
         if self.endpoint.liveness().is_healthy() {
             self.endpoint.tally.failures.fetch_add(1, Ordering::Relaxed);
             self.record_stall(settings, now, may_eject);
@@ -74,10 +81,11 @@ impl BreakerControl<'_> {
     }
 
     /// An attempt here stalled (lost to a hedge, or waited far past the expected latency). Counted only
-    /// while heartbeats pass: a node they declared gone is theirs to judge. Returns true when this made
+    /// while heartbeats pass and the node has not said it is going: a node they declared gone is theirs
+    /// to judge, and one going is draining already. Returns true when this made
     /// the endpoint stalled: ejected, with its waiting attempts told to move at once.
     pub fn record_stall(&self, settings: &BreakerSettings, now: Instant, may_eject: bool) -> bool {
-        if !self.endpoint.liveness().is_healthy() {
+        if !self.endpoint.liveness().is_healthy() || self.endpoint.liveness().is_announced() {
             return false;
         }
         self.endpoint.tally.stalls.fetch_add(1, Ordering::Relaxed);

@@ -40,7 +40,7 @@ pub use self::counts::FleetCounts;
 pub use self::gate::{BreakerControl, Circuit};
 use self::gate::{GATE_CLOSED, GATE_PROBING};
 pub use self::latency::{LOAD_BUCKETS, LatencyModel, Waiting};
-pub use self::liveness::{LastHeartbeat, Liveness};
+pub use self::liveness::{Announcer, LastHeartbeat, Liveness, Notices};
 pub use self::load::{LimitState, LoadControl, Outstanding};
 pub use self::models::ServedModels;
 pub use self::pace::{OPENING_GAPS, Pace, Typical};
@@ -124,6 +124,8 @@ pub struct Endpoint {
     limits: LimitState,
     /// The registry's counts this endpoint is counted in, and what it adds to them now.
     counted: Counted,
+    /// What its node or its source said of its end.
+    notices: Notices,
     /// Where the endpoint came from (`static` or `kubernetes`, and the pod).
     origin: Origin,
 }
@@ -193,6 +195,7 @@ impl Endpoint {
             signals: EngineSignals::default(),
             limits: LimitState::new(u64::MAX),
             counted: Counted::default(),
+            notices: Notices::default(),
             origin: Origin::default(),
         }
     }
@@ -224,7 +227,7 @@ impl Endpoint {
         let unwell = !self.liveness.healthy.load(Ordering::Relaxed)
             || self.liveness.suspect.load(Ordering::Relaxed);
         if self.outstanding.load(Ordering::Relaxed) >= self.limit.load(Ordering::Relaxed)
-            || self.liveness.draining.load(Ordering::Relaxed)
+            || !self.liveness.is_available()
             || (!ignore_health && unwell)
             || self.cooldown_until.load(Ordering::Relaxed) > now_ms
         {

@@ -130,6 +130,11 @@ pub struct HeartbeatView {
     pub last_heartbeat_age_s: Option<f64>,
     pub last_heartbeat_ms: Option<f64>,
     pub last_heartbeat_ok: Option<bool>,
+    /// The node said it is going (`x-tongs-drain` on its heartbeat answers), or its pod is being
+    /// deleted: it drains.
+    pub announced_drain: bool,
+    /// Seconds left until it goes, as said (null: not going, or nobody said when).
+    pub leaving_in_s: Option<f64>,
 }
 
 /// What an endpoint is doing, in the one word an operator needs first. When several hold, the first
@@ -263,6 +268,11 @@ impl Endpoint {
                     .map(|(at, _, _)| now_ms.saturating_sub(at) as f64 / 1000.0),
                 last_heartbeat_ms: heartbeat.map(|(_, took, _)| took.as_secs_f64() * 1000.0),
                 last_heartbeat_ok: heartbeat.map(|(_, _, ok)| ok),
+                announced_drain: self.liveness().is_announced(),
+                leaving_in_s: self
+                    .notices()
+                    .leaving_at_ms()
+                    .map(|at| at.saturating_sub(now_ms) as f64 / 1000.0),
             },
             signals: SignalsView::of(self, now_ms, signals_max_age),
         }

@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::HealthConfig;
-use crate::endpoint::Endpoint;
+use crate::endpoint::{Announcer, Endpoint};
 use crate::registry::Registry;
 use crate::upstream::{UpstreamBody, UpstreamClient};
 
@@ -266,8 +266,12 @@ async fn probe_loop(
         // Each round reads the settings in force, so a reload applies from the next heartbeat.
         let config = settings.load_full();
         let started = Instant::now();
-        let passed = probe(&endpoint, &config, &client).await;
+        let beat = probe(&endpoint, &config, &client).await;
+        let passed = beat.passed;
         let now = Instant::now();
+        if beat.answered {
+            endpoint.set_announced(Announcer::Heartbeat, beat.notice, now);
+        }
         let every = config.models_interval.get();
         if passed
             && !every.is_zero()
@@ -352,28 +356,49 @@ async fn served_models(
         .flatten()
 }
 
-/// One heartbeat: true when the endpoint answered within the timeout with a passing status (any 2xx,
-/// or the deep heartbeat's `expected_status`).
-async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClient) -> bool {
+/// What one heartbeat found.
+struct Beat {
+    /// The endpoint answered within the timeout with a passing status (any 2xx, or the deep heartbeat's
+    /// `expected_status`), or with a drain notice: a node that says it is going is not failing.
+    passed: bool,
+    /// An answer came (in time): what it says of draining replaces what the node last said.
+    answered: bool,
+    /// The answer's drain notice, if it had one (see [`tongs_wire::header::drain_notice`]).
+    notice: Option<Option<Duration>>,
+}
+
+/// One heartbeat.
+async fn probe(endpoint: &Endpoint, config: &HealthConfig, client: &UpstreamClient) -> Beat {
+    let silent = Beat {
+        passed: false,
+        answered: false,
+        notice: None,
+    };
     let Some(request) = heartbeat_request(endpoint, config) else {
-        return false;
+        return silent;
     };
     let expected = config.request.as_ref().and_then(|r| r.expected_status);
     let exchange = async {
         let response = client.request(request).await.ok()?;
         let status = response.status();
+        let notice = tongs_wire::header::drain_notice(response.headers());
         let passed = match expected {
             Some(expected) => status.as_u16() == expected,
             None => status.is_success(),
         };
         // Read the (small) body so the connection can be reused for the next heartbeat.
         response.into_body().collect().await.ok()?;
-        Some(passed)
+        Some(Beat {
+            passed: passed || notice.is_some(),
+            answered: true,
+            notice,
+        })
     };
-    matches!(
-        tokio::time::timeout(config.timeout.get(), exchange).await,
-        Ok(Some(true))
-    )
+    tokio::time::timeout(config.timeout.get(), exchange)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(silent)
 }
 
 /// The heartbeat request for `endpoint`: `GET health.path`, or the deep heartbeat `health.request`.

@@ -77,10 +77,14 @@ pub enum Cut {
     Paused(Duration),
     /// The endpoint was declared gone (heartbeats) or stalled while the stream ran.
     Gone,
+    /// The endpoint's node said it is going, and the stream, which can be continued elsewhere, moves
+    /// before the node does.
+    Moved,
 }
 
-/// Resolves when the stream's endpoint is declared gone.
-pub type GoneSignal = Pin<Box<dyn Future<Output = ()> + Send>>;
+/// Resolves when the stream must leave its endpoint: declared gone ([`Cut::Gone`]), or about to go
+/// by its node's own word ([`Cut::Moved`]).
+pub type GoneSignal = Pin<Box<dyn Future<Output = Cut> + Send>>;
 
 /// How a committed stream is watched: its guard, and its idle limit so far.
 pub struct Watch {
@@ -97,6 +101,8 @@ pub enum StreamCut {
     Paused(Duration),
     #[error("the endpoint was declared gone while the response streamed")]
     Gone,
+    #[error("the endpoint's node said it is going; the stream moves before it does")]
+    Moved,
 }
 
 pin_project! {
@@ -318,9 +324,9 @@ impl Body for ProxyBody {
                 }
                 if cut.is_none()
                     && let Some(signal) = gone.as_mut()
-                    && signal.as_mut().poll(cx).is_ready()
+                    && let Poll::Ready(why) = signal.as_mut().poll(cx)
                 {
-                    cut = Some(Cut::Gone);
+                    cut = Some(why);
                 }
                 match cut {
                     Some(why) => {
@@ -330,6 +336,7 @@ impl Body for ProxyBody {
                             Cut::Idle(silent) => StreamCut::Idle(silent),
                             Cut::Paused(silent) => StreamCut::Paused(silent),
                             Cut::Gone => StreamCut::Gone,
+                            Cut::Moved => StreamCut::Moved,
                         };
                         Poll::Ready(Some(Err(error.into())))
                     }

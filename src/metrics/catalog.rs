@@ -112,6 +112,11 @@ pub const STREAMS_CUT: MetricSpec = spec(
     "counter",
     "Committed streams tongs cut because they and their node went silent, because they paused past stream.pause_max, or because their endpoint was declared gone (a streamed OpenAI completion is then continued elsewhere where it can be: tongs_continuations_total).",
 );
+pub const STREAMS_MOVED: MetricSpec = spec(
+    "tongs_streams_moved_total",
+    "counter",
+    "Streamed OpenAI completions moved off a node that said it is going (x-tongs-drain), before it went, and continued elsewhere (not counted in tongs_streams_cut_total).",
+);
 pub const STREAM_PAUSES: MetricSpec = spec(
     "tongs_stream_pauses_total",
     "counter",
@@ -270,7 +275,7 @@ pub const RUNTIME_TASKS: MetricSpec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&MetricSpec; 52] = [
+pub const CATALOG: [&MetricSpec; 53] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -285,6 +290,7 @@ pub const CATALOG: [&MetricSpec; 52] = [
     &HEDGES,
     &HEDGES_WON,
     &STREAMS_CUT,
+    &STREAMS_MOVED,
     &STREAM_PAUSES,
     &CONTINUATIONS,
     &POOL_FALLBACKS,

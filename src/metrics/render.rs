@@ -13,8 +13,8 @@ use super::{
     FIRST_BYTE, HEDGES, HEDGES_WON, MetricSpec, Metrics, Outcome, POOL_FALLBACKS, ProxyStats,
     QUEUE_DEPTH, QUEUE_WAIT, REGISTRATIONS, REJECTIONS, REPLAY_BYTES, REPLAY_OVER_BUDGET, REPLICAS,
     REQUEST_DURATION, REQUESTS, RETRIES, RETRY_BUDGET_EXHAUSTED, RUNTIME_TASKS, SALAD_LOOKUPS,
-    STREAM_PAUSES, STREAMS_CUT, TENANT_IN_FLIGHT, TENANT_QUEUED, TENANT_REFUSALS, TENANT_REQUESTS,
-    UPTIME,
+    STREAM_PAUSES, STREAMS_CUT, STREAMS_MOVED, TENANT_IN_FLIGHT, TENANT_QUEUED, TENANT_REFUSALS,
+    TENANT_REQUESTS, UPTIME,
 };
 use crate::admission::{Refusal, TENANT_CLASSES, Tenant};
 use crate::endpoint::{EndpointState, EndpointView};
@@ -318,11 +318,12 @@ fn render_state(out: &mut String, pools: &[Scrape]) {
         );
     }
     type Counter = fn(&ProxyStats) -> &std::sync::atomic::AtomicU64;
-    let counters: [(&MetricSpec, Counter); 5] = [
+    let counters: [(&MetricSpec, Counter); 6] = [
         (&ATTEMPTS, |s| &s.attempts),
         (&HEDGES, |s| &s.hedges),
         (&HEDGES_WON, |s| &s.hedges_won),
         (&STREAMS_CUT, |s| &s.streams_cut),
+        (&STREAMS_MOVED, |s| &s.streams_moved),
         (&STREAM_PAUSES, |s| &s.stream_pauses),
     ];
     for (spec, counter) in counters {

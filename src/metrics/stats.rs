@@ -23,6 +23,8 @@ pub struct ProxyStats {
     pub hedges_won: AtomicU64,
     /// Committed streams ended because they stalled or their endpoint was declared gone.
     pub streams_cut: AtomicU64,
+    /// Continuable streams moved off a node that said it is going, before it went.
+    pub streams_moved: AtomicU64,
     /// Silences of committed streams past their idle limit while their node went on sending tokens on
     /// its other streams: paused, not stalled, so left alone (cut only past `stream.pause_max`).
     pub stream_pauses: AtomicU64,

@@ -314,6 +314,7 @@ impl StreamGuard for Streamed {
             self.outstanding.endpoint(),
             &self.registry,
             self.probe.is_some() || !self.continuable,
+            self.continuable,
         ))
     }
 
@@ -332,9 +333,19 @@ impl StreamGuard for Streamed {
     }
 
     fn cut(&mut self, why: Cut) {
-        self.stats.streams_cut.fetch_add(1, Ordering::Relaxed);
         let endpoint = self.outstanding.endpoint();
         let request_id = self.request_id.to_str().unwrap_or_default();
+        if why == Cut::Moved {
+            self.stats.streams_moved.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(
+                request_id,
+                endpoint = endpoint.url(),
+                chunks = self.chunks,
+                "the stream's node said it is going; the stream moves to another before it does"
+            );
+            return;
+        }
+        self.stats.streams_cut.fetch_add(1, Ordering::Relaxed);
         // What becomes of the stream is logged by whoever holds it: continued elsewhere (a streamed
         // OpenAI completion, see `continuation`), or ended as an error the client sees.
         match why {
@@ -376,6 +387,7 @@ impl StreamGuard for Streamed {
                     "endpoint declared gone while a stream ran; stream cut"
                 );
             }
+            Cut::Moved => {}
         }
     }
 }
@@ -386,7 +398,15 @@ impl StreamGuard for Streamed {
 /// end a stream early that outlives its node's stall (`outlives_stall`): the half-open probe of a
 /// stalled endpoint, the one stream that runs there while it is stalled, and a stream that cannot be
 /// continued elsewhere, which a cut would lose while the node may still resume.
-fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, outlives_stall: bool) -> GoneSignal {
+///
+/// A stream that can be continued elsewhere (`movable`) also moves when its node said it is going,
+/// before it goes (see [`move_at`]): [`Cut::Moved`]. One that cannot is left to finish.
+fn gone(
+    endpoint: &Arc<Endpoint>,
+    registry: &Arc<Registry>,
+    outlives_stall: bool,
+    movable: bool,
+) -> GoneSignal {
     let mut signal = endpoint.gone_signal();
     let endpoint = Arc::clone(endpoint);
     let registry = Arc::clone(registry);
@@ -394,13 +414,46 @@ fn gone(endpoint: &Arc<Endpoint>, registry: &Arc<Registry>, outlives_stall: bool
         loop {
             let unhealthy = !endpoint.liveness().is_healthy() && registry.counts().healthy() > 0;
             if unhealthy || (endpoint.circuit().is_stalled() && !outlives_stall) {
-                return;
+                return Cut::Gone;
             }
-            if signal.changed().await.is_err() {
+            let changed = match movable.then(|| move_at(&endpoint)).flatten() {
+                Some(at) if at <= Instant::now() => return Cut::Moved,
+                Some(at) => tokio::select! {
+                    changed = signal.changed() => changed,
+                    () = tokio::time::sleep_until(at) => continue,
+                },
+                None => signal.changed().await,
+            };
+            if changed.is_err() {
                 return std::future::pending().await;
             }
         }
     })
+}
+
+/// The least time before its node goes that a stream moves: a continuation's first token must come
+/// before the node goes (see [`move_at`]).
+const MOVE_MARGIN: Duration = Duration::from_secs(2);
+
+/// When a stream on `endpoint` that can be continued elsewhere moves, once the node said it is going
+/// (`None` while it has not): before the time it said it has left by a margin, twice what its streams'
+/// first tokens take (their mean plus four deviations; the continuation's prefill on a node like it)
+/// and at least [`MOVE_MARGIN`]; at once when it did not say how long it has left. A stream that ends
+/// before that never moves.
+fn move_at(endpoint: &Endpoint) -> Option<Instant> {
+    if !endpoint.liveness().is_announced() {
+        return None;
+    }
+    let now = Instant::now();
+    let Some(leaving_at_ms) = endpoint.notices().leaving_at_ms() else {
+        return Some(now);
+    };
+    let left = Duration::from_millis(leaving_at_ms.saturating_sub(crate::endpoint::millis(now)));
+    let first_token = endpoint.pace().opening().map_or(Duration::ZERO, |typical| {
+        typical.mean + typical.deviation * 4
+    });
+    let margin = (first_token * 2).max(MOVE_MARGIN);
+    Some(now + left.saturating_sub(margin))
 }
 
 /// How the stream of a committed answer on `outstanding`'s endpoint is watched; `first_byte` is how long

@@ -44,9 +44,11 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 pub use engine::{PrefixCache, block_hashes};
-pub use node::{Condition, Node, NodeStats};
+pub use node::{Node, NodeStats};
 pub use reply::sse_response;
-pub use schedule::{Interruption, InterruptionKind, RandomInterruptions, lognormal, plan};
+pub use schedule::{
+    Condition, Interruption, InterruptionKind, RandomInterruptions, lognormal, plan,
+};
 
 use crate::config::{ConfigError, HumanDuration, Problem, load_validated, parse_validated};
 

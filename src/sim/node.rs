@@ -34,44 +34,10 @@ use tokio_util::sync::CancellationToken;
 use super::engine::{self, Engine};
 use super::openai;
 use super::reply::{SimBody, full};
-use super::schedule::{Interruption, InterruptionKind, lognormal};
+use super::schedule::{Condition, Interruption, InterruptionKind, lognormal};
 use super::socket;
 use super::stream::{Load, TokenTiming, stream_tokens, words};
 use super::{NodeSpec, ResponseKind};
-
-/// What a node is doing right now.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Condition {
-    Up,
-    Interrupted { kind: InterruptionKind, factor: f64 },
-}
-
-impl Condition {
-    pub fn kind(self) -> Option<InterruptionKind> {
-        match self {
-            Condition::Up => None,
-            Condition::Interrupted { kind, .. } => Some(kind),
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        self.kind().map_or("up", InterruptionKind::as_str)
-    }
-
-    pub(super) fn is(self, kind: InterruptionKind) -> bool {
-        self.kind() == Some(kind)
-    }
-
-    fn slow_factor(self) -> f64 {
-        match self {
-            Condition::Interrupted {
-                kind: InterruptionKind::Slow,
-                factor,
-            } => factor,
-            _ => 1.0,
-        }
-    }
-}
 
 /// Counters of one node.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -122,6 +88,9 @@ pub(super) struct NodeShared {
     /// times of a seeded run unchanged.
     pauses: Mutex<fastrand::Rng>,
     condition: watch::Sender<Condition>,
+    /// When the node said it goes (see [`Node::announce_end`]): its heartbeat answers carry
+    /// `x-tongs-drain` with the seconds left until then.
+    leaving_at: Mutex<Option<Instant>>,
     /// The continuous-batching engine of the OpenAI paths, if the node has one.
     pub(super) engine: Option<Arc<Engine>>,
 }
@@ -172,6 +141,7 @@ impl Node {
             rng: Mutex::new(fastrand::Rng::with_seed(seed)),
             pauses: Mutex::new(fastrand::Rng::with_seed(!seed)),
             condition,
+            leaving_at: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         tokio::spawn(socket::accept_loop(
@@ -212,6 +182,24 @@ impl Node {
     /// Puts the node into `condition` now (tests and interactive use; schedules do the same).
     pub fn set_condition(&self, condition: Condition) {
         set_condition(&self.shared, condition);
+    }
+
+    /// An announced interruption: from now on the node's heartbeat answers say it goes in `left`
+    /// (`x-tongs-drain: <seconds left>`, as a node's shutdown hook has it say), and when `left` is over
+    /// it goes (`refuse`: its connections reset) until its condition is set again.
+    pub fn announce_end(&self, left: Duration) {
+        let at = Instant::now() + left;
+        *lock(&self.shared.leaving_at) = Some(at);
+        let (shared, stop) = (Arc::clone(&self.shared), self.stop.clone());
+        tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => {}
+                () = tokio::time::sleep_until(at) => {
+                    *lock(&shared.leaving_at) = None;
+                    set_condition(&shared, Condition::Interrupted { kind: InterruptionKind::Refuse, factor: 1.0 });
+                }
+            }
+        });
     }
 
     pub fn stats(&self) -> NodeStats {
@@ -333,6 +321,13 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// A poisoned lock still holds a value a node can go on with.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 fn set_condition(shared: &NodeShared, condition: Condition) {
     let previous = shared.condition.send_replace(condition);
     if previous == condition {
@@ -449,7 +444,14 @@ pub(super) async fn handle(
                 shared.spec.name,
                 shared.in_flight.load(Ordering::Relaxed)
             );
-            return full(StatusCode::OK, "application/json", body);
+            let mut response = full(StatusCode::OK, "application/json", body);
+            if let Some(at) = *lock(&shared.leaving_at) {
+                let left = at.saturating_duration_since(Instant::now()).as_secs_f64();
+                if let Ok(value) = http::HeaderValue::from_str(&format!("{left:.1}")) {
+                    response.headers_mut().insert("x-tongs-drain", value);
+                }
+            }
+            return response;
         }
         (&Method::GET, "/metrics") => {
             let running = shared.serving.load(Ordering::Relaxed);

@@ -47,6 +47,40 @@ impl InterruptionKind {
     }
 }
 
+/// What a node is doing right now.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Condition {
+    Up,
+    Interrupted { kind: InterruptionKind, factor: f64 },
+}
+
+impl Condition {
+    pub fn kind(self) -> Option<InterruptionKind> {
+        match self {
+            Condition::Up => None,
+            Condition::Interrupted { kind, .. } => Some(kind),
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        self.kind().map_or("up", InterruptionKind::as_str)
+    }
+
+    pub(super) fn is(self, kind: InterruptionKind) -> bool {
+        self.kind() == Some(kind)
+    }
+
+    pub(super) fn slow_factor(self) -> f64 {
+        match self {
+            Condition::Interrupted {
+                kind: InterruptionKind::Slow,
+                factor,
+            } => factor,
+            _ => 1.0,
+        }
+    }
+}
+
 /// One interruption: from `at` (after the fleet started) for `duration`, then the node recovers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

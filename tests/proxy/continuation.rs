@@ -411,3 +411,45 @@ async fn a_pool_may_turn_continuation_off_while_the_others_keep_it() {
     assert_eq!(sample(&proxy, &continued("plain")).await, 0.0);
     proxy.stop().await;
 }
+
+/// A node that announces its end (the simulator's `announce_end`: `x-tongs-drain` on its heartbeat
+/// answers, then it goes) has its continuable stream moved before it goes: the client's stream is
+/// exact and whole, continued once and moved once, and no stream was cut.
+#[tokio::test]
+async fn a_stream_on_a_node_that_announces_its_end_moves_before_the_node_goes() {
+    let nodes = sim_nodes(2, Duration::from_secs(3), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS as u32;
+        spec.capacity = 16;
+    });
+    let fleet = sim_fleet(5, nodes).await;
+    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    eventually("every node healthy", HANG, || {
+        proxy.app_registry.counts().healthy() == 2
+    })
+    .await;
+    let fleet_ref = &fleet;
+    let announce = async {
+        eventually("a node holds the stream", HANG, || {
+            fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
+        })
+        .await;
+        let node = fleet_ref
+            .nodes()
+            .iter()
+            .find(|n| n.stats().in_flight == 1)
+            .expect("the node holding the stream");
+        // Less time left than the stream needs, and than the least margin: it moves at once, and
+        // must, since the node then goes with the stream unfinished.
+        node.announce_end(Duration::from_millis(1500));
+    };
+    let request = body(true, true);
+    let (seen, ()) = tokio::join!(stream(&proxy, true, &request, "", &[]), announce);
+    seen.assert_whole("moved");
+    assert_eq!(seen.text(), expected_text());
+    assert_eq!(continuations(&proxy, "continued").await, 1.0);
+    assert_eq!(sample(&proxy, "tongs_streams_moved_total").await, 1.0);
+    assert_eq!(sample(&proxy, "tongs_streams_cut_total").await, 0.0);
+    proxy.stop().await;
+}

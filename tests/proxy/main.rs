@@ -16,6 +16,7 @@ mod backpressure;
 mod balancing;
 mod bodies;
 mod continuation;
+mod drain;
 mod engine;
 mod forwarding;
 mod gray;

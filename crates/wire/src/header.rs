@@ -1,5 +1,5 @@
-//! The values of headers nodes and clients send, as tongs reads them: a node's `Retry-After`, a
-//! request's priority.
+//! The values of headers nodes and clients send, as tongs reads them: a node's `Retry-After` and its
+//! drain notice, a request's priority.
 
 use std::time::Duration;
 
@@ -15,6 +15,30 @@ pub fn retry_after(headers: &HeaderMap, cap: Duration) -> Duration {
         .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
         .map_or(1, |digits| digits.parse::<u64>().unwrap_or(u64::MAX));
     Duration::from_secs(seconds).min(cap)
+}
+
+/// The header of a heartbeat answer by which a node says it is going: `x-tongs-drain: <seconds left>`.
+pub const DRAIN: &str = "x-tongs-drain";
+
+/// The longest time left a drain notice is read as (a day): a node cannot hold its endpoint out of
+/// the pick and in the registry for longer by saying so.
+pub const MAX_DRAIN_NOTICE: Duration = Duration::from_secs(86_400);
+
+/// A node's notice that it is going, from a heartbeat answer's [`DRAIN`] header, whatever the answer's
+/// status: `None` without the header; `Some(left)` with it, `left` the time it has left (whole or
+/// decimal seconds, at most [`MAX_DRAIN_NOTICE`]), or `None` when the value says no time (empty, or not
+/// a number of seconds): the node still said it is going.
+pub fn drain_notice(headers: &HeaderMap) -> Option<Option<Duration>> {
+    let value = headers.get(DRAIN)?;
+    let left = value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit() || b == b'.'))
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|seconds| seconds.is_finite())
+        .map(|seconds| Duration::from_secs_f64(seconds.min(MAX_DRAIN_NOTICE.as_secs_f64())));
+    Some(left)
 }
 
 /// A request's priority, from the configured header (`high`, `normal`, `low`; anything else is normal).
@@ -46,6 +70,28 @@ impl Priority {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_drain_notice_says_the_time_left_or_only_that_the_node_goes() {
+        let notice = |value: Option<&'static str>| {
+            let mut headers = HeaderMap::new();
+            if let Some(value) = value {
+                headers.insert(DRAIN, HeaderValue::from_static(value));
+            }
+            drain_notice(&headers)
+        };
+        assert_eq!(notice(None), None, "no header: not going");
+        assert_eq!(notice(Some("30")), Some(Some(Duration::from_secs(30))));
+        assert_eq!(
+            notice(Some(" 2.5 ")),
+            Some(Some(Duration::from_millis(2500)))
+        );
+        assert_eq!(notice(Some("0")), Some(Some(Duration::ZERO)));
+        assert_eq!(notice(Some("99999999999")), Some(Some(MAX_DRAIN_NOTICE)));
+        for unreadable in ["", "soon", "-5", "1e3", "inf", "1.2.3"] {
+            assert_eq!(notice(Some(unreadable)), Some(None), "{unreadable:?}");
+        }
+    }
 
     #[test]
     fn retry_after_too_large_to_count_is_the_cap() {

@@ -19,6 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use kube::runtime::watcher::Event;
 use tokio_util::sync::CancellationToken;
@@ -30,6 +31,7 @@ use super::object::WatchedPod;
 use super::pods::{Derived, PodFacts, PodState, Rules};
 use super::salad::SaladApi;
 use crate::config::KubernetesConfig;
+use crate::endpoint::Announcer;
 use crate::registry::{EndpointSpec, Registry};
 use crate::upstream::GatewayKey;
 
@@ -82,6 +84,9 @@ pub struct Changes {
     pub removed: Vec<String>,
     /// Endpoints that joined or changed.
     pub added: Vec<EndpointSpec>,
+    /// URLs of endpoints that left because their pod is being deleted, with when it is deleted (Unix
+    /// milliseconds): their streams move before then (see [`Outlet::publish`]).
+    pub leaving: Vec<(String, Option<i64>)>,
 }
 
 impl Changes {
@@ -258,6 +263,11 @@ impl Tracker {
         let old_spec = before.and_then(|b| b.derived.spec.as_ref());
         if old_spec != derived.spec.as_ref() && !self.changes.full {
             if let Some(old) = old_spec {
+                if derived.spec.is_none() && facts.terminating {
+                    self.changes
+                        .leaving
+                        .push((old.url.clone(), facts.deleting_at_ms));
+                }
                 self.changes.leave(old.url.clone());
             }
             if let Some(new) = &derived.spec {
@@ -343,6 +353,20 @@ impl Outlet {
         }
         self.status.set_pods(tracker.counts());
         let changes = tracker.take_changes();
+        // A pod being deleted announces its endpoint's end, before the endpoint leaves the set: it
+        // drains, and its streams that can be continued elsewhere move before the pod goes.
+        let (now, unix_now_ms) = (
+            tokio::time::Instant::now(),
+            k8s_openapi::jiff::Timestamp::now().as_millisecond(),
+        );
+        for (url, deleting_at_ms) in &changes.leaving {
+            if let Some(endpoint) = self.registry.endpoint_at(url) {
+                let left = deleting_at_ms.map(|at| {
+                    Duration::from_millis(u64::try_from(at - unix_now_ms).unwrap_or(0))
+                });
+                endpoint.set_announced(Announcer::Source, Some(left), now);
+            }
+        }
         if changes.full {
             self.registry.set_source(SOURCE, tracker.specs());
         } else if !changes.removed.is_empty() || !changes.added.is_empty() {
@@ -544,6 +568,36 @@ mod tests {
         tracker.on_event(&Event::InitDone, &status);
         assert_eq!(tracker.counts(), [1, 0, 0]);
         assert_eq!(tracker.counts(), recount(&tracker));
+    }
+
+    #[test]
+    fn a_pod_being_deleted_leaves_with_the_time_it_goes() {
+        let status = Status::default();
+        let mut tracker = tracker();
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Running")), &status);
+        tracker.take_changes();
+        // a's deletion was asked for with a 30 s grace period: it goes at its deletionTimestamp.
+        let deleting: WatchedPod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "gpu", "name": "a", "uid": "uid-a",
+                "deletionTimestamp": "2027-01-15T08:00:30Z", "deletionGracePeriodSeconds": 30},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1",
+                "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        tracker.on_event(&Event::Apply(deleting), &status);
+        // b merely goes Pending: it leaves, but nobody said it goes.
+        tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
+        let changes = tracker.take_changes();
+        assert_eq!(
+            changes.removed,
+            ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        );
+        assert_eq!(
+            changes.leaving,
+            [("http://10.0.0.1:8000".to_owned(), Some(1_800_000_030_000))]
+        );
     }
 
     fn recount(tracker: &Tracker) -> [u64; 3] {

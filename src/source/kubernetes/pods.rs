@@ -84,6 +84,9 @@ pub struct PodFacts {
     pub phase: String,
     pub ready: bool,
     pub terminating: bool,
+    /// When the pod is deleted (its `deletionTimestamp`: the deletion's request time plus its grace
+    /// period), Unix milliseconds.
+    pub deleting_at_ms: Option<i64>,
     pub pod_ip: Option<IpAddr>,
     /// The port of the containerPort named by `port_name`.
     pub named_port: Option<u16>,
@@ -158,6 +161,10 @@ impl PodFacts {
             phase: status.and_then(|s| s.phase.clone()).unwrap_or_default(),
             ready,
             terminating: meta.deletion_timestamp.is_some(),
+            deleting_at_ms: meta
+                .deletion_timestamp
+                .as_ref()
+                .map(|at| at.0.as_millisecond()),
             pod_ip: status
                 .and_then(|s| s.pod_ip.as_deref())
                 .and_then(|ip| ip.parse().ok()),
@@ -536,6 +543,7 @@ mod tests {
             phase: "Running".into(),
             ready: true,
             terminating: false,
+            deleting_at_ms: None,
             pod_ip: None,
             named_port: None,
             salad: false,

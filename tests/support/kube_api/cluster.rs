@@ -129,12 +129,13 @@ impl Cluster {
         self.update_object(Resource::Pods, namespace, name, change)
     }
 
-    /// Starts deleting a pod, as `DELETE` with a grace period does: `deletionTimestamp` is set and the
-    /// pod stays until [`Cluster::delete`] (the kubelet confirming). Emits `MODIFIED`.
+    /// Starts deleting a pod, as `DELETE` with a grace period does: `deletionTimestamp` is set to when
+    /// the grace period ends (30 s from now) and the pod stays until [`Cluster::delete`] (the kubelet
+    /// confirming). Emits `MODIFIED`.
     pub fn begin_deletion(&mut self, namespace: &str, name: &str) -> u64 {
         self.update(namespace, name, |pod| {
             if let Some(metadata) = pod.get_mut("metadata").and_then(Value::as_object_mut) {
-                metadata.insert("deletionTimestamp".into(), json!(timestamp()));
+                metadata.insert("deletionTimestamp".into(), json!(timestamp_in(30)));
                 metadata.insert("deletionGracePeriodSeconds".into(), json!(30));
             }
         })
@@ -484,9 +485,15 @@ pub(super) fn keep_server_fields(before: &Value, after: &mut Value) {
 
 /// RFC 3339 UTC time, as Kubernetes writes it.
 pub(super) fn timestamp() -> String {
+    timestamp_in(0)
+}
+
+/// [`timestamp`] `seconds` from now.
+pub(super) fn timestamp_in(seconds: u64) -> String {
     let seconds = SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+        .map_or(0, |d| d.as_secs())
+        + seconds;
     let (days, rest) = (seconds / 86_400, seconds % 86_400);
     // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
     let z = days as i64 + 719_468;

@@ -1,0 +1,127 @@
+//! Nodes that announce their end: a heartbeat answer carrying `x-tongs-drain: <seconds left>` drains
+//! the endpoint (no new request, those in flight finish, nothing counts against it) until an answer
+//! no longer carries it. The nodes are scripted backends on real sockets.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::{Response, StatusCode};
+
+use crate::support::*;
+
+/// Quick heartbeats; least-outstanding, so that once it serves again the node that held a slow request
+/// is not ranked down for how long that request took.
+const CONFIG: &str = "health: { interval: 200ms, timeout: 300ms, fast_interval: 100ms }\n\
+                      balancer: { policy: least-outstanding }\n";
+
+/// A node whose heartbeat answers carry a drain notice while `going` is set (with a 503, as a node
+/// shutting down may send), and whose `/slow` waits for `gate`. Every answer names the node.
+async fn node(name: &'static str, going: Arc<AtomicBool>, gate: Gate) -> Backend {
+    backend(move |request| {
+        let (going, gate) = (Arc::clone(&going), gate.clone());
+        async move {
+            match request.uri().path() {
+                "/health" if going.load(Ordering::SeqCst) => Response::builder()
+                    .status(StatusCode::SERVICE_UNAVAILABLE)
+                    .header("x-tongs-drain", "30")
+                    .body(full("going"))
+                    .unwrap(),
+                "/health" => Response::new(full("ok")),
+                "/slow" => {
+                    gate.pass().await;
+                    Response::new(full(name))
+                }
+                _ => Response::new(full(name)),
+            }
+        }
+    })
+    .await
+}
+
+#[tokio::test]
+async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_saying_so() {
+    let going = Arc::new(AtomicBool::new(false));
+    let (leaving_gate, staying_gate) = (Gate::default(), Gate::default());
+    let leaving = node("leaving", Arc::clone(&going), leaving_gate.clone()).await;
+    let staying = node(
+        "staying",
+        Arc::new(AtomicBool::new(false)),
+        staying_gate.clone(),
+    )
+    .await;
+    let proxy = start_proxy(config_with(CONFIG, &[leaving.url(), staying.url()])).await;
+
+    // One slow request on each node: the fewest outstanding takes each.
+    let slow = |url: String| tokio::spawn(async move { get(&url).await });
+    let first = slow(proxy.url("/slow"));
+    let second = slow(proxy.url("/slow"));
+    let view = |url: String| {
+        let proxy = &proxy;
+        async move { endpoint_view(proxy, &url).await }
+    };
+    eventually_async(
+        "each node holds one slow request",
+        Duration::from_secs(10),
+        || {
+            let (leaving, staying) = (view(leaving.url()), view(staying.url()));
+            async move { leaving.await["outstanding"] == 1 && staying.await["outstanding"] == 1 }
+        },
+    )
+    .await;
+
+    // The node says it is going: it drains, and says how long it has left.
+    going.store(true, Ordering::SeqCst);
+    eventually_async(
+        "the announcing node drains",
+        Duration::from_secs(10),
+        || {
+            let leaving = view(leaving.url());
+            async move { leaving.await["state"] == "draining" }
+        },
+    )
+    .await;
+    let drained = view(leaving.url()).await;
+    assert_eq!(drained["announced_drain"], true, "{drained}");
+    let left = drained["leaving_in_s"].as_f64().expect("it said how long");
+    assert!(left > 0.0 && left <= 30.0, "{left}");
+    assert_eq!(
+        drained["healthy"], true,
+        "a node that says it goes is not failing: {drained}"
+    );
+
+    // No new request goes there, while it still holds its slow one.
+    for _ in 0..10 {
+        let (status, body) = get(&proxy.url("/quick")).await;
+        assert_eq!((status, body.as_str()), (200, "staying"));
+    }
+    // Its request in flight finishes, and nothing counts against it.
+    leaving_gate.release(1);
+    staying_gate.release(1);
+    let answers = [first.await.unwrap(), second.await.unwrap()];
+    let mut names: Vec<_> = answers.iter().map(|(_, body)| body.as_str()).collect();
+    names.sort_unstable();
+    assert_eq!(names, ["leaving", "staying"], "{answers:?}");
+    let drained = view(leaving.url()).await;
+    assert_eq!(drained["failures"], 0, "{drained}");
+    assert_eq!(drained["breaker"], "closed", "{drained}");
+
+    // Once its answers no longer carry the notice, it serves again.
+    going.store(false, Ordering::SeqCst);
+    eventually_async("the node serves again", Duration::from_secs(10), || {
+        let leaving = view(leaving.url());
+        async move { leaving.await["draining"] == false }
+    })
+    .await;
+    let reached = AtomicUsize::new(0);
+    for _ in 0..20 {
+        if get(&proxy.url("/quick")).await.1 == "leaving" {
+            reached.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    assert!(
+        reached.load(Ordering::Relaxed) > 0,
+        "no request reached it again"
+    );
+    proxy.stop().await;
+}
