@@ -25,12 +25,19 @@
 #   TS_SOCKET                 tailscaled's LocalAPI socket (/tmp/tailscaled.sock)
 #   TS_STATE_DIR              tailscaled's state (/tmp/tailscale; an ephemeral node needs no more)
 #   REGISTER_MAX_DELAY        longest wait between attempts in seconds (30); waits double from 1
+#   DRAIN_WAIT                seconds between telling tongs the node is going and stopping the model
+#                             server, on SIGTERM (20): keep it under the pod's grace period
+#   TONGS_DRAIN_URL           where to say so (TONGS_REGISTER_URL with /register replaced by /drain)
 #   SKIP_TAILSCALE=1          test mode: no tailscaled, register TONGS_NODE_IP directly without a proxy
 #
 # Exit status (without a command to run): 0 once registered; 2 on a missing setting; 3 when tongs
 # refuses the registration for good (400, 401, 403: a retry cannot help). 404 (tongs does not see the
 # pod yet: its watch lags the pod's creation), 409 (the pod has another address for now), 5xx and
-# network errors are retried. With a command, registration runs beside it and the command is exec'd.
+# network errors are retried. With a command, registration runs beside it, and the command runs as the
+# script's child: on SIGTERM (the pod deleted, the node reclaimed) the script first tells tongs the node
+# is going (POST /v1/nodes/drain, with DRAIN_WAIT as the seconds left: tongs sends it nothing new and
+# moves its streams that can be continued to other nodes before then), waits DRAIN_WAIT seconds for the
+# rest to finish, then passes SIGTERM on and exits with the command's status.
 set -eu
 
 say() { printf 'register.sh: %s\n' "$*" >&2; }
@@ -43,6 +50,11 @@ TS_SOCKS5_SERVER=${TS_SOCKS5_SERVER:-localhost:1055}
 TS_SOCKET=${TS_SOCKET:-/tmp/tailscaled.sock}
 TS_STATE_DIR=${TS_STATE_DIR:-/tmp/tailscale}
 REGISTER_MAX_DELAY=${REGISTER_MAX_DELAY:-30}
+DRAIN_WAIT=${DRAIN_WAIT:-20}
+TONGS_DRAIN_URL=${TONGS_DRAIN_URL:-${TONGS_REGISTER_URL%/register}/drain}
+case $DRAIN_WAIT in
+  *[!0-9]*|'') say "DRAIN_WAIT must be a whole number of seconds: '$DRAIN_WAIT'"; exit 2 ;;
+esac
 
 # The pod: from the downward API, else from SaladCloud's POD_METADATA_YAML.
 field() {
@@ -119,10 +131,43 @@ register() {
   done
 }
 
+# Tells tongs the node is going, DRAIN_WAIT seconds from now: once, within 10 s, whatever it answers
+# (the node goes either way). Called from the SIGTERM trap, which shellcheck does not follow.
+# shellcheck disable=SC2317
+going() {
+  notice=$(printf '{"namespace":"%s","pod":"%s","uid":"%s","seconds":%s}' \
+    "$namespace" "$pod" "$uid" "$DRAIN_WAIT")
+  headers=$(mktemp)
+  printf 'Authorization: Bearer %s\n' "$TONGS_REGISTRATION_TOKEN" > "$headers"
+  status=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 10 \
+    ${proxy:+--socks5-hostname "$proxy"} -X POST -H "@$headers" \
+    -H 'Content-Type: application/json' --data "$notice" "$TONGS_DRAIN_URL") || status=000
+  rm -f "$headers"
+  say "told tongs $namespace/$pod goes in ${DRAIN_WAIT}s ($status)"
+}
+
 if [ "$#" -eq 0 ]; then
   register
   exit $?
 fi
 # The model server starts at once; tongs' heartbeats decide when it takes traffic.
 ( register ) &
-exec "$@"
+"$@" &
+server=$!
+stopping=
+# shellcheck disable=SC2317
+stop() {
+  [ -z "$stopping" ] || return 0
+  stopping=1
+  going
+  sleep "$DRAIN_WAIT"
+  kill -TERM "$server" 2>/dev/null || true
+}
+trap stop TERM INT
+# A trapped signal ends `wait` early: wait again until the command itself has ended.
+code=0
+while :; do
+  wait "$server" && code=0 || code=$?
+  kill -0 "$server" 2>/dev/null || break
+done
+exit "$code"

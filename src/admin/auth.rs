@@ -13,7 +13,7 @@ use http::{Request, Response, StatusCode, header};
 use tower_http::validate_request::{ValidateRequest, ValidateRequestHeaderLayer};
 
 use super::answer;
-use super::register::REGISTER_PATH;
+use super::register::{DRAIN_PATH, REGISTER_PATH};
 use crate::http::ProxyBody;
 
 /// The admin token in force, as a validation layer.
@@ -42,7 +42,7 @@ impl<B> ValidateRequest<B> for AdminToken {
 pub(super) fn authorized<B>(request: &Request<B>, token: &str) -> bool {
     if matches!(
         request.uri().path(),
-        "/healthz" | "/readyz" | "/" | REGISTER_PATH
+        "/healthz" | "/readyz" | "/" | REGISTER_PATH | DRAIN_PATH
     ) {
         return true;
     }

@@ -44,7 +44,7 @@ use crate::route::{Pool, Router};
 use crate::server;
 use crate::source::kubernetes;
 
-pub use register::REGISTER_PATH;
+pub use register::{DRAIN_PATH, REGISTER_PATH};
 
 /// What the admin port reads (and, for registrations, writes).
 #[derive(Clone)]
@@ -199,10 +199,11 @@ pub async fn serve(
     let routes = tower::service_fn(move |request: Request<Incoming>| {
         let state = state.clone();
         async move {
-            let response = if request.uri().path() == REGISTER_PATH {
+            let path = request.uri().path().to_owned();
+            let response = if path == REGISTER_PATH || path == DRAIN_PATH {
                 // Nodes present their own token, not the admin one.
-                register::register(request, &state.router).await
-            } else if request.uri().path() == explain::PICK_PATH {
+                register::node_call(&path, request, &state.router).await
+            } else if path == explain::PICK_PATH {
                 explain::pick(request, &state.router).await
             } else {
                 routes::route(&request, &state)

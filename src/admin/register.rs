@@ -1,4 +1,5 @@
-//! `POST /v1/nodes/register`: a node tells tongs its address (see [`crate::source::kubernetes::register`]).
+//! `POST /v1/nodes/register`: a node tells tongs its address; `POST /v1/nodes/drain`: a node tells
+//! tongs it is going (see [`crate::source::kubernetes::register`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,11 +15,19 @@ use crate::source::kubernetes;
 /// Where nodes register their address.
 pub const REGISTER_PATH: &str = "/v1/nodes/register";
 
-/// `POST /v1/nodes/register`: see [`crate::source::kubernetes::register`].
-pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Response<ProxyBody> {
+/// Where nodes say they are going.
+pub const DRAIN_PATH: &str = "/v1/nodes/drain";
+
+/// `POST /v1/nodes/register` or `POST /v1/nodes/drain` (`path`): see
+/// [`crate::source::kubernetes::register`].
+pub(super) async fn node_call(
+    path: &str,
+    request: Request<Incoming>,
+    router: &Router,
+) -> Response<ProxyBody> {
     use http_body_util::BodyExt;
     if request.method() != Method::POST {
-        return answer(StatusCode::METHOD_NOT_ALLOWED, "POST a registration here\n");
+        return answer(StatusCode::METHOD_NOT_ALLOWED, "POST a node's call here\n");
     }
     let authorization = request
         .headers()
@@ -34,22 +43,21 @@ pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Res
     {
         Ok(Ok(body)) => body.to_bytes(),
         Ok(Err(_)) => {
-            return answer(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "registration body too large or broken\n",
-            );
+            return answer(StatusCode::PAYLOAD_TOO_LARGE, "body too large or broken\n");
         }
-        Err(_) => return answer(StatusCode::REQUEST_TIMEOUT, "registration body too slow\n"),
+        Err(_) => return answer(StatusCode::REQUEST_TIMEOUT, "body too slow\n"),
     };
     let status = &*pool_of(router, &body);
     let token = status.registration_token();
-    let outcome = crate::source::kubernetes::register::register(
-        status,
+    let (token, authorization) = (
         token.as_deref().map(String::as_str),
         authorization.as_deref(),
-        &body,
-    )
-    .await;
+    );
+    let outcome = if path == DRAIN_PATH {
+        kubernetes::register::drain(status, token, authorization, &body).await
+    } else {
+        kubernetes::register::register(status, token, authorization, &body).await
+    };
     no_store(typed(
         outcome.status,
         "application/json",
@@ -58,10 +66,16 @@ pub(super) async fn register(request: Request<Incoming>, router: &Router) -> Res
 }
 
 /// The discovery of the pool whose pod watch holds the pod `body` names; else the first that takes
-/// registrations (its answer says the pod is unknown), else the first pool's (registration is off).
+/// node calls (its answer says the pod is unknown), else the first pool's (node calls are off).
 fn pool_of(router: &Router, body: &[u8]) -> Arc<kubernetes::Status> {
+    /// The pod a node's call names, whichever call it is.
+    #[derive(serde::Deserialize)]
+    struct Named {
+        namespace: String,
+        pod: String,
+    }
     let pools = router.pools();
-    let key = serde_json::from_slice::<kubernetes::register::Registration>(body)
+    let key = serde_json::from_slice::<Named>(body)
         .ok()
         .map(|r| format!("{}/{}", r.namespace, r.pod));
     let statuses: Vec<&Arc<kubernetes::Status>> = pools

@@ -266,7 +266,7 @@ pub const SALAD_LOOKUPS: MetricSpec = spec(
 pub const REGISTRATIONS: MetricSpec = spec(
     "tongs_node_registrations_total",
     "counter",
-    "Node self-registrations, by result.",
+    "Node calls on the admin port (self-registrations, drain notices), by result.",
 );
 pub const RUNTIME_TASKS: MetricSpec = spec(
     "tongs_runtime_tasks",

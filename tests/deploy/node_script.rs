@@ -252,3 +252,84 @@ fn a_missing_setting_is_named() {
         "{stderr}"
     );
 }
+
+/// With a command (the model server), SIGTERM first tells tongs the node is going
+/// (`POST /v1/nodes/drain`, its pod and DRAIN_WAIT as the seconds left, with the fleet's token), waits
+/// DRAIN_WAIT, then passes SIGTERM on to the command, whose status the script exits with.
+#[test]
+fn sigterm_tells_tongs_the_node_is_going_then_stops_the_server() {
+    let (url, server) = endpoint(vec![(200, "{}"), (200, "{}")]);
+    let mut env = pod_env(&url);
+    env.push(("DRAIN_WAIT", "1".to_owned()));
+    let mut child = Command::new("sh")
+        .arg(format!("{ROOT}/{SCRIPT}"))
+        .args(["sleep", "60"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs([("SKIP_TAILSCALE", "1"), ("REGISTER_MAX_DELAY", "1")])
+        .envs(borrowed(&env))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sh runs");
+    // The server runs; then the pod is deleted.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the script waits on its command"
+    );
+    let signalled = Instant::now();
+    let kill = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill is missing (Debian's procps; scripts/test.sh installs it)");
+    assert!(kill.success());
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(20),
+            "the script did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let waited = signalled.elapsed();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    // The command ended by SIGTERM, passed on: 128 + 15.
+    assert_eq!(status.code(), Some(143), "{stderr}");
+    assert!(
+        waited >= Duration::from_secs(1),
+        "DRAIN_WAIT first: {waited:?}"
+    );
+    let received = server.join().unwrap();
+    let drain = received
+        .iter()
+        .find(|r| r.line.starts_with("POST /v1/nodes/drain "))
+        .unwrap_or_else(|| panic!("no drain notice: {received:?}\n{stderr}"));
+    assert_eq!(
+        drain.authorization.as_deref(),
+        Some("Bearer fleet-token-0123")
+    );
+    assert_eq!(
+        drain.body,
+        json!({
+            "namespace": "gpu",
+            "pod": "llm-7d9f-abcde",
+            "uid": "4b1e0f6e-2c1d-4c55-9d0e-3f7a1c9b8e21",
+            "seconds": 1,
+        })
+    );
+    assert!(
+        received
+            .iter()
+            .any(|r| r.line.starts_with("POST /v1/nodes/register ")),
+        "{received:?}"
+    );
+}

@@ -1,5 +1,6 @@
 //! tongs on the tailnet: where the Tailscale sidecar runs, its serve configuration (containerboot's
-//! `TS_SERVE_CONFIG`) publishes exactly `POST /v1/nodes/register` of tongs' admin port, over HTTPS on
+//! `TS_SERVE_CONFIG`) publishes exactly the nodes' calls, `POST /v1/nodes/register` and
+//! `POST /v1/nodes/drain`, of tongs' admin port, over HTTPS on
 //! the sidecar's stable MagicDNS name, and nothing else of the pod: no other path, port or Funnel.
 //! What serve cannot close (the other ports of the pod's Tailscale IP) the tailnet policy must; that is
 //! deploy/README.md's part.
@@ -13,6 +14,9 @@ use crate::render::rendered;
 
 /// The registration path as tongs' admin server routes it (`src/admin/register.rs`, private there).
 const REGISTER: &str = "/v1/nodes/register";
+
+/// The path where a node says it is going (`src/admin/register.rs`).
+const DRAIN: &str = "/v1/nodes/drain";
 
 /// containerboot replaces this with the node's MagicDNS name when it reads the file.
 const CERT_DOMAIN: &str = "${TS_CERT_DOMAIN}";
@@ -100,26 +104,29 @@ fn tailnet_problems(documents: &[Value]) -> Vec<String> {
         "Web": {
             format!("{CERT_DOMAIN}:443"): {
                 "Handlers": {
-                    REGISTER: { "Proxy": format!("http://127.0.0.1:{}{REGISTER}", admin_port.unwrap_or(0)) }
+                    REGISTER: { "Proxy": format!("http://127.0.0.1:{}{REGISTER}", admin_port.unwrap_or(0)) },
+                    DRAIN: { "Proxy": format!("http://127.0.0.1:{}{DRAIN}", admin_port.unwrap_or(0)) }
                 }
             }
         }
     });
     if serve != wanted {
         problems.push(format!(
-            "{file} must publish HTTPS on 443 of the MagicDNS name with one handler, {REGISTER} to the \
-             admin port, and nothing else (no other port, path or Funnel):\n{serve:#}\nwanted\n{wanted:#}"
+            "{file} must publish HTTPS on 443 of the MagicDNS name with two handlers, {REGISTER} and \
+             {DRAIN} to the admin port, and nothing else (no other port, path or Funnel):\n{serve:#}\n\
+             wanted\n{wanted:#}"
         ));
     }
     problems
 }
 
 #[test]
-fn the_tailnet_sees_only_registration_over_https_on_a_stable_name() {
+fn the_tailnet_sees_only_the_nodes_calls_over_https_on_a_stable_name() {
     let source = read("src/admin/register.rs");
     assert!(
-        source.contains(&format!("REGISTER_PATH: &str = \"{REGISTER}\"")),
-        "tongs' registration path moved: update {REGISTER} here and in the serve config"
+        source.contains(&format!("REGISTER_PATH: &str = \"{REGISTER}\""))
+            && source.contains(&format!("DRAIN_PATH: &str = \"{DRAIN}\"")),
+        "tongs' node paths moved: update {REGISTER} and {DRAIN} here and in the serve config"
     );
     let mut with_sidecar = 0;
     for (overlay, documents) in rendered() {

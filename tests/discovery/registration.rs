@@ -426,3 +426,81 @@ async fn a_registration_never_overrides_an_address_from_the_api_server_the_salad
     assert!(salad.unexpected().is_empty(), "{:?}", salad.unexpected());
     cluster.finish(proxy).await;
 }
+
+async fn drain(proxy: &TestProxy, token: Option<&str>, body: &Value) -> (u16, Value) {
+    let mut request = Request::post(format!("http://{}/v1/nodes/drain", proxy.admin))
+        .header("content-type", "application/json");
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let (status, text) = send(request.body(full(body.to_string())).expect("request")).await;
+    let answer = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, answer)
+}
+
+/// A node says it is going (`POST /v1/nodes/drain`, with the fleet's token and its pod's UID, as a
+/// registration): the pod's drain annotation gets the time it goes, conditional on the UID, and through
+/// its own watch tongs stops serving the pod. A call without the token, or with another pod's UID, or
+/// with a time out of range, is refused and writes nothing.
+#[tokio::test]
+async fn a_node_that_says_it_is_going_drains_through_its_pod_annotation() {
+    let cluster = Cluster::start("tongs-drain").await;
+    let api = &cluster.api;
+    let going = named_pod(api, "127.0.0.6", "going").await;
+    let staying = named_pod(api, "127.0.0.7", "staying").await;
+    let token_file = cluster.file("token", "s3cret-token\n");
+    let token_setting = format!("registration: {{ token_file: {} }}", token_file.display());
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS, &token_setting], "")).await;
+    let (going_url, staying_url) = (going.url(), staying.url());
+    until_urls(&proxy, &[&going_url, &staying_url]).await;
+
+    let uid = uid_of(api, "going");
+    let other_uid = uid_of(api, "staying");
+    let token = Some("s3cret-token");
+    let notice = json!({"namespace": NS, "pod": "going", "uid": uid, "seconds": 20});
+    assert_eq!(drain(&proxy, None, &notice).await.0, 401);
+    assert_eq!(drain(&proxy, Some("s3cret-tokem"), &notice).await.0, 401);
+    let stolen = json!({"namespace": NS, "pod": "going", "uid": other_uid, "seconds": 20});
+    assert_eq!(drain(&proxy, token, &stolen).await.0, 403);
+    let forever = json!({"namespace": NS, "pod": "going", "uid": uid, "seconds": 1e9});
+    assert_eq!(drain(&proxy, token, &forever).await.0, 400);
+    let stray = json!({"namespace": NS, "pod": "going", "uid": uid, "address": "127.0.0.6:1"});
+    assert_eq!(drain(&proxy, token, &stray).await.0, 400);
+    assert!(api.patches().is_empty(), "refused calls patch nothing");
+    assert_eq!(urls(&proxy).await.len(), 2, "and change nothing");
+
+    let before = std::time::SystemTime::now();
+    let (status, answer) = drain(&proxy, token, &notice).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["result"], "draining");
+    let patches = api.patches();
+    assert_eq!(patches.len(), 1);
+    assert_eq!(patches[0].body["metadata"]["uid"], uid.as_str());
+    let at = patches[0].body["metadata"]["annotations"]["tongs.dev/drain-at"]
+        .as_str()
+        .expect("the time it goes")
+        .to_owned();
+    // RFC 3339, about 20 s from now (to the second).
+    let at: std::time::SystemTime = at
+        .parse::<k8s_openapi::jiff::Timestamp>()
+        .expect(&at)
+        .into();
+    let left = at
+        .duration_since(before)
+        .expect("in the future")
+        .as_secs_f64();
+    assert!((18.0..=22.0).contains(&left), "{left}");
+
+    // Through its own watch, tongs serves only the pod that stays.
+    until_urls(&proxy, &[&staying_url]).await;
+    for _ in 0..5 {
+        assert_eq!(get(&proxy.url("/")).await, (200, "staying".into()));
+    }
+    let drained = metric_or_zero(
+        &proxy,
+        "tongs_node_registrations_total{result=\"draining\"}",
+    )
+    .await;
+    assert_eq!(drained, 1.0);
+    cluster.finish(proxy).await;
+}

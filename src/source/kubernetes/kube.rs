@@ -84,8 +84,8 @@ pub struct Changes {
     pub removed: Vec<String>,
     /// Endpoints that joined or changed.
     pub added: Vec<EndpointSpec>,
-    /// URLs of endpoints that left because their pod is being deleted, with when it is deleted (Unix
-    /// milliseconds): their streams move before then (see [`Outlet::publish`]).
+    /// URLs of endpoints that left because their pod is being deleted or its node said it is going,
+    /// with when it goes (Unix milliseconds): their streams move before then (see [`Outlet::publish`]).
     pub leaving: Vec<(String, Option<i64>)>,
 }
 
@@ -263,10 +263,12 @@ impl Tracker {
         let old_spec = before.and_then(|b| b.derived.spec.as_ref());
         if old_spec != derived.spec.as_ref() && !self.changes.full {
             if let Some(old) = old_spec {
-                if derived.spec.is_none() && facts.terminating {
-                    self.changes
-                        .leaving
-                        .push((old.url.clone(), facts.deleting_at_ms));
+                if derived.spec.is_none() && (facts.terminating || facts.drain_at_ms.is_some()) {
+                    let at = match (facts.deleting_at_ms, facts.drain_at_ms) {
+                        (Some(deleting), Some(drain)) => Some(deleting.min(drain)),
+                        (deleting, drain) => deleting.or(drain),
+                    };
+                    self.changes.leaving.push((old.url.clone(), at));
                 }
                 self.changes.leave(old.url.clone());
             }
@@ -362,7 +364,7 @@ impl Outlet {
         for (url, deleting_at_ms) in &changes.leaving {
             if let Some(endpoint) = self.registry.endpoint_at(url) {
                 let left = deleting_at_ms.map(|at| {
-                    Duration::from_millis(u64::try_from(at - unix_now_ms).unwrap_or(0))
+                    Duration::from_millis(u64::try_from(at.saturating_sub(unix_now_ms)).unwrap_or(0))
                 });
                 endpoint.set_announced(Announcer::Source, Some(left), now);
             }
@@ -571,11 +573,12 @@ mod tests {
     }
 
     #[test]
-    fn a_pod_being_deleted_leaves_with_the_time_it_goes() {
+    fn a_pod_being_deleted_or_drained_leaves_with_the_time_it_goes() {
         let status = Status::default();
         let mut tracker = tracker();
         tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
         tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Running")), &status);
+        tracker.on_event(&Event::Apply(pod("c", "10.0.0.3", "Running")), &status);
         tracker.take_changes();
         // a's deletion was asked for with a 30 s grace period: it goes at its deletionTimestamp.
         let deleting: WatchedPod = serde_json::from_value(serde_json::json!({
@@ -589,14 +592,31 @@ mod tests {
         tracker.on_event(&Event::Apply(deleting), &status);
         // b merely goes Pending: it leaves, but nobody said it goes.
         tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
+        // c's node said it goes (POST /v1/nodes/drain wrote its drain annotation).
+        let draining: WatchedPod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": "gpu", "name": "c", "uid": "uid-c",
+                "annotations": {"tongs.dev/drain-at": "2027-01-15T08:00:10Z"}},
+            "spec": {"containers": [{"name": "c", "ports": [{"name": "http", "containerPort": 8000}]}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.3",
+                "conditions": [{"type": "Ready", "status": "True"}]}
+        }))
+        .unwrap();
+        tracker.on_event(&Event::Apply(draining), &status);
         let changes = tracker.take_changes();
         assert_eq!(
             changes.removed,
-            ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+            [
+                "http://10.0.0.1:8000",
+                "http://10.0.0.2:8000",
+                "http://10.0.0.3:8000"
+            ]
         );
         assert_eq!(
             changes.leaving,
-            [("http://10.0.0.1:8000".to_owned(), Some(1_800_000_030_000))]
+            [
+                ("http://10.0.0.1:8000".to_owned(), Some(1_800_000_030_000)),
+                ("http://10.0.0.3:8000".to_owned(), Some(1_800_000_010_000))
+            ]
         );
     }
 

@@ -111,9 +111,10 @@ impl Source for Pods {
     }
 }
 
-/// Outcomes of a registration, as counted.
-pub const REGISTRATION_RESULTS: [&str; 9] = [
+/// Outcomes of a node's call (a registration, or a drain notice), as counted.
+pub const REGISTRATION_RESULTS: [&str; 10] = [
     "registered",
+    "draining",
     "unchanged",
     "unauthorized",
     "bad-request",
@@ -138,8 +139,8 @@ pub struct Status {
     rejections: [AtomicU64; 8],
     watch_errors: AtomicU64,
     lists: AtomicU64,
-    registrations: [AtomicU64; 9],
-    lookups: [AtomicU64; 3],
+    registrations: [AtomicU64; REGISTRATION_RESULTS.len()],
+    lookups: [AtomicU64; LOOKUP_RESULTS.len()],
     /// The watch in force: its client and pods (for registration).
     watched: ArcSwapOption<Watched>,
     /// The configuration discovery follows (a reload sends a new one).
@@ -297,8 +298,12 @@ impl Status {
 }
 
 fn count(slots: &[AtomicU64], names: &[&str], name: &str) {
-    if let Some(index) = names.iter().position(|n| *n == name) {
-        slots[index].fetch_add(1, Ordering::Relaxed);
+    if let Some(slot) = names
+        .iter()
+        .position(|n| *n == name)
+        .and_then(|index| slots.get(index))
+    {
+        slot.fetch_add(1, Ordering::Relaxed);
     }
 }
 

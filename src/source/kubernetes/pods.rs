@@ -87,6 +87,9 @@ pub struct PodFacts {
     /// When the pod is deleted (its `deletionTimestamp`: the deletion's request time plus its grace
     /// period), Unix milliseconds.
     pub deleting_at_ms: Option<i64>,
+    /// When its node said it goes (its drain annotation, `POST /v1/nodes/drain`), Unix milliseconds; a
+    /// value that is not an RFC 3339 time counts as past.
+    pub drain_at_ms: Option<i64>,
     pub pod_ip: Option<IpAddr>,
     /// The port of the containerPort named by `port_name`.
     pub named_port: Option<u16>,
@@ -110,6 +113,7 @@ impl PodFacts {
             &keys.weight,
             &keys.max_outstanding,
             &keys.engine,
+            &keys.drain,
         ];
         let mut annotations = BTreeMap::new();
         let mut salad = false;
@@ -165,6 +169,10 @@ impl PodFacts {
                 .deletion_timestamp
                 .as_ref()
                 .map(|at| at.0.as_millisecond()),
+            drain_at_ms: annotations.get(&keys.drain).map(|at| {
+                at.parse::<k8s_openapi::jiff::Timestamp>()
+                    .map_or(i64::MIN, |at| at.as_millisecond())
+            }),
             pod_ip: status
                 .and_then(|s| s.pod_ip.as_deref())
                 .and_then(|ip| ip.parse().ok()),
@@ -192,7 +200,8 @@ impl PodFacts {
 pub enum PodState {
     /// An endpoint.
     Serving,
-    /// Not Running, not Ready, or terminating: no endpoint (an existing one drains).
+    /// Not Running, not Ready, terminating, or its node said it is going: no endpoint (an existing one
+    /// drains).
     Ineligible,
     /// Eligible, but no rule gave an address (yet: a SaladCloud lookup may be under way).
     NoAddress,
@@ -271,8 +280,10 @@ impl Rules {
     /// Applies the rules to `pod`; `gateway_host` is its container group's DNS name when known.
     pub fn derive(&self, pod: &PodFacts, gateway_host: Option<&str>) -> Derived {
         let mut rejections = Vec::new();
-        let eligible =
-            pod.phase == "Running" && !pod.terminating && (pod.ready || !self.config.require_ready);
+        let eligible = pod.phase == "Running"
+            && !pod.terminating
+            && pod.drain_at_ms.is_none()
+            && (pod.ready || !self.config.require_ready);
         if !eligible {
             return Derived {
                 state: PodState::Ineligible,
@@ -544,6 +555,7 @@ mod tests {
             ready: true,
             terminating: false,
             deleting_at_ms: None,
+            drain_at_ms: None,
             pod_ip: None,
             named_port: None,
             salad: false,

@@ -1,4 +1,5 @@
-//! Node self-registration: `POST /v1/nodes/register` on the admin port.
+//! Node self-registration, `POST /v1/nodes/register` on the admin port, and a node's notice that it is
+//! going, `POST /v1/nodes/drain` ([`drain`]), authenticated the same way.
 //!
 //! A GPU node that comes online reports the address it can be reached at (its Tailscale `IP:port`):
 //!
@@ -55,13 +56,18 @@
 //! SaladCloud API gives later still takes precedence over a registered one. The merge patch carries
 //! the UID as a precondition, so it cannot land on a pod that replaced the one tongs checked.
 
-use super::object::WatchedPod;
+use std::sync::Arc;
+
 use http::StatusCode;
 use kube::api::{Api, Patch, PatchParams};
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use subtle::ConstantTimeEq;
 
 use super::Status;
+use super::kube::{Tracker, Watched};
+use super::object::WatchedPod;
+use super::pods::PodFacts;
 use crate::config::parse_address;
 
 /// Largest registration body accepted.
@@ -107,145 +113,101 @@ pub fn secret_matches(given: &str, expected: &str) -> bool {
     bool::from(given.trim().as_bytes().ct_eq(expected.as_bytes()))
 }
 
-/// Handles one registration. `authorization` is the request's `Authorization` header.
-pub async fn register(
+/// The caller holds the fleet's token (`authorization` is its `Authorization` header); else the
+/// refusal.
+fn check_token(
     status: &Status,
     token: Option<&str>,
     authorization: Option<&str>,
-    body: &[u8],
-) -> Answer {
+) -> Result<(), Answer> {
     let Some(token) = token else {
-        return answer(
+        return Err(answer(
             StatusCode::NOT_FOUND,
             "failed",
-            "registration is off (discovery.kubernetes.registration.token_file is unset)".into(),
+            "node calls are off (discovery.kubernetes.registration.token_file is unset)".into(),
             status,
-        );
+        ));
     };
     let given = authorization.and_then(|v| v.strip_prefix("Bearer "));
     if !given.is_some_and(|given| secret_matches(given, token)) {
-        return answer(
+        return Err(answer(
             StatusCode::UNAUTHORIZED,
             "unauthorized",
             "missing or wrong Authorization: Bearer token".into(),
             status,
-        );
+        ));
     }
-    let registration: Registration = match serde_json::from_slice(body) {
-        Ok(registration) => registration,
-        Err(err) => {
-            return answer(
-                StatusCode::BAD_REQUEST,
-                "bad-request",
-                format!(
-                    "body must be JSON {{\"namespace\", \"pod\", \"uid\" (the pod's metadata.uid), \
-                     \"address\": \"IP:port\"}}: {err}"
-                ),
-                status,
-            );
-        }
-    };
-    let address = match parse_address(registration.address.trim()) {
-        Ok(address) => address,
-        Err(message) => {
-            return answer(
-                StatusCode::BAD_REQUEST,
-                "bad-request",
-                format!("address: {message}"),
-                status,
-            );
-        }
-    };
-    let Some(watched) = status.watched() else {
-        return answer(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "failed",
-            "Kubernetes discovery is not running".into(),
+    Ok(())
+}
+
+/// A node's JSON body, or the refusal saying what it must hold (`shape`).
+fn parse<T: DeserializeOwned>(status: &Status, body: &[u8], shape: &str) -> Result<T, Answer> {
+    serde_json::from_slice(body).map_err(|err| {
+        answer(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            format!("body must be JSON {shape}: {err}"),
             status,
-        );
-    };
-    let key = format!("{}/{}", registration.namespace, registration.pod);
-    let annotation = watched.rules.config().annotations.tailscale_address.clone();
-    let (uid, current, other) = {
-        let tracker = watched.tracker();
-        let Some(pod) = tracker.pod(&key) else {
-            drop(tracker);
-            return answer(
-                StatusCode::NOT_FOUND,
-                "unknown-pod",
-                format!(
-                    "pod {key} is not among the pods tongs watches (namespace, label and field selectors)"
-                ),
-                status,
-            );
-        };
-        // An empty UID (a pod object without one) matches nothing.
-        if pod.uid.is_empty() || !secret_matches(&registration.uid, &pod.uid) {
-            drop(tracker);
-            return answer(
-                StatusCode::FORBIDDEN,
-                "wrong-uid",
-                format!(
-                    "uid is not pod {key}'s metadata.uid: a node registers its own pod only (or the \
-                     pod was replaced since the node started)"
-                ),
-                status,
-            );
-        }
-        let other = watched.rules.other_source(pod, tracker.gateway(&pod.uid));
-        (
-            pod.uid.clone(),
-            pod.annotations.get(&annotation).cloned(),
-            other,
         )
-    };
-    if !watched.rules.allows_address(address) {
-        return answer(
-            StatusCode::FORBIDDEN,
-            "not-allowed",
-            format!("pod {key}: address {address} is not in discovery.kubernetes.allow"),
-            status,
-        );
-    }
-    if let Some(rule) = other {
-        return answer(
-            StatusCode::CONFLICT,
-            "has-address",
+    })
+}
+
+/// The pod a node's call names, once it proved it runs as that pod: its key, its UID, and what `read`
+/// takes from its facts; else the refusal.
+fn own_pod<R>(
+    status: &Status,
+    watched: &Watched,
+    (namespace, pod, uid): (&str, &str, &str),
+    read: impl FnOnce(&PodFacts, &Tracker) -> R,
+) -> Result<(String, String, R), Answer> {
+    let key = format!("{namespace}/{pod}");
+    let tracker = watched.tracker();
+    let Some(facts) = tracker.pod(&key) else {
+        drop(tracker);
+        return Err(answer(
+            StatusCode::NOT_FOUND,
+            "unknown-pod",
             format!(
-                "pod {key} has an address from the {} rule; a registration only fills the Tailscale \
-                 address of a pod with no other",
-                rule.name()
+                "pod {key} is not among the pods tongs watches (namespace, label and field selectors)"
             ),
             status,
-        );
-    }
-    let value = address.to_string();
-    if current.as_deref() == Some(value.as_str()) {
-        return answer(
-            StatusCode::OK,
-            "unchanged",
-            format!("pod {key} already registered at {value}"),
+        ));
+    };
+    // An empty UID (a pod object without one) matches nothing.
+    if facts.uid.is_empty() || !secret_matches(uid, &facts.uid) {
+        drop(tracker);
+        return Err(answer(
+            StatusCode::FORBIDDEN,
+            "wrong-uid",
+            format!(
+                "uid is not pod {key}'s metadata.uid: a node speaks for its own pod only (or the \
+                 pod was replaced since the node started)"
+            ),
             status,
-        );
+        ));
     }
-    let api: Api<WatchedPod> = Api::namespaced(watched.client.clone(), &registration.namespace);
-    // The UID makes the patch conditional: it applies only to the pod whose UID the node proved.
-    let patch =
-        serde_json::json!({ "metadata": { "uid": uid, "annotations": { annotation: value } } });
+    let read = read(facts, &tracker);
+    let uid = facts.uid.clone();
+    Ok((key, uid, read))
+}
+
+/// Writes `annotations` on the pod `namespace/pod` (`key`), only if its UID is still `uid`: the UID
+/// makes the merge patch conditional, so it never lands on a pod that replaced the one the node
+/// proved. `done` is the answer when it is written.
+async fn annotate(
+    status: &Status,
+    watched: &Watched,
+    (namespace, pod, key, uid): (&str, &str, &str, &str),
+    annotations: serde_json::Value,
+    done: (&'static str, String),
+) -> Answer {
+    let api: Api<WatchedPod> = Api::namespaced(watched.client.clone(), namespace);
+    let patch = serde_json::json!({ "metadata": { "uid": uid, "annotations": annotations } });
     match api
-        .patch(
-            &registration.pod,
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
+        .patch(pod, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
-        Ok(_) => answer(
-            StatusCode::OK,
-            "registered",
-            format!("pod {key} registered at {address}"),
-            status,
-        ),
+        Ok(_) => answer(StatusCode::OK, done.0, done.1, status),
         Err(kube::Error::Api(err)) if err.code == 404 => answer(
             StatusCode::NOT_FOUND,
             "unknown-pod",
@@ -265,6 +227,166 @@ pub async fn register(
             status,
         ),
     }
+}
+
+/// Kubernetes discovery's watch, or the refusal when it is not running.
+fn watching(status: &Status) -> Result<Arc<Watched>, Answer> {
+    status.watched().ok_or_else(|| {
+        answer(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "failed",
+            "Kubernetes discovery is not running".into(),
+            status,
+        )
+    })
+}
+
+/// Handles one registration. `authorization` is the request's `Authorization` header.
+pub async fn register(
+    status: &Status,
+    token: Option<&str>,
+    authorization: Option<&str>,
+    body: &[u8],
+) -> Answer {
+    match registered(status, token, authorization, body).await {
+        Ok(answer) | Err(answer) => answer,
+    }
+}
+
+async fn registered(
+    status: &Status,
+    token: Option<&str>,
+    authorization: Option<&str>,
+    body: &[u8],
+) -> Result<Answer, Answer> {
+    check_token(status, token, authorization)?;
+    let registration: Registration = parse(
+        status,
+        body,
+        "{\"namespace\", \"pod\", \"uid\" (the pod's metadata.uid), \"address\": \"IP:port\"}",
+    )?;
+    let address = parse_address(registration.address.trim()).map_err(|message| {
+        answer(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            format!("address: {message}"),
+            status,
+        )
+    })?;
+    let watched = watching(status)?;
+    let annotation = watched.rules.config().annotations.tailscale_address.clone();
+    let names = (
+        registration.namespace.as_str(),
+        registration.pod.as_str(),
+        registration.uid.as_str(),
+    );
+    let (key, uid, (current, other)) = own_pod(status, &watched, names, |pod, tracker| {
+        (
+            pod.annotations.get(&annotation).cloned(),
+            watched.rules.other_source(pod, tracker.gateway(&pod.uid)),
+        )
+    })?;
+    if !watched.rules.allows_address(address) {
+        return Err(answer(
+            StatusCode::FORBIDDEN,
+            "not-allowed",
+            format!("pod {key}: address {address} is not in discovery.kubernetes.allow"),
+            status,
+        ));
+    }
+    if let Some(rule) = other {
+        return Err(answer(
+            StatusCode::CONFLICT,
+            "has-address",
+            format!(
+                "pod {key} has an address from the {} rule; a registration only fills the Tailscale \
+                 address of a pod with no other",
+                rule.name()
+            ),
+            status,
+        ));
+    }
+    let value = address.to_string();
+    if current.as_deref() == Some(value.as_str()) {
+        return Ok(answer(
+            StatusCode::OK,
+            "unchanged",
+            format!("pod {key} already registered at {value}"),
+            status,
+        ));
+    }
+    let target = (names.0, names.1, key.as_str(), uid.as_str());
+    let done = ("registered", format!("pod {key} registered at {address}"));
+    Ok(annotate(status, &watched, target, serde_json::json!({ annotation: value }), done).await)
+}
+
+/// What a node sends when it is going (SIGTERM, a batch job near its wall-clock limit, a spot notice).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Going {
+    pub namespace: String,
+    pub pod: String,
+    /// The pod's `metadata.uid`, as for a registration.
+    pub uid: String,
+    /// How long it has left, seconds (none: it does not know; its streams move at once).
+    #[serde(default)]
+    pub seconds: Option<f64>,
+}
+
+/// Handles one drain notice (`POST /v1/nodes/drain`), authenticated as a registration is: the pod's
+/// drain annotation (`discovery.kubernetes.annotations.drain`) is set to when it goes (now plus
+/// `seconds`, RFC 3339), which every tongs replica reads through its own pod watch: the pod stops
+/// serving, its endpoint drains, and its streams that can be continued move before then. A node may
+/// drain its own pod only, which takes traffic away from it and sends none anywhere.
+pub async fn drain(
+    status: &Status,
+    token: Option<&str>,
+    authorization: Option<&str>,
+    body: &[u8],
+) -> Answer {
+    match drained(status, token, authorization, body).await {
+        Ok(answer) | Err(answer) => answer,
+    }
+}
+
+async fn drained(
+    status: &Status,
+    token: Option<&str>,
+    authorization: Option<&str>,
+    body: &[u8],
+) -> Result<Answer, Answer> {
+    check_token(status, token, authorization)?;
+    let going: Going = parse(
+        status,
+        body,
+        "{\"namespace\", \"pod\", \"uid\" (the pod's metadata.uid), \"seconds\" (left, optional)}",
+    )?;
+    let seconds = going.seconds.unwrap_or(0.0);
+    let max = tongs_wire::header::MAX_DRAIN_NOTICE.as_secs_f64();
+    if !(0.0..=max).contains(&seconds) {
+        return Err(answer(
+            StatusCode::BAD_REQUEST,
+            "bad-request",
+            format!("seconds must be a number from 0 to {max}, got {seconds}"),
+            status,
+        ));
+    }
+    let watched = watching(status)?;
+    let annotation = watched.rules.config().annotations.drain.clone();
+    let names = (
+        going.namespace.as_str(),
+        going.pod.as_str(),
+        going.uid.as_str(),
+    );
+    let (key, uid, ()) = own_pod(status, &watched, names, |_, _| ())?;
+    use k8s_openapi::jiff::{SignedDuration, Timestamp, Unit};
+    let at = Timestamp::now()
+        .checked_add(SignedDuration::from_secs_f64(seconds))
+        .unwrap_or(Timestamp::MAX);
+    let value = at.round(Unit::Second).unwrap_or(at).to_string();
+    let target = (names.0, names.1, key.as_str(), uid.as_str());
+    let done = ("draining", format!("pod {key} drains; it goes at {value}"));
+    Ok(annotate(status, &watched, target, serde_json::json!({ annotation: value }), done).await)
 }
 
 #[cfg(test)]

@@ -111,6 +111,9 @@ pub struct AnnotationKeys {
     /// The model server the pod runs (`vllm`, `sglang`, `tgi`), for the names of its metrics; read
     /// from the pod's annotations, then its labels. Unset: `signals.engine`.
     pub engine: String,
+    /// When the pod's node goes (RFC 3339), written by `POST /v1/nodes/drain`: the pod stops serving
+    /// and its streams move before then.
+    pub drain: String,
 }
 
 impl Default for AnnotationKeys {
@@ -122,6 +125,7 @@ impl Default for AnnotationKeys {
             weight: "tongs.dev/weight".into(),
             max_outstanding: "tongs.dev/max-outstanding".into(),
             engine: "tongs.dev/engine".into(),
+            drain: "tongs.dev/drain-at".into(),
         }
     }
 }
@@ -308,6 +312,7 @@ impl KubernetesConfig {
                 &self.annotations.max_outstanding,
             ),
             ("annotations.engine", &self.annotations.engine),
+            ("annotations.drain", &self.annotations.drain),
         ];
         for (field, key) in keys {
             if let Err(message) = annotation_key(key) {
