@@ -13,6 +13,7 @@
 //! [`register`] takes node registrations (which present their own token).
 
 mod auth;
+mod drain;
 mod explain;
 mod register;
 mod routes;
@@ -203,6 +204,9 @@ pub async fn serve(
             let response = if path == REGISTER_PATH || path == DRAIN_PATH {
                 // Nodes present their own token, not the admin one.
                 register::node_call(&path, request, &state.router).await
+            } else if path == drain::DRAIN_ENDPOINT_PATH || path == drain::UNDRAIN_ENDPOINT_PATH {
+                let draining = path == drain::DRAIN_ENDPOINT_PATH;
+                drain::drain(request, &state.router, draining).await
             } else if path == explain::PICK_PATH {
                 explain::pick(request, &state.router).await
             } else {

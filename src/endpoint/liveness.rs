@@ -170,8 +170,12 @@ impl Liveness {
 pub enum Announcer {
     /// The node itself, on its heartbeat answers (`x-tongs-drain`).
     Heartbeat = 0,
-    /// The endpoint's source: a pod being deleted (its `deletionTimestamp`).
+    /// The endpoint's source: a pod being deleted (its `deletionTimestamp`), or whose node called
+    /// `POST /v1/nodes/drain`.
     Source = 1,
+    /// An operator, through the admin port (`POST /endpoints/drain`): nothing says the node goes, so
+    /// its streams are left to finish rather than moved.
+    Operator = 2,
 }
 
 impl Announcer {
@@ -179,6 +183,7 @@ impl Announcer {
         match self {
             Announcer::Heartbeat => "heartbeat",
             Announcer::Source => "source",
+            Announcer::Operator => "operator",
         }
     }
 }
@@ -187,8 +192,8 @@ impl Announcer {
 /// goes (ms on the [`super::millis`] clock; 0: not said).
 #[derive(Debug, Default)]
 pub struct Notices {
-    going: [AtomicBool; 2],
-    leaving_at_ms: [AtomicU64; 2],
+    going: [AtomicBool; 3],
+    leaving_at_ms: [AtomicU64; 3],
 }
 
 impl Notices {
@@ -207,6 +212,16 @@ impl Notices {
             .map(|(_, at)| at.load(Ordering::Relaxed))
             .filter(|&at| at != 0)
             .min()
+    }
+
+    /// Whether the node itself or its source said it goes (`Some`), and when (as
+    /// [`Notices::leaving_at_ms`]): its streams that can be continued move before then. An operator's
+    /// drain alone moves none.
+    pub fn goes(&self) -> Option<Option<u64>> {
+        let said = [Announcer::Heartbeat, Announcer::Source]
+            .iter()
+            .any(|&by| self.going[by as usize].load(Ordering::Relaxed));
+        said.then(|| self.leaving_at_ms())
     }
 }
 

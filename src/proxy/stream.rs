@@ -435,17 +435,15 @@ fn gone(
 /// before the node goes (see [`move_at`]).
 const MOVE_MARGIN: Duration = Duration::from_secs(2);
 
-/// When a stream on `endpoint` that can be continued elsewhere moves, once the node said it is going
-/// (`None` while it has not): before the time it said it has left by a margin, twice what its streams'
+/// When a stream on `endpoint` that can be continued elsewhere moves, once the node or its source said
+/// it is going (`None` while nobody has, or only an operator drained it): before the time it said it has left by a margin, twice what its streams'
 /// first tokens take (their mean plus four deviations; the continuation's prefill on a node like it)
 /// and at least [`MOVE_MARGIN`]; at once when it did not say how long it has left. A stream that ends
 /// before that never moves.
 fn move_at(endpoint: &Endpoint) -> Option<Instant> {
-    if !endpoint.liveness().is_announced() {
-        return None;
-    }
+    let goes = endpoint.notices().goes()?;
     let now = Instant::now();
-    let Some(leaving_at_ms) = endpoint.notices().leaving_at_ms() else {
+    let Some(leaving_at_ms) = goes else {
         return Some(now);
     };
     let left = Duration::from_millis(leaving_at_ms.saturating_sub(crate::endpoint::millis(now)));

@@ -52,9 +52,15 @@ async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_say
     .await;
     let proxy = start_proxy(config_with(CONFIG, &[leaving.url(), staying.url()])).await;
 
-    // One slow request on each node: the fewest outstanding takes each.
+    // One slow request on each node: the node with the fewest outstanding takes each.
     let slow = |url: String| tokio::spawn(async move { get(&url).await });
     let first = slow(proxy.url("/slow"));
+    // The second only once the first is held, so that it sees which node holds one.
+    eventually("the first is held", Duration::from_secs(10), || {
+        let snapshot = proxy.app_registry.snapshot();
+        snapshot.iter().map(|e| e.outstanding()).sum::<u64>() == 1
+    })
+    .await;
     let second = slow(proxy.url("/slow"));
     let view = |url: String| {
         let proxy = &proxy;
@@ -123,5 +129,109 @@ async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_say
         reached.load(Ordering::Relaxed) > 0,
         "no request reached it again"
     );
+    proxy.stop().await;
+}
+
+/// An operator drains a static endpoint by its URL (`POST /endpoints/drain`, behind the admin token):
+/// it gets no new request while the one it holds finishes; `POST /endpoints/undrain` undoes it. Without
+/// the token, or for a URL no pool has, nothing changes.
+/// The endpoint at `url` in `/debug/endpoints`, asked with the admin token of
+/// [`an_operator_drains_a_static_endpoint_and_undoes_it`].
+async fn guarded_view(proxy: &TestProxy, url: &str) -> serde_json::Value {
+    let request = http::Request::get(format!("http://{}/debug/endpoints", proxy.admin))
+        .header("authorization", "Bearer admin-s3cret")
+        .body(full(""))
+        .unwrap();
+    let (_, body) = send(request).await;
+    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+    json["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["url"] == url)
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn an_operator_drains_a_static_endpoint_and_undoes_it() {
+    let dir = TempDir::new("operator-drain");
+    let token_file = dir.0.join("token");
+    std::fs::write(&token_file, "admin-s3cret\n").unwrap();
+    let (drained_gate, kept_gate) = (Gate::default(), Gate::default());
+    let drained = node(
+        "drained",
+        Arc::new(AtomicBool::new(false)),
+        drained_gate.clone(),
+    )
+    .await;
+    let kept = node("kept", Arc::new(AtomicBool::new(false)), kept_gate.clone()).await;
+    let mut config = config_with(CONFIG, &[drained.url(), kept.url()]);
+    config.admin.bearer_token_file = Some(token_file);
+    let proxy = start_proxy(config).await;
+    let call = |path: &'static str, url: String, token: Option<&'static str>| {
+        let mut request = http::Request::post(format!("http://{}{path}", proxy.admin));
+        if let Some(token) = token {
+            request = request.header("authorization", format!("Bearer {token}"));
+        }
+        let body = serde_json::json!({ "url": url }).to_string();
+        send(request.body(full(body)).unwrap())
+    };
+    let token = Some("admin-s3cret");
+    let state = || async {
+        let view = guarded_view(&proxy, &drained.url()).await;
+        view["state"].as_str().unwrap_or_default().to_owned()
+    };
+
+    // A slow request on each node; then the drain.
+    let slow = |url: String| tokio::spawn(async move { get(&url).await });
+    let first = slow(proxy.url("/slow"));
+    // The second only once the first is held, so that it sees which node holds one.
+    eventually("the first is held", Duration::from_secs(10), || {
+        let snapshot = proxy.app_registry.snapshot();
+        snapshot.iter().map(|e| e.outstanding()).sum::<u64>() == 1
+    })
+    .await;
+    let second = slow(proxy.url("/slow"));
+    let (drained_url, kept_url) = (drained.url(), kept.url());
+    eventually_async(
+        "each node holds one slow request",
+        Duration::from_secs(10),
+        || {
+            let (d, k) = (
+                guarded_view(&proxy, &drained_url),
+                guarded_view(&proxy, &kept_url),
+            );
+            async move { d.await["outstanding"] == 1 && k.await["outstanding"] == 1 }
+        },
+    )
+    .await;
+    assert_eq!(call("/endpoints/drain", drained.url(), None).await.0, 401);
+    let unknown = "http://127.0.0.1:1".to_owned();
+    assert_eq!(call("/endpoints/drain", unknown, token).await.0, 404);
+    assert_eq!(state().await, "healthy", "refused calls change nothing");
+    let (status, body) = call("/endpoints/drain", drained.url(), token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(state().await, "draining");
+    for _ in 0..10 {
+        assert_eq!(get(&proxy.url("/quick")).await, (200, "kept".into()));
+    }
+    // The request it holds finishes.
+    drained_gate.release(1);
+    kept_gate.release(1);
+    let mut names = [first.await.unwrap().1, second.await.unwrap().1];
+    names.sort_unstable();
+    assert_eq!(names, ["drained", "kept"]);
+
+    let (status, body) = call("/endpoints/undrain", drained.url(), token).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(state().await, "healthy");
+    let mut reached = 0;
+    for _ in 0..20 {
+        if get(&proxy.url("/quick")).await.1 == "drained" {
+            reached += 1;
+        }
+    }
+    assert!(reached > 0, "no request reached it again");
     proxy.stop().await;
 }
