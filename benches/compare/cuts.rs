@@ -90,15 +90,18 @@ pub fn describe(seed: u64) -> String {
 /// What the cuts table shows of one proxy's run besides the row's figures.
 pub struct Figures {
     /// [`GAP_FACTOR`] × the token gap.
-    threshold: Duration,
+    pub threshold: Duration,
     /// Exact streams whose longest gap exceeded the threshold.
-    paused: usize,
+    pub paused: usize,
     /// Their longest gaps, ms.
-    gap_p50: Option<f64>,
-    gap_p99: Option<f64>,
-    gap_max: Option<f64>,
+    pub gap_p50: Option<f64>,
+    pub gap_p99: Option<f64>,
+    pub gap_max: Option<f64>,
     /// tongs' own count of broken streams by what became of them (`tongs_continuations_total`).
-    continuations: Option<BTreeMap<String, u64>>,
+    pub continuations: Option<BTreeMap<String, u64>>,
+    /// tongs' own count of streams moved off nodes that said they were going
+    /// (`tongs_streams_moved_total`).
+    pub moved: Option<u64>,
 }
 
 impl Figures {
@@ -115,9 +118,12 @@ impl Figures {
             .map(|gap| gap.as_secs_f64() * 1000.0)
             .collect();
         paused.sort_by(f64::total_cmp);
-        let continuations = match &running.handle {
-            Handle::Tongs(tongs) => continuations(&format!("http://{}/metrics", tongs.admin)).await,
-            Handle::Replicas(_) | Handle::Peer { .. } => None,
+        let (continuations, moved) = match &running.handle {
+            Handle::Tongs(tongs) => {
+                let metrics = format!("http://{}/metrics", tongs.admin);
+                (continuations(&metrics).await, moved(&metrics).await)
+            }
+            Handle::Replicas(_) | Handle::Peer { .. } => (None, None),
         };
         Figures {
             threshold,
@@ -126,8 +132,20 @@ impl Figures {
             gap_p99: percentile(&paused, 99.0),
             gap_max: paused.last().copied(),
             continuations,
+            moved,
         }
     }
+}
+
+/// tongs' `tongs_streams_moved_total`, summed over pools.
+async fn moved(metrics: &str) -> Option<u64> {
+    let (_, text) = super::support::get(metrics).await.ok()?;
+    let total: f64 = text
+        .lines()
+        .filter(|line| line.starts_with("tongs_streams_moved_total{"))
+        .filter_map(|line| line.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum();
+    Some(total as u64)
 }
 
 /// tongs' `tongs_continuations_total` by outcome, the outcomes that happened.

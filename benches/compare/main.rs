@@ -20,6 +20,9 @@
 //!   resets, partitions and gray stalls spread over the run on different nodes (at most two out at
 //!   once); the share of streams that end complete and exact, and what a pause cost those that
 //!   survived one: their longest gap between two chunks (see `cuts.rs`, and its own table);
+//! - `announced` and `unannounced`: long streamed completions (100 tokens over ~5 s) on six nodes at
+//!   50 %, four of which go one after another; in `announced` each says so 10 s ahead (`x-tongs-drain`),
+//!   in `unannounced` not (see `announced.rs`, and its own table);
 //! - `plain`: plain (non-OpenAI) SSE streams, `POST /generate` with `Accept: text/event-stream`, which
 //!   no proxy can continue on another node: four nodes of 8 streams at once, 30 events over ~0.6 s,
 //!   at a fixed 25 streams/s (47 % of their capacity) for DURATION; one node goes gray (stalls its
@@ -65,6 +68,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod announced;
 mod chat;
 mod cuts;
 mod load;
@@ -104,8 +108,8 @@ const NODE_QUEUE: usize = 8;
 const OVERLOAD_NODE_QUEUE: usize = 2;
 /// The peers' per-try timeout and the longest a request may wait in a peer's queue.
 const PER_TRY_TIMEOUT: Duration = Duration::from_secs(10);
-const ALL_SCENARIOS: &str =
-    "steady churn overload streaming gray stalls cuts plain pauses chat saturate throughput";
+const ALL_SCENARIOS: &str = "steady churn overload streaming gray stalls cuts announced unannounced plain pauses chat saturate \
+     throughput";
 const ALL_PROXIES: &str =
     "tongs tongs-adaptive tongs-capacity tongs-2-replicas nginx haproxy caddy";
 /// Proxies PROXIES may name besides the default ones.
@@ -126,6 +130,8 @@ enum Scenario {
     Gray,
     Stalls,
     Cuts,
+    Announced,
+    Unannounced,
     Plain,
     Pauses,
     Chat,
@@ -143,6 +149,8 @@ impl Scenario {
             "gray" => Scenario::Gray,
             "stalls" => Scenario::Stalls,
             "cuts" => Scenario::Cuts,
+            "announced" => Scenario::Announced,
+            "unannounced" => Scenario::Unannounced,
             "plain" => Scenario::Plain,
             "pauses" => Scenario::Pauses,
             "chat" => Scenario::Chat,
@@ -161,6 +169,8 @@ impl Scenario {
             Scenario::Gray => "gray",
             Scenario::Stalls => "stalls",
             Scenario::Cuts => "cuts",
+            Scenario::Announced => "announced",
+            Scenario::Unannounced => "unannounced",
             Scenario::Plain => "plain",
             Scenario::Pauses => "pauses",
             Scenario::Chat => "chat",
@@ -172,7 +182,12 @@ impl Scenario {
     /// Offered load as a share of the fleet's capacity.
     fn load(self) -> f64 {
         match self {
-            Scenario::Churn | Scenario::Gray | Scenario::Stalls | Scenario::Cuts => 0.5,
+            Scenario::Churn
+            | Scenario::Gray
+            | Scenario::Stalls
+            | Scenario::Cuts
+            | Scenario::Announced
+            | Scenario::Unannounced => 0.5,
             Scenario::Overload => 2.0,
             _ => 0.6,
         }
@@ -334,10 +349,16 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
     };
     let nodes: &[fleet::Node] = match scenario {
         Scenario::Cuts => &cuts::NODES,
+        Scenario::Announced | Scenario::Unannounced => &announced::NODES,
         Scenario::Plain => &plain::NODES,
         _ => &NODES,
     };
     let mut config = fleet::config(seed, nodes, SPREAD, queue, response);
+    if matches!(scenario, Scenario::Announced | Scenario::Unannounced) {
+        for node in &mut config.nodes {
+            node.tokens = announced::TOKENS;
+        }
+    }
     if scenario == Scenario::Plain {
         for node in &mut config.nodes {
             node.tokens = plain::TOKENS;
@@ -382,7 +403,12 @@ impl Scenario {
     fn streams(self) -> bool {
         matches!(
             self,
-            Scenario::Streaming | Scenario::Stalls | Scenario::Cuts | Scenario::Plain
+            Scenario::Streaming
+                | Scenario::Stalls
+                | Scenario::Cuts
+                | Scenario::Announced
+                | Scenario::Unannounced
+                | Scenario::Plain
         )
     }
 
@@ -431,6 +457,7 @@ impl Scenario {
             Scenario::Gray => &GRAY,
             Scenario::Stalls => &STALLS,
             Scenario::Cuts => &cuts::SCHEDULE,
+            Scenario::Announced | Scenario::Unannounced => &announced::SCHEDULE,
             _ => &[],
         }
     }
@@ -477,27 +504,46 @@ fn write_samples(scenario: Scenario, label: &str, tally: &load::Tally) {
     }
 }
 
+/// What the driver does to a node at a moment of the timeline.
+enum Turn {
+    Set(Condition),
+    /// The node says it goes in this long, then goes (`refuse`).
+    Announce(Duration),
+}
+
 /// Drives `timeline` (node, kind, from `begin`, lasts) from `begin`, the start of the measured window.
+/// With a `notice`, a node that goes (`refuse`) says so that long before (or from the start, when it
+/// goes sooner).
 async fn churn(
     fleet: Arc<Fleet>,
     timeline: Vec<(&'static str, InterruptionKind, Duration, Duration)>,
     begin: Instant,
+    notice: Option<Duration>,
 ) {
-    let mut events: Vec<(Duration, &str, Condition)> = Vec::new();
+    let mut events: Vec<(Duration, &str, Turn)> = Vec::new();
     for (node, kind, at, lasts) in timeline {
         let factor = if kind == InterruptionKind::Slow {
             SLOW_FACTOR
         } else {
             1.0
         };
-        events.push((at, node, Condition::Interrupted { kind, factor }));
-        events.push((at + lasts, node, Condition::Up));
+        match notice {
+            Some(notice) if kind == InterruptionKind::Refuse => {
+                let ahead = notice.min(at);
+                events.push((at - ahead, node, Turn::Announce(ahead)));
+            }
+            _ => events.push((at, node, Turn::Set(Condition::Interrupted { kind, factor }))),
+        }
+        events.push((at + lasts, node, Turn::Set(Condition::Up)));
     }
     events.sort_by_key(|(at, _, _)| *at);
-    for (at, name, condition) in events {
+    for (at, name, turn) in events {
         tokio::time::sleep_until(begin + at).await;
         if let Some(node) = fleet.nodes().iter().find(|node| node.name() == name) {
-            node.set_condition(condition);
+            match turn {
+                Turn::Set(condition) => node.set_condition(condition),
+                Turn::Announce(left) => node.announce_end(left),
+            }
         }
     }
 }
@@ -571,8 +617,15 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     let start = Instant::now();
     let received_before: u64 = fleet.requests_received();
     let timeline = scenario.timeline(duration);
-    let schedule = (!timeline.is_empty())
-        .then(|| tokio::spawn(churn(Arc::clone(&fleet), timeline, start + settings.warmup)));
+    let notice = (scenario == Scenario::Announced).then_some(announced::NOTICE);
+    let schedule = (!timeline.is_empty()).then(|| {
+        tokio::spawn(churn(
+            Arc::clone(&fleet),
+            timeline,
+            start + settings.warmup,
+            notice,
+        ))
+    });
     let cpu_before = tokio::spawn({
         let pids = running.pids();
         let at = start + settings.warmup;
@@ -596,7 +649,10 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     if let Some(schedule) = schedule {
         schedule.abort();
     }
-    let cuts = if scenario == Scenario::Cuts {
+    let cuts = if matches!(
+        scenario,
+        Scenario::Cuts | Scenario::Announced | Scenario::Unannounced
+    ) {
         Some(cuts::Figures::measure(&config, &tally.longest_gaps, &running).await)
     } else {
         None
@@ -825,6 +881,7 @@ async fn run(settings: Settings) -> Result<()> {
 
     let table = table(&rows)
         + &cuts::table(&rows)
+        + &announced::table(&rows)
         + &pauses::table(&pause_rows)
         + &chat::table(&engine_rows);
     let verdicts = verdicts(&rows);
@@ -1040,6 +1097,7 @@ fn verdicts(rows: &[Row]) -> String {
         );
     }
     cuts::verdicts(rows, &mut out);
+    announced::verdicts(rows, &mut out);
     let throughput: Vec<&Row> = rows
         .iter()
         .filter(|r| r.scenario == Scenario::Throughput)
