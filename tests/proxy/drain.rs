@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use http::{Response, StatusCode};
 
+use tokio::task::JoinHandle;
+
 use crate::support::*;
 
 /// Quick heartbeats; least-outstanding, so that once it serves again the node that held a slow request
@@ -39,6 +41,23 @@ async fn node(name: &'static str, going: Arc<AtomicBool>, gate: Gate) -> Backend
     .await
 }
 
+/// One `/slow` request held on each of the proxy's two nodes: the second is sent once the first is
+/// held, so the node with the fewest outstanding, the other one, takes it. (Sent at once, both picks
+/// could see two idle nodes and choose the same.)
+async fn one_slow_request_on_each(proxy: &TestProxy) -> [JoinHandle<(u16, String)>; 2] {
+    let slow = |url: String| tokio::spawn(async move { get(&url).await });
+    let held = |count: u64| {
+        let snapshot = proxy.app_registry.snapshot();
+        snapshot.iter().map(|e| e.outstanding()).sum::<u64>() == count
+            && snapshot.iter().all(|e| e.outstanding() <= 1)
+    };
+    let first = slow(proxy.url("/slow"));
+    eventually("the first is held", Duration::from_secs(10), || held(1)).await;
+    let second = slow(proxy.url("/slow"));
+    eventually("each node holds one", Duration::from_secs(10), || held(2)).await;
+    [first, second]
+}
+
 #[tokio::test]
 async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_saying_so() {
     let going = Arc::new(AtomicBool::new(false));
@@ -52,29 +71,11 @@ async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_say
     .await;
     let proxy = start_proxy(config_with(CONFIG, &[leaving.url(), staying.url()])).await;
 
-    // One slow request on each node: the node with the fewest outstanding takes each.
-    let slow = |url: String| tokio::spawn(async move { get(&url).await });
-    let first = slow(proxy.url("/slow"));
-    // The second only once the first is held, so that it sees which node holds one.
-    eventually("the first is held", Duration::from_secs(10), || {
-        let snapshot = proxy.app_registry.snapshot();
-        snapshot.iter().map(|e| e.outstanding()).sum::<u64>() == 1
-    })
-    .await;
-    let second = slow(proxy.url("/slow"));
+    let [first, second] = one_slow_request_on_each(&proxy).await;
     let view = |url: String| {
         let proxy = &proxy;
         async move { endpoint_view(proxy, &url).await }
     };
-    eventually_async(
-        "each node holds one slow request",
-        Duration::from_secs(10),
-        || {
-            let (leaving, staying) = (view(leaving.url()), view(staying.url()));
-            async move { leaving.await["outstanding"] == 1 && staying.await["outstanding"] == 1 }
-        },
-    )
-    .await;
 
     // The node says it is going: it drains, and says how long it has left.
     going.store(true, Ordering::SeqCst);
@@ -135,24 +136,6 @@ async fn a_node_that_announces_its_end_drains_and_serves_again_once_it_stops_say
 /// An operator drains a static endpoint by its URL (`POST /endpoints/drain`, behind the admin token):
 /// it gets no new request while the one it holds finishes; `POST /endpoints/undrain` undoes it. Without
 /// the token, or for a URL no pool has, nothing changes.
-/// The endpoint at `url` in `/debug/endpoints`, asked with the admin token of
-/// [`an_operator_drains_a_static_endpoint_and_undoes_it`].
-async fn guarded_view(proxy: &TestProxy, url: &str) -> serde_json::Value {
-    let request = http::Request::get(format!("http://{}/debug/endpoints", proxy.admin))
-        .header("authorization", "Bearer admin-s3cret")
-        .body(full(""))
-        .unwrap();
-    let (_, body) = send(request).await;
-    let json: serde_json::Value = serde_json::from_str(&body).unwrap();
-    json["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["url"] == url)
-        .cloned()
-        .unwrap_or_default()
-}
-
 #[tokio::test]
 async fn an_operator_drains_a_static_endpoint_and_undoes_it() {
     let dir = TempDir::new("operator-drain");
@@ -179,33 +162,12 @@ async fn an_operator_drains_a_static_endpoint_and_undoes_it() {
     };
     let token = Some("admin-s3cret");
     let state = || async {
-        let view = guarded_view(&proxy, &drained.url()).await;
+        let view = endpoint_view_as(&proxy, &drained.url(), token).await;
         view["state"].as_str().unwrap_or_default().to_owned()
     };
 
     // A slow request on each node; then the drain.
-    let slow = |url: String| tokio::spawn(async move { get(&url).await });
-    let first = slow(proxy.url("/slow"));
-    // The second only once the first is held, so that it sees which node holds one.
-    eventually("the first is held", Duration::from_secs(10), || {
-        let snapshot = proxy.app_registry.snapshot();
-        snapshot.iter().map(|e| e.outstanding()).sum::<u64>() == 1
-    })
-    .await;
-    let second = slow(proxy.url("/slow"));
-    let (drained_url, kept_url) = (drained.url(), kept.url());
-    eventually_async(
-        "each node holds one slow request",
-        Duration::from_secs(10),
-        || {
-            let (d, k) = (
-                guarded_view(&proxy, &drained_url),
-                guarded_view(&proxy, &kept_url),
-            );
-            async move { d.await["outstanding"] == 1 && k.await["outstanding"] == 1 }
-        },
-    )
-    .await;
+    let [first, second] = one_slow_request_on_each(&proxy).await;
     assert_eq!(call("/endpoints/drain", drained.url(), None).await.0, 401);
     let unknown = "http://127.0.0.1:1".to_owned();
     assert_eq!(call("/endpoints/drain", unknown, token).await.0, 404);

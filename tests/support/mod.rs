@@ -473,7 +473,20 @@ pub fn one_pool(text: &str) -> String {
 /// exported).
 /// The endpoint at `url` as the proxy's /debug/endpoints gives it (null when it lists no such one).
 pub async fn endpoint_view(proxy: &TestProxy, url: &str) -> serde_json::Value {
-    let (_, body) = get(&format!("http://{}/debug/endpoints", proxy.admin)).await;
+    endpoint_view_as(proxy, url, None).await
+}
+
+/// [`endpoint_view`], asked with the admin port's bearer `token`.
+pub async fn endpoint_view_as(
+    proxy: &TestProxy,
+    url: &str,
+    token: Option<&str>,
+) -> serde_json::Value {
+    let mut request = Request::get(format!("http://{}/debug/endpoints", proxy.admin));
+    if let Some(token) = token {
+        request = request.header("authorization", format!("Bearer {token}"));
+    }
+    let (_, body) = send(request.body(full("")).expect("a valid URL")).await;
     let json: serde_json::Value = serde_json::from_str(&body).unwrap();
     json["endpoints"]
         .as_array()

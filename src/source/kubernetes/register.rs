@@ -248,18 +248,13 @@ pub async fn register(
     authorization: Option<&str>,
     body: &[u8],
 ) -> Answer {
-    match registered(status, token, authorization, body).await {
-        Ok(answer) | Err(answer) => answer,
+    if let Err(refusal) = check_token(status, token, authorization) {
+        return refusal;
     }
+    registered(status, body).await.unwrap_or_else(|refusal| refusal)
 }
 
-async fn registered(
-    status: &Status,
-    token: Option<&str>,
-    authorization: Option<&str>,
-    body: &[u8],
-) -> Result<Answer, Answer> {
-    check_token(status, token, authorization)?;
+async fn registered(status: &Status, body: &[u8]) -> Result<Answer, Answer> {
     let registration: Registration = parse(
         status,
         body,
@@ -344,18 +339,13 @@ pub async fn drain(
     authorization: Option<&str>,
     body: &[u8],
 ) -> Answer {
-    match drained(status, token, authorization, body).await {
-        Ok(answer) | Err(answer) => answer,
+    if let Err(refusal) = check_token(status, token, authorization) {
+        return refusal;
     }
+    drained(status, body).await.unwrap_or_else(|refusal| refusal)
 }
 
-async fn drained(
-    status: &Status,
-    token: Option<&str>,
-    authorization: Option<&str>,
-    body: &[u8],
-) -> Result<Answer, Answer> {
-    check_token(status, token, authorization)?;
+async fn drained(status: &Status, body: &[u8]) -> Result<Answer, Answer> {
     let going: Going = parse(
         status,
         body,
