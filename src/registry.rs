@@ -4,12 +4,13 @@
 //! (`ArcSwap`, no lock, no reference-count traffic for the load itself). An update keeps the very same
 //! `Endpoint` (and so its live state: outstanding count, later health and breaker) for every endpoint
 //! whose URL and weight did not change. An endpoint that leaves is marked draining; requests already on it
-//! hold their own reference and finish normally.
+//! hold their own reference and finish normally, and the registry keeps a weak reference to it so that
+//! what it still holds shows (see [`Registry::departing`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, Weak};
 
 use arc_swap::ArcSwap;
 
@@ -69,6 +70,8 @@ pub struct Registry {
     slot_freed: SlotFreed,
     /// Ejected, healthy and up endpoints in the set, kept by the endpoints as they change.
     counts: Arc<FleetCounts>,
+    /// Endpoints that left the set, while requests may still be on them (see [`Registry::departing`]).
+    departed: Mutex<Vec<Weak<Endpoint>>>,
 }
 
 impl Default for Registry {
@@ -87,6 +90,7 @@ impl Registry {
             limits: Mutex::new(LimitSettings::none()),
             slot_freed,
             counts: Arc::default(),
+            departed: Mutex::default(),
         }
     }
 
@@ -96,6 +100,9 @@ impl Registry {
         let mut outstanding = 0u64;
         let mut capacity = Some(0u64);
         let mut endpoints = 0u64;
+        for endpoint in self.departing() {
+            outstanding += endpoint.outstanding();
+        }
         for endpoint in snapshot.iter() {
             outstanding += endpoint.outstanding();
             if endpoint.liveness().is_available() {
@@ -167,6 +174,24 @@ impl Registry {
         self.snapshot.load()
     }
 
+    /// Endpoints that left the set and still hold requests (a deleted pod's streams until they end or
+    /// move), whose URL is not back in the set: what `/debug/endpoints` and the metrics show as
+    /// draining besides the set. Those that hold nothing any more are forgotten here.
+    pub fn departing(&self) -> Vec<Arc<Endpoint>> {
+        let snapshot = self.snapshot.load();
+        let mut departed = self.departed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut holding = Vec::new();
+        departed.retain(|weak| match weak.upgrade() {
+            Some(endpoint) if endpoint.outstanding() > 0 => {
+                holding.push(endpoint);
+                true
+            }
+            _ => false,
+        });
+        holding.retain(|endpoint| !snapshot.iter().any(|e| e.url() == endpoint.url()));
+        holding
+    }
+
     /// The endpoints right now, as an owned handle (for holding across awaits).
     pub fn snapshot_full(&self) -> Arc<Vec<Arc<Endpoint>>> {
         self.snapshot.load_full()
@@ -225,6 +250,23 @@ impl Registry {
             .cloned()
     }
 
+    /// Marks an endpoint that left the set; requests on it finish, and it shows among the
+    /// [`departing`](Registry::departing) while they do.
+    fn drained(&self, gone: &Arc<Endpoint>) {
+        gone.set_draining(true);
+        tracing::info!(
+            endpoint = gone.url(),
+            outstanding = gone.outstanding(),
+            "endpoint removed; draining"
+        );
+        if gone.outstanding() > 0 {
+            let mut departed = self.departed.lock().unwrap_or_else(|p| p.into_inner());
+            // Those that hold nothing any more go first, so the list stays as long as what is in flight.
+            departed.retain(|weak| weak.upgrade().is_some_and(|e| e.outstanding() > 0));
+            departed.push(Arc::downgrade(gone));
+        }
+    }
+
     fn lock_writer(&self) -> std::sync::MutexGuard<'_, Wanted> {
         self.writer
             .lock()
@@ -274,7 +316,7 @@ impl Registry {
                 (Some(at), Some(fresh)) => {
                     edits.push(Edit::Set(at, Arc::clone(&fresh)));
                     let gone = std::mem::replace(&mut endpoints[at], fresh);
-                    drained(&gone);
+                    self.drained(&gone);
                 }
                 (None, Some(fresh)) => {
                     if let Some(claim) = wanted.by_url.get_mut(url.as_str()) {
@@ -286,7 +328,7 @@ impl Registry {
                 (Some(at), None) => {
                     wanted.by_url.remove(url.as_str());
                     edits.push(Edit::SwapRemove(at));
-                    drained(&endpoints.swap_remove(at));
+                    self.drained(&endpoints.swap_remove(at));
                     if let Some(moved) = endpoints.get(at)
                         && let Some(claim) = wanted.by_url.get_mut(moved.url())
                     {
@@ -358,16 +400,6 @@ impl Edit {
             }
         }
     }
-}
-
-/// Marks an endpoint that left the set; requests on it finish.
-fn drained(gone: &Endpoint) {
-    gone.set_draining(true);
-    tracing::info!(
-        endpoint = gone.url(),
-        outstanding = gone.outstanding(),
-        "endpoint removed; draining"
-    );
 }
 
 /// What the sources want, indexed by URL (who wants it, where its endpoint is) so that an update finds
@@ -620,6 +652,42 @@ mod tests {
             "neither the snapshot nor its spare holds it"
         );
         assert_eq!(urls(&registry), ["http://b:1", "http://c:1"]);
+    }
+
+    #[test]
+    fn an_endpoint_that_leaves_with_requests_on_it_shows_until_they_end() {
+        let registry = Registry::default();
+        registry.replace(vec![
+            spec("http://a:1", 1),
+            spec("http://b:1", 1),
+            spec("http://c:1", 1),
+        ]);
+        let a = serving(&registry, "http://a:1").unwrap();
+        let held = [a.start_request(), a.start_request()];
+        let b = serving(&registry, "http://b:1").unwrap();
+        let on_b = b.start_request();
+        drop(b);
+        registry.replace(vec![spec("http://c:1", 1)]);
+        let departing = registry.departing();
+        let mut departing: Vec<&str> = departing.iter().map(|e| e.url()).collect();
+        departing.sort_unstable();
+        assert_eq!(departing, ["http://a:1", "http://b:1"]);
+        assert_eq!(registry.demand(0).outstanding, 3, "their requests count");
+        assert_eq!(registry.demand(0).endpoints, 1);
+        assert!(!a.liveness().is_available());
+
+        // b's request ends: b is forgotten, and nothing keeps it alive.
+        drop(on_b);
+        let departing = registry.departing();
+        assert_eq!(departing.len(), 1);
+        assert!(Arc::ptr_eq(&departing[0], &a));
+        drop(departing);
+        // a's URL back in the set: the new endpoint shows, not the old one still finishing.
+        registry.replace(vec![spec("http://a:1", 1), spec("http://c:1", 1)]);
+        assert!(registry.departing().is_empty());
+        registry.replace(vec![spec("http://c:1", 1)]);
+        drop(held);
+        assert!(registry.departing().is_empty(), "nothing is left on a");
     }
 
     #[test]

@@ -67,9 +67,12 @@ impl AdminState {
             settings.balance.slow_start,
             settings.balance.signals_max_age,
         );
-        pool.registry()
+        let registry = pool.registry();
+        // The set, then those that left it with requests still on them (shown draining).
+        registry
             .snapshot()
             .iter()
+            .chain(registry.departing().iter())
             .map(|endpoint| endpoint.view(now, slow_start, max_age))
             .collect()
     }

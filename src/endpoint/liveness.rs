@@ -153,6 +153,11 @@ impl Liveness {
         self.suspect.load(Ordering::Relaxed)
     }
 
+    /// Discovery removed it from the set: only what is still on it keeps it.
+    pub fn is_removed(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
     /// Whether the endpoint takes new requests at all: not draining, neither removed by discovery nor
     /// announced by its node.
     pub fn is_available(&self) -> bool {

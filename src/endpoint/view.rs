@@ -21,6 +21,8 @@ pub struct EndpointView {
     pub healthy: bool,
     pub suspect: bool,
     pub draining: bool,
+    /// Its source no longer lists it: shown only while requests or streams are still on it.
+    pub removed: bool,
     pub cooling_down: bool,
     pub slow_start: bool,
     /// `closed`, `open` or `half-open`.
@@ -239,6 +241,7 @@ impl Endpoint {
             healthy,
             suspect,
             draining,
+            removed: self.liveness().is_removed(),
             cooling_down,
             slow_start: slow,
             breaker,

@@ -273,10 +273,12 @@ pub async fn endpoints(proxy: &TestProxy) -> Vec<Value> {
     view["endpoints"].as_array().cloned().unwrap_or_default()
 }
 
+/// The URLs in the set (not those that left it and still hold requests).
 pub async fn urls(proxy: &TestProxy) -> BTreeSet<String> {
     endpoints(proxy)
         .await
         .iter()
+        .filter(|e| e["removed"] == false)
         .filter_map(|e| e["url"].as_str().map(str::to_owned))
         .collect()
 }

@@ -117,6 +117,17 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
             }
         }
         until_urls(&proxy, &[&steady.url()]).await;
+        // Out of the set, but shown draining while the request is on it.
+        let leaving = endpoint(&proxy, &mover.url()).await;
+        assert_eq!(
+            (
+                &leaving["removed"],
+                &leaving["state"],
+                &leaving["outstanding"]
+            ),
+            (&json!(true), &json!("draining"), &json!(1)),
+            "{exit:?}: {leaving}"
+        );
         // New requests go elsewhere while the one under way is still held at the leaving pod.
         for _ in 0..5 {
             assert_eq!(
@@ -144,6 +155,16 @@ async fn pods_serve_while_running_and_ready_and_drain_on_every_exit() {
             (200, "mover".into()),
             "{exit:?}: the request in flight"
         );
+        until(
+            "the left endpoint is gone once nothing is on it",
+            || async {
+                endpoints(&proxy)
+                    .await
+                    .iter()
+                    .all(|e| e["url"] != mover.url().as_str())
+            },
+        )
+        .await;
         // Back in service for the next exit.
         match exit {
             Exit::NotReady => {
