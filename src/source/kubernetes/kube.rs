@@ -264,7 +264,10 @@ impl Tracker {
         if old_spec != derived.spec.as_ref() && !self.changes.full {
             if let Some(old) = old_spec {
                 if derived.spec.is_none() && (facts.terminating || facts.drain_at_ms.is_some()) {
+                    // A deleted pod's node may go at once (a virtual kubelet stops it then) unless its
+                    // grace period is trusted; a drain annotation is the node's own word.
                     let at = match (facts.deleting_at_ms, facts.drain_at_ms) {
+                        (Some(_), _) if !self.rules.config().trust_grace_period => None,
                         (Some(deleting), Some(drain)) => Some(deleting.min(drain)),
                         (deleting, drain) => deleting.or(drain),
                     };
@@ -589,7 +592,7 @@ mod tests {
                 "conditions": [{"type": "Ready", "status": "True"}]}
         }))
         .unwrap();
-        tracker.on_event(&Event::Apply(deleting), &status);
+        tracker.on_event(&Event::Apply(deleting.clone()), &status);
         // b merely goes Pending: it leaves, but nobody said it goes.
         tracker.on_event(&Event::Apply(pod("b", "10.0.0.2", "Pending")), &status);
         // c's node said it goes (POST /v1/nodes/drain wrote its drain annotation).
@@ -614,9 +617,24 @@ mod tests {
         assert_eq!(
             changes.leaving,
             [
-                ("http://10.0.0.1:8000".to_owned(), Some(1_800_000_030_000)),
+                ("http://10.0.0.1:8000".to_owned(), None),
                 ("http://10.0.0.3:8000".to_owned(), Some(1_800_000_010_000))
-            ]
+            ],
+            "a deleted pod may go at once: its grace period is not trusted by default"
+        );
+
+        // Where kubelets honour the grace period, a deleted pod goes at its deletionTimestamp.
+        let config = KubernetesConfig {
+            trust_grace_period: true,
+            ..KubernetesConfig::default()
+        };
+        let mut tracker = Tracker::new(Arc::new(Rules::new(&config, false)));
+        tracker.on_event(&Event::Apply(pod("a", "10.0.0.1", "Running")), &status);
+        tracker.take_changes();
+        tracker.on_event(&Event::Apply(deleting), &status);
+        assert_eq!(
+            tracker.take_changes().leaving,
+            [("http://10.0.0.1:8000".to_owned(), Some(1_800_000_030_000))]
         );
     }
 

@@ -45,6 +45,11 @@ pub struct KubernetesConfig {
     /// Write the URL found through the SaladCloud API into the pod's URL annotation, so every replica
     /// and `kubectl get pod` see it (needs `patch` on pods).
     pub write_back: bool,
+    /// Whether a deleted pod's node runs until the pod's grace period ends (its `deletionTimestamp`).
+    /// False (the default): its streams move at once, since SaladCloud's and interLink's virtual kubelets
+    /// stop the remote container as soon as the pod is deleted, whatever its grace period. True: they
+    /// move shortly before the grace period ends, for pods on kubelets that honour it.
+    pub trust_grace_period: bool,
     pub registration: RegistrationConfig,
 }
 
@@ -68,6 +73,7 @@ impl Default for KubernetesConfig {
                 "fd7a:115c:a1e0::/48".into(),
             ],
             write_back: false,
+            trust_grace_period: false,
             registration: RegistrationConfig::default(),
         }
     }
