@@ -175,7 +175,7 @@ impl LoadGenerator {
                 () = tokio::time::sleep_until(due) => {}
             }
             let stream = plan.stream_every > 0 && index.is_multiple_of(plan.stream_every);
-            let request = build_request(&plan.target, index, stream);
+            let request = build_request(&plan.target, index, stream, COMPLETION_TOKENS);
             let expected = Expected { index, stream };
             let (client, recorder, timeout) = (
                 client.clone(),
@@ -217,10 +217,14 @@ impl LoadGenerator {
     }
 }
 
-/// The inference request the load sends: a small JSON prompt to `/v1/completions`, asking for an SSE
-/// stream when `stream`.
-pub fn build_request(target: &str, index: u64, stream: bool) -> Request<Full<Bytes>> {
-    let prompt = format!(r#"{{"prompt":"request {index}","max_tokens":16,"stream":{stream}}}"#);
+/// The tokens the demo's requests ask for.
+pub const COMPLETION_TOKENS: u32 = 16;
+
+/// The inference request the load sends: a small JSON prompt to `/v1/completions` for `tokens` tokens,
+/// asking for an SSE stream when `stream`.
+pub fn build_request(target: &str, index: u64, stream: bool, tokens: u32) -> Request<Full<Bytes>> {
+    let prompt =
+        format!(r#"{{"prompt":"request {index}","max_tokens":{tokens},"stream":{stream}}}"#);
     let mut builder = Request::post(format!("{target}/v1/completions"))
         .header(header::CONTENT_TYPE, "application/json");
     if stream {
@@ -258,7 +262,12 @@ async fn exchange(
     };
     if status.is_success() {
         // A 200 is a success only with the exact answer the simulated model writes.
-        return match check_completion(expected.index, expected.stream, &body.to_bytes()) {
+        return match check_completion(
+            expected.index,
+            expected.stream,
+            COMPLETION_TOKENS,
+            &body.to_bytes(),
+        ) {
             Ok(()) => ClientOutcome::Succeeded,
             Err(AnswerFault::Incomplete) => ClientOutcome::Incomplete,
             Err(AnswerFault::Inexact(_)) => ClientOutcome::Inexact,
@@ -270,10 +279,10 @@ async fn exchange(
     ClientOutcome::Status(status.as_u16())
 }
 
-/// The text the simulator's model answers [`build_request`]`(_, index, _)` with: it counts on from the
-/// prompt's last integer, one number a token, 16 tokens: `" {index+1} {index+2} ... {index+16}"`.
-pub fn expected_text(index: u64) -> String {
-    (1..=16u64).fold(String::new(), |mut text, i| {
+/// The text the simulator's model answers [`build_request`]`(_, index, _, tokens)` with: it counts on
+/// from the prompt's last integer, one number a token: `" {index+1} {index+2} ... {index+tokens}"`.
+pub fn expected_text(index: u64, tokens: u32) -> String {
+    (1..=u64::from(tokens)).fold(String::new(), |mut text, i| {
         let _ = write!(text, " {}", index.saturating_add(i));
         text
     })
@@ -289,7 +298,7 @@ pub enum AnswerFault {
     Inexact(String),
 }
 
-/// Checks that `body`, the 200 answer to [`build_request`]`(_, index, stream)`, is complete and
+/// Checks that `body`, the 200 answer to [`build_request`]`(_, index, stream, tokens)`, is complete and
 /// exactly what the simulated model writes ([`expected_text`]), as one uninterrupted node would send it.
 ///
 /// A stream: every event's `data:` lines parse (as JSON, but for the end marker); the concatenated
@@ -297,9 +306,14 @@ pub enum AnswerFault {
 /// and `model`; exactly one chunk has a non-null `finish_reason`; exactly one `data: [DONE]`, the last
 /// event. Events without data (comments) are ignored. A whole answer: its JSON `choices[0].text` equals
 /// the expected text and its `finish_reason` is set.
-pub fn check_completion(index: u64, stream: bool, body: &[u8]) -> Result<(), AnswerFault> {
+pub fn check_completion(
+    index: u64,
+    stream: bool,
+    tokens: u32,
+    body: &[u8],
+) -> Result<(), AnswerFault> {
     let inexact = |why: String| Err(AnswerFault::Inexact(why));
-    let expected = expected_text(index);
+    let expected = expected_text(index, tokens);
     let text = if stream {
         streamed_text(body)?
     } else {
@@ -418,7 +432,7 @@ mod tests {
     }
 
     fn check(body: &str) -> Result<(), AnswerFault> {
-        check_completion(7, true, body.as_bytes())
+        check_completion(7, true, 16, body.as_bytes())
     }
 
     fn is_inexact(result: Result<(), AnswerFault>) -> bool {
@@ -428,7 +442,7 @@ mod tests {
     #[test]
     fn the_expected_text_counts_sixteen_on_from_the_index() {
         assert_eq!(
-            expected_text(7),
+            expected_text(7, 16),
             " 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23"
         );
     }
@@ -523,12 +537,13 @@ mod tests {
                 r#"{{"id":"cmpl-a-1","object":"text_completion","created":1700000000,"model":"sim","choices":[{{"index":0,"text":"{text}","logprobs":null,"finish_reason":"length"}}]}}"#
             )
         };
-        let exact = answer(&expected_text(7));
-        assert_eq!(check_completion(7, false, exact.as_bytes()), Ok(()));
-        assert!(is_inexact(check_completion(8, false, exact.as_bytes())));
+        let exact = answer(&expected_text(7, 16));
+        assert_eq!(check_completion(7, false, 16, exact.as_bytes()), Ok(()));
+        assert!(is_inexact(check_completion(8, false, 16, exact.as_bytes())));
+        assert!(is_inexact(check_completion(7, false, 17, exact.as_bytes())));
         let cut = &exact[..exact.len() - 3];
         assert_eq!(
-            check_completion(7, false, cut.as_bytes()),
+            check_completion(7, false, 16, cut.as_bytes()),
             Err(AnswerFault::Incomplete)
         );
     }

@@ -10,8 +10,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub use load::{
-    AnswerFault, ClientOutcome, LoadGenerator, LoadPlan, Recorder, build_request, check_completion,
-    expected_text,
+    AnswerFault, COMPLETION_TOKENS, ClientOutcome, LoadGenerator, LoadPlan, Recorder,
+    build_request, check_completion, expected_text,
 };
 pub use report::Summary;
 pub use schedule::{HEADROOM, Shortfall, shortfall};
@@ -118,9 +118,8 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
             let mut spec = NodeSpec::new(&format!("{gpu}-{i}"), Duration::from_millis(mean_ms));
             spec.capacity = capacity;
             spec.queue = capacity * 4;
-            // The load asks for 16 tokens a stream (`build_request`); paced for 16, a stream lasts about
-            // its service time.
-            spec.tokens = 16;
+            // Paced for the tokens the load asks for, a stream lasts about its service time.
+            spec.tokens = COMPLETION_TOKENS;
             spec.report_load = true;
             // A continuous-batching server: its batch is its capacity, the rest wait in its own queue,
             // and its /metrics says so (tongs reads it: the table's queue and KV columns). Its KV cache
@@ -145,6 +144,20 @@ pub fn demo_fleet(options: &DemoOptions) -> FleetConfig {
                     at: HumanDuration(Duration::from_secs_f64(run * (0.15 + 0.15 * i as f64))),
                     duration: HumanDuration(Duration::from_secs_f64(run * 0.12)),
                     factor: 6.0,
+                    notice: None,
+                });
+            } else if i == InterruptionKind::ALL.len() {
+                // And one that announces itself, as a node told to stop does (its SIGTERM hook): it
+                // says it goes a while ahead, then goes (refuse). tongs drains it and moves its
+                // streams before then.
+                spec.interruptions.push(Interruption {
+                    kind: InterruptionKind::Refuse,
+                    at: HumanDuration(Duration::from_secs_f64(run * 0.5)),
+                    duration: HumanDuration(Duration::from_secs_f64(run * 0.12)),
+                    factor: 1.0,
+                    notice: Some(HumanDuration(Duration::from_secs_f64(
+                        (run * 0.15).clamp(2.0, 10.0),
+                    ))),
                 });
             }
             // About two per node in a run of any length (at most one every 90 s in a long one), so a

@@ -15,7 +15,7 @@ use super::schedule::Shortfall;
 use crate::app::Parts;
 use crate::breaker::State;
 use crate::metrics::Continuation;
-use crate::sim::Fleet;
+use crate::sim::{Condition, Fleet};
 
 /// One node's row.
 struct NodeRow {
@@ -74,7 +74,11 @@ pub fn snapshot(
             let stats = node.stats();
             NodeRow {
                 name: node.name().to_owned(),
-                condition: node.condition().label(),
+                // A node that said it goes is still up until then: "going".
+                condition: match node.leaving_in() {
+                    Some(_) if node.condition() == Condition::Up => "going",
+                    _ => node.condition().label(),
+                },
                 // The one word `/debug/endpoints` says: cooldown after a 503, probing, ejected too.
                 health: view.as_ref().map_or("-", |v| v.state.as_str()),
                 circuit: endpoint.map_or("-", |e| match e.circuit().state() {
@@ -126,10 +130,12 @@ pub fn snapshot(
 
 /// What the table's columns and the status line mean, under the table.
 const LEGEND: &str = "\
-  node state   what the simulator does to the node: up, or an interruption (refuse: gone, connections
-               reset; blackhole: silent; gateway-503; slow; gray: health passes but work hangs)
+  node state   what the simulator does to the node: up; going: up, but it said it goes soon (its
+               heartbeats carry x-tongs-drain); or an interruption (refuse: gone, connections reset;
+               blackhole: silent; gateway-503; slow; gray: health passes but work hangs)
   tongs sees   the node's state in tongs, as /debug/endpoints names it (healthy, unhealthy, stalled,
-               ejected, probing, cooldown after a 503, suspect, slow-start); circuit: its breaker
+               ejected, probing, cooldown after a 503, suspect, slow-start, draining: it said it goes,
+               so no new request and its streams move); circuit: its breaker
   outstanding  requests on the node now, against its concurrency limit; served / errors so far
   queue, KV    what the node's own /metrics says, as tongs reads it: requests waiting in its own queue,
                its KV cache in use (-: no fresh reading)

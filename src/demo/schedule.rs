@@ -197,6 +197,7 @@ mod tests {
             at: HumanDuration::from_secs(at_s),
             duration: HumanDuration::from_secs(for_s),
             factor: 6.0,
+            notice: None,
         }
     }
 

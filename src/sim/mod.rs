@@ -28,6 +28,7 @@
 //! in each interruption.
 
 mod engine;
+mod going;
 mod node;
 mod openai;
 mod reply;

@@ -32,6 +32,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::{self, Engine};
+use super::going::{follow_schedule, goes, set_condition, until};
 use super::openai;
 use super::reply::{SimBody, full};
 use super::schedule::{Condition, Interruption, InterruptionKind, lognormal};
@@ -80,17 +81,17 @@ pub(super) struct NodeShared {
     served: AtomicU64,
     shed: AtomicU64,
     gateway_503: AtomicU64,
-    interruptions: AtomicU64,
+    pub(super) interruptions: AtomicU64,
     /// Numbers the OpenAI answers' ids.
     answers: AtomicU64,
     rng: Mutex<fastrand::Rng>,
     /// Draws of first-token waits and preemptions, apart from `rng` so that pauses leave the service
     /// times of a seeded run unchanged.
     pauses: Mutex<fastrand::Rng>,
-    condition: watch::Sender<Condition>,
+    pub(super) condition: watch::Sender<Condition>,
     /// When the node said it goes (see [`Node::announce_end`]): its heartbeat answers carry
     /// `x-tongs-drain` with the seconds left until then.
-    leaving_at: Mutex<Option<Instant>>,
+    pub(super) leaving_at: Mutex<Option<Instant>>,
     /// The continuous-batching engine of the OpenAI paths, if the node has one.
     pub(super) engine: Option<Arc<Engine>>,
 }
@@ -192,14 +193,22 @@ impl Node {
         *lock(&self.shared.leaving_at) = Some(at);
         let (shared, stop) = (Arc::clone(&self.shared), self.stop.clone());
         tokio::spawn(async move {
-            tokio::select! {
-                () = stop.cancelled() => {}
-                () = tokio::time::sleep_until(at) => {
-                    *lock(&shared.leaving_at) = None;
-                    set_condition(&shared, Condition::Interrupted { kind: InterruptionKind::Refuse, factor: 1.0 });
-                }
+            if until(&stop, at).await {
+                let refuse = InterruptionKind::Refuse;
+                goes(
+                    &shared,
+                    Condition::Interrupted {
+                        kind: refuse,
+                        factor: 1.0,
+                    },
+                );
             }
         });
+    }
+
+    /// How long until the node goes, while it says it does (an announced end not yet reached).
+    pub fn leaving_in(&self) -> Option<Duration> {
+        lock(&self.shared.leaving_at).map(|at| at.saturating_duration_since(Instant::now()))
     }
 
     pub fn stats(&self) -> NodeStats {
@@ -322,45 +331,10 @@ impl Drop for Waiting<'_> {
 }
 
 /// A poisoned lock still holds a value a node can go on with.
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(super) fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     mutex
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-fn set_condition(shared: &NodeShared, condition: Condition) {
-    let previous = shared.condition.send_replace(condition);
-    if previous == condition {
-        return;
-    }
-    if condition != Condition::Up {
-        shared.interruptions.fetch_add(1, Ordering::Relaxed);
-    }
-    tracing::debug!(node = %shared.spec.name, from = previous.label(), to = condition.label(), "sim node condition");
-}
-
-async fn follow_schedule(
-    planned: Vec<Interruption>,
-    started: Instant,
-    shared: Arc<NodeShared>,
-    stop: CancellationToken,
-) {
-    for interruption in planned {
-        let begin = started + interruption.at.get();
-        let end = begin + interruption.duration.get();
-        let condition = Condition::Interrupted {
-            kind: interruption.kind,
-            factor: interruption.factor,
-        };
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(begin) => set_condition(&shared, condition),
-        }
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(end) => set_condition(&shared, Condition::Up),
-        }
-    }
 }
 
 /// Counts a request as in flight while alive.

@@ -91,6 +91,11 @@ pub struct Interruption {
     /// Service-time multiplier while `slow` (ignored by the other kinds).
     #[serde(default = "default_slow_factor")]
     pub factor: f64,
+    /// The node says it goes this long before `at` (its heartbeat answers carry `x-tongs-drain`, as a
+    /// node told to stop says it), as [`Node::announce_end`](super::Node::announce_end) does. None:
+    /// it goes without a word.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub notice: Option<HumanDuration>,
 }
 
 pub fn default_slow_factor() -> f64 {
@@ -145,6 +150,7 @@ pub fn plan(
                 at: HumanDuration(clock),
                 duration: HumanDuration(duration),
                 factor: random.slow_factor,
+                notice: None,
             };
             if !planned.iter().any(|p| overlaps(p, &candidate)) {
                 planned.push(candidate);
@@ -216,6 +222,7 @@ mod tests {
             at: HumanDuration::from_secs(30),
             duration: HumanDuration::from_secs(20),
             factor: 1.0,
+            notice: None,
         }];
         let planned = plan(&fixed, Some(&random()), 3, Duration::from_secs(300));
         assert!(planned.contains(&fixed[0]));

@@ -287,6 +287,7 @@ async fn scheduled_interruptions_begin_and_end_on_time() {
         at: HumanDuration::from_millis(200),
         duration: HumanDuration::from_millis(400),
         factor: 1.0,
+        notice: None,
     }];
     let fleet = fleet(vec![spec], 1).await;
     let node = &fleet.nodes()[0];
@@ -300,6 +301,51 @@ async fn scheduled_interruptions_begin_and_end_on_time() {
     })
     .await;
     assert_eq!(get(&format!("{}/health", node.url())).await.0, 200);
+    assert_eq!(fleet.interruptions_injected(), 1);
+}
+
+/// An interruption with notice: the node says it goes (`x-tongs-drain` on its heartbeat answers, with
+/// the seconds left) from `at − notice`, then goes at `at` and no longer says so.
+#[tokio::test]
+async fn an_interruption_with_notice_is_announced_then_happens() {
+    let mut spec = exact("a", 5);
+    spec.response = ResponseKind::Json;
+    spec.interruptions = vec![Interruption {
+        kind: InterruptionKind::Refuse,
+        at: HumanDuration::from_millis(1500),
+        duration: HumanDuration::from_secs(30),
+        factor: 1.0,
+        notice: Some(HumanDuration::from_millis(1200)),
+    }];
+    let fleet = fleet(vec![spec], 1).await;
+    let node = &fleet.nodes()[0];
+    let health = format!("{}/health", node.url());
+    let drain = || async {
+        let (head, _) = exchange(Request::get(&health).body(full("")).expect("URL")).await;
+        head.headers
+            .get("x-tongs-drain")
+            .map(|v| v.to_str().expect("text").parse::<f64>().expect("seconds"))
+    };
+    // Before the notice: nothing said (unless this machine was slow to get here).
+    if node.leaving_in().is_none() && node.condition() == Condition::Up {
+        assert_eq!(drain().await, None);
+    }
+    eventually("the node says it goes", Duration::from_secs(5), || {
+        node.leaving_in().is_some() || node.condition() != Condition::Up
+    })
+    .await;
+    if node.condition() == Condition::Up {
+        let left = drain().await;
+        assert!(
+            left.is_some_and(|left| (0.0..=1.2).contains(&left)),
+            "{left:?}"
+        );
+    }
+    eventually("the node goes", Duration::from_secs(5), || {
+        node.condition() == interrupted_with(InterruptionKind::Refuse, 1.0)
+    })
+    .await;
+    assert_eq!(node.leaving_in(), None, "gone, it no longer says it goes");
     assert_eq!(fleet.interruptions_injected(), 1);
 }
 
