@@ -29,7 +29,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tongs::demo::build_request;
+use tongs::demo::{COMPLETION_TOKENS, build_request};
 use tongs::registry::Registry;
 use tongs::sim::{Fleet, FleetConfig, NodeStats, ResponseKind};
 
@@ -323,7 +323,7 @@ async fn offer(target: &str, rate: f64, duration: Duration) -> Result<Tally> {
             break;
         }
         tokio::time::sleep_until(due).await;
-        let request = build_request(target, index, false);
+        let request = build_request(target, index, false, COMPLETION_TOKENS);
         let (client, tally_for_task) = (client.clone(), Arc::clone(&tally));
         tasks.spawn(async move {
             let began = Instant::now();

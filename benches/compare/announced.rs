@@ -1,8 +1,10 @@
-//! The `announced` and `unannounced` scenarios: long streamed completions (100 tokens over about 5 s)
-//! on six nodes at 50 %, four of which go one after another (`refuse`: their connections reset, new
-//! ones refused) and come back. In `announced` each of them first says so [`NOTICE`] ahead
-//! (`x-tongs-drain` on its heartbeat answers: the simulator's `announce_end`, what a node's SIGTERM hook
-//! does); in `unannounced` the same nodes go at the same moments without a word.
+//! The `announced` and `unannounced` scenarios: long streamed completions (400 tokens over about 20 s,
+//! longer than the notice) on six nodes at 50 %, four of which go one after another (`refuse`: their
+//! connections reset, new ones refused) and come back. In `announced` each of them first says so
+//! [`NOTICE`] ahead (`x-tongs-drain` on its heartbeat answers: the simulator's `announce_end`, what a
+//! node's SIGTERM hook does); in `unannounced` the same nodes go at the same moments without a word.
+//! The nodes' first token comes as a GPU server's does after a short prefill ([`first_token`]), not
+//! after a tenth of the service time: a stream continued elsewhere waits for that first token.
 //!
 //! A client's stream counts as a success only when it is complete and exact, as in `cuts`. The table
 //! shows what clients saw (complete and exact, streams paused and their longest gap) and, for tongs,
@@ -13,7 +15,8 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
-use tongs::sim::InterruptionKind;
+use tongs::config::HumanDuration;
+use tongs::sim::{FirstToken, InterruptionKind};
 
 use super::support::fleet;
 use super::support::stats;
@@ -21,16 +24,27 @@ use super::{Proxy, Row, Scenario, cell};
 
 /// Six identical nodes: name, requests served at once, mean service time in ms.
 pub const NODES: [fleet::Node; 6] = [
-    ("a100-1", 4, 5000),
-    ("a100-2", 4, 5000),
-    ("a100-3", 4, 5000),
-    ("a100-4", 4, 5000),
-    ("a100-5", 4, 5000),
-    ("a100-6", 4, 5000),
+    ("a100-1", 8, 20_000),
+    ("a100-2", 8, 20_000),
+    ("a100-3", 8, 20_000),
+    ("a100-4", 8, 20_000),
+    ("a100-5", 8, 20_000),
+    ("a100-6", 8, 20_000),
 ];
 
 /// Tokens of every stream: one every 45 ms.
-pub const TOKENS: u32 = 100;
+pub const TOKENS: u32 = 400;
+
+/// Every node's first-token wait: 80 ms on an idle node, 10 ms more for each other request on it and
+/// 0.1 ms for each word of the prompt (a continuation's prompt holds the text so far), lognormal.
+pub fn first_token() -> FirstToken {
+    FirstToken {
+        wait: HumanDuration::from_millis(80),
+        per_prompt_word: HumanDuration(Duration::from_micros(100)),
+        per_in_flight: HumanDuration::from_millis(10),
+        spread: 0.3,
+    }
+}
 
 /// How long before it goes a node says so, in `announced`.
 pub const NOTICE: Duration = Duration::from_secs(10);

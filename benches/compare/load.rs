@@ -133,7 +133,7 @@ type LoadClient = Client<HttpConnector, Full<Bytes>>;
 pub enum Ask {
     /// `POST /v1/completions`, whole or streamed: the exact answer the simulated model writes
     /// ([`check_completion`]).
-    Completion { stream: bool },
+    Completion { stream: bool, tokens: u32 },
     /// A plain (non-OpenAI) SSE stream, `POST /generate` with `Accept: text/event-stream`: the node's
     /// own events `data: {"node":…,"token":N}` for N = 0 … `tokens` − 1 from one node, in order,
     /// then `data: [DONE]` (see [`check_plain`]). Nothing in it can be continued on another node.
@@ -143,14 +143,14 @@ pub enum Ask {
 impl Ask {
     fn streams(self) -> bool {
         match self {
-            Ask::Completion { stream } => stream,
+            Ask::Completion { stream, .. } => stream,
             Ask::PlainStream { .. } => true,
         }
     }
 
     fn request(self, target: &str, index: u64) -> Request<Full<Bytes>> {
         match self {
-            Ask::Completion { stream } => build_request(target, index, stream),
+            Ask::Completion { stream, tokens } => build_request(target, index, stream, tokens),
             Ask::PlainStream { .. } => Request::post(format!("{target}/generate"))
                 .header(header::CONTENT_TYPE, "application/json")
                 .header(header::ACCEPT, "text/event-stream")
@@ -164,7 +164,7 @@ impl Ask {
     /// Whether `body`, the body of a 200, is the whole answer to request `index`.
     fn check(self, index: u64, body: &[u8]) -> Result<(), AnswerFault> {
         match self {
-            Ask::Completion { stream } => check_completion(index, stream, body),
+            Ask::Completion { stream, tokens } => check_completion(index, stream, tokens, body),
             Ask::PlainStream { tokens } => check_plain(tokens, body),
         }
     }

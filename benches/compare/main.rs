@@ -357,6 +357,7 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
     if matches!(scenario, Scenario::Announced | Scenario::Unannounced) {
         for node in &mut config.nodes {
             node.tokens = announced::TOKENS;
+            node.first_token = Some(announced::first_token());
         }
     }
     if scenario == Scenario::Plain {
@@ -418,8 +419,14 @@ impl Scenario {
             Scenario::Plain => Ask::PlainStream {
                 tokens: plain::TOKENS,
             },
+            // Long generations: streams that outlast the notice, so moving them is what saves them.
+            Scenario::Announced | Scenario::Unannounced => Ask::Completion {
+                stream: true,
+                tokens: announced::TOKENS,
+            },
             _ => Ask::Completion {
                 stream: self.streams(),
+                tokens: tongs::demo::COMPLETION_TOKENS,
             },
         }
     }
