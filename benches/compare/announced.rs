@@ -32,6 +32,10 @@ pub const NODES: [fleet::Node; 6] = [
     ("a100-6", 8, 20_000),
 ];
 
+/// The lognormal spread of the service time: narrow, so that the longest streams (about 26 s) end
+/// within the client's timeout.
+pub const SPREAD: f64 = 0.1;
+
 /// Tokens of every stream: one every 45 ms.
 pub const TOKENS: u32 = 400;
 

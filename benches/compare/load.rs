@@ -378,7 +378,8 @@ async fn answer(
                 }
                 last_chunk = Some(now);
             }
-            if text.len() < 64 * 1024 {
+            // Enough for the longest answer asked for (announced's 400 tokens are about 70 KiB).
+            if text.len() < 1024 * 1024 {
                 text.extend_from_slice(&data);
             }
         }

@@ -358,6 +358,7 @@ fn fleet_config(scenario: Scenario, seed: u64) -> FleetConfig {
         for node in &mut config.nodes {
             node.tokens = announced::TOKENS;
             node.first_token = Some(announced::first_token());
+            node.service_time.spread = announced::SPREAD;
         }
     }
     if scenario == Scenario::Plain {
