@@ -10,6 +10,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tongs::App;
+use tongs::balance::config_problems;
 use tongs::config::{BalancePolicy, Config, ConfigError, LimitMode};
 use tongs::demo::DemoOptions;
 use tongs::sim::{Fleet, FleetConfig};
@@ -193,7 +194,7 @@ fn main() -> ExitCode {
             Ok(fleet) => exit_on_error(sim(fleet)),
             Err(err) => bad_config(&err),
         },
-        Command::CheckConfig { file } => match Config::load(&file) {
+        Command::CheckConfig { file } => match Config::load_with(&file, config_problems) {
             Ok(config) => {
                 // A value left as an example's placeholder is a deployment mistake, not a setting.
                 let placeholders = config.placeholders();
@@ -209,7 +210,7 @@ fn main() -> ExitCode {
             }
             Err(err) => bad_config(&err),
         },
-        Command::Run { config: path } => match Config::load(&path) {
+        Command::Run { config: path } => match Config::load_with(&path, config_problems) {
             Ok(config) => exit_on_error(run(config, path)),
             Err(err) => bad_config(&err),
         },

@@ -22,6 +22,7 @@ use std::time::Duration;
 use notify::{EventKind, Watcher};
 use tokio_util::sync::CancellationToken;
 
+use crate::balance::config_problems;
 use crate::config::{Config, ConfigError};
 use crate::metrics::Metrics;
 
@@ -135,7 +136,7 @@ pub fn reload(
             });
         }
     };
-    let config = match Config::parse(text, &path.display().to_string()) {
+    let config = match Config::parse_with(text, &path.display().to_string(), config_problems) {
         Ok(config) => config,
         Err(err) => return Reloaded::Rejected(err),
     };
@@ -151,7 +152,7 @@ pub fn reload(
 fn in_force(current: &Mutex<Config>, path: &Path) -> Option<Vec<u8>> {
     let content = std::fs::read(path).ok()?;
     let text = std::str::from_utf8(&content).ok()?;
-    let config = Config::parse(text, &path.display().to_string()).ok()?;
+    let config = Config::parse_with(text, &path.display().to_string(), config_problems).ok()?;
     let current = current.lock().unwrap_or_else(|p| p.into_inner());
     let same = serde_json::to_value(&config).ok()? == serde_json::to_value(&*current).ok()?;
     same.then_some(content)

@@ -82,7 +82,7 @@ use tokio::time::Instant;
 
 pub use affinity::{Affinity, PrefixIndex, RequestKeys};
 pub use saturation::{Saturation, Unsaturated};
-pub use score::{Cost, Filter, Pipeline, Reads, Scorer, Sight, UnknownScorer};
+pub use score::{Cost, Filter, Pipeline, Reads, Scorer, Sight, UnknownScorer, config_problems};
 
 use crate::config::BalancePolicy;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};

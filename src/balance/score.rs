@@ -9,7 +9,7 @@
 use std::cmp::Ordering;
 use std::fmt;
 
-use crate::config::BalancePolicy;
+use crate::config::{BalancePolicy, Config, Problem};
 use crate::endpoint::{Endpoint, EngineNow};
 
 use super::{PickContext, Registered, SCORERS};
@@ -124,14 +124,36 @@ pub struct UnknownScorer(pub String);
 
 impl fmt::Display for UnknownScorer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let known: Vec<&str> = SCORERS.iter().map(|(name, _)| *name).collect();
         write!(
             f,
             "no scorer is named {:?}; there are {}",
             self.0,
-            known.join(", ")
+            known_names()
         )
     }
+}
+
+/// The registered scorers' names, listed for a reader.
+fn known_names() -> String {
+    let known: Vec<&str> = SCORERS.iter().map(|(name, _)| *name).collect();
+    known.join(", ")
+}
+
+/// What only tongs can check of a configuration: that `balancer.scorers` names registered scorers
+/// (the configuration crate does not know them). tongs loads and reloads its file with these checks
+/// (`Config::load_with`, `Config::parse_with`), so a new scorer is registered in one place.
+pub fn config_problems(config: &Config) -> Vec<Problem> {
+    let Some(scorers) = &config.balancer.scorers else {
+        return Vec::new();
+    };
+    scorers
+        .keys()
+        .filter(|name| !SCORERS.iter().any(|(known, _)| known == name))
+        .map(|name| Problem {
+            field: format!("balancer.scorers.{name}"),
+            message: format!("is no scorer; there are {}", known_names()),
+        })
+        .collect()
 }
 
 impl Pipeline {
@@ -290,11 +312,6 @@ mod tests {
             "no scorer is named \"kv\"; there are expected-latency, least-outstanding, queue, \
              kv-cache, prefix, session"
         );
-        // The configuration knows the same names (it checks `balancer.scorers` with them).
-        assert_eq!(
-            SCORERS.iter().map(|(name, _)| *name).collect::<Vec<_>>(),
-            crate::config::SCORER_NAMES
-        );
         for (name, _) in SCORERS {
             assert_eq!(
                 Pipeline::of(&[(name, 1.0)]).unwrap().scorer_names().next(),
@@ -306,6 +323,38 @@ mod tests {
                 .scorer_names()
                 .collect::<Vec<_>>(),
             ["expected-latency"]
+        );
+    }
+
+    #[test]
+    fn a_configuration_naming_no_scorer_is_refused_with_the_field_and_the_known_names() {
+        let text = "balancer: { scorers: { kv: 1, queue: 1 } }\npools:\n  - name: chat\n    \
+                    match: { models: [chat] }\n    discovery: { static: [{ url: http://a:1 }] }\n    \
+                    balancer: { scorers: { session: 1, nope: 2 } }\n";
+        let err = Config::parse_with(text, "test", config_problems).unwrap_err();
+        let crate::config::ConfigError::Invalid { problems, .. } = err else {
+            panic!("{err}");
+        };
+        let fields: Vec<&str> = problems.iter().map(|p| p.field.as_str()).collect();
+        assert!(fields.contains(&"balancer.scorers.kv"), "{fields:?}");
+        assert!(
+            fields.contains(&"pools[0].balancer.scorers.nope"),
+            "{fields:?}"
+        );
+        assert!(
+            problems[0].message.ends_with("kv-cache, prefix, session"),
+            "{}",
+            problems[0].message
+        );
+        // Without tongs' checks, the configuration crate takes any name.
+        assert!(Config::parse(text, "test").is_ok());
+        assert!(
+            Config::parse_with(
+                "balancer: { scorers: { queue: 1 } }",
+                "test",
+                config_problems
+            )
+            .is_ok()
         );
     }
 }

@@ -7,17 +7,6 @@ use serde::{Deserialize, Serialize};
 use super::{Header, HumanDuration, Problem};
 use crate::openai::prefix::{BLOCK_BYTES_MAX, BLOCK_BYTES_MIN};
 
-/// Every scorer tongs has, by the name `balancer.scorers` gives it. tongs' own registry of scorers
-/// (`balance::SCORERS`) must list the same names; a test there checks it.
-pub const SCORER_NAMES: &[&str] = &[
-    "expected-latency",
-    "least-outstanding",
-    "queue",
-    "kv-cache",
-    "prefix",
-    "session",
-];
-
 /// What `balancer.scorers` is when the file leaves it out: `policy`'s scorer, then the model
 /// servers' own load and the affinities, each with the weight that works untuned on a fleet that serves
 /// metrics and on one that does not (a scorer without its signal scores every node alike).
@@ -118,12 +107,8 @@ impl BalancerConfig {
             |field: String, message: String| problems.push(Problem { field, message });
         if let Some(scorers) = &self.scorers {
             for (name, weight) in scorers {
-                if !SCORER_NAMES.contains(&name.as_str()) {
-                    problem(
-                        format!("balancer.scorers.{name}"),
-                        format!("is no scorer; there are {}", SCORER_NAMES.join(", ")),
-                    );
-                } else if !(0.0..=100.0).contains(weight) {
+                // Whether `name` is a scorer, tongs checks: it registers them ([`super::Checks`]).
+                if !(0.0..=100.0).contains(weight) {
                     problem(
                         format!("balancer.scorers.{name}"),
                         format!("must be a weight from 0 to 100, got {weight}"),

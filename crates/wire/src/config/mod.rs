@@ -32,7 +32,7 @@ pub use address::{AddressGuard, guard, parse_address};
 pub use auth::{AuthConfig, TenantConfig, TenantPriority, parse_keys, tenant_name};
 pub use balance::{
     AffinityConfig, BalancePolicy, BalancerConfig, ConcurrencyConfig, LimitMode, QueueConfig,
-    SCORER_NAMES, default_scorers,
+    default_scorers,
 };
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
@@ -180,14 +180,29 @@ fn list(problems: &[Problem]) -> String {
         .join("\n")
 }
 
+/// What the proxy checks of a configuration beyond what this crate knows (the names of its scorers,
+/// which it registers itself), as problems named by field like the rest; run on the whole
+/// configuration and on each pool's.
+pub type Checks = fn(&Config) -> Vec<Problem>;
+
+/// No checks beyond this crate's own.
+fn no_checks(_: &Config) -> Vec<Problem> {
+    Vec::new()
+}
+
 impl Config {
     /// Reads, parses and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_with(path, no_checks)
+    }
+
+    /// [`Config::load`], with the proxy's own `checks` besides.
+    pub fn load_with(path: &Path, checks: Checks) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
             source,
         })?;
-        Config::parse(&text, &path.display().to_string())
+        Config::parse_with(&text, &path.display().to_string(), checks)
     }
 
     /// Parses and validates config text; `origin` names it in errors (a file path, usually).
@@ -196,6 +211,11 @@ impl Config {
     /// ConfigMap caught half-written, or mounted before it was filled, than a wish for every default,
     /// and on a reload it would drop every configured endpoint. `{}` asks for every default.
     pub fn parse(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        Config::parse_with(text, origin, no_checks)
+    }
+
+    /// [`Config::parse`], with the proxy's own `checks` besides.
+    pub fn parse_with(text: &str, origin: &str, checks: Checks) -> Result<Config, ConfigError> {
         let blank = text.lines().all(|line| {
             let line = line.trim();
             line.is_empty() || line.starts_with('#') || line == "---" || line == "..."
@@ -211,11 +231,16 @@ impl Config {
                 }],
             });
         }
-        parse_validated(text, origin, Config::validate)
+        parse_validated(text, origin, |config: &Config| config.validate_with(checks))
     }
 
     /// Checks what the types alone cannot; returns every problem, not just the first.
     pub fn validate(&self) -> Vec<Problem> {
+        self.validate_with(no_checks)
+    }
+
+    /// [`Config::validate`], with the proxy's own `checks` besides.
+    pub fn validate_with(&self, checks: Checks) -> Vec<Problem> {
         let mut problems = Vec::new();
         let mut problem =
             |field: String, message: String| problems.push(Problem { field, message });
@@ -336,7 +361,8 @@ impl Config {
         self.auth.validate(&mut problems);
         self.replicas.validate(&mut problems);
         self.tracing.validate(&mut problems);
-        self.validate_pools(&mut problems);
+        self.validate_pools(&mut problems, checks);
+        problems.extend(checks(self));
         problems
     }
 

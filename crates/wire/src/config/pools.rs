@@ -207,7 +207,7 @@ impl Config {
     }
 
     /// The problems of `pools`, each field named from `pools[i]`.
-    pub(super) fn validate_pools(&self, problems: &mut Vec<Problem>) {
+    pub(super) fn validate_pools(&self, problems: &mut Vec<Problem>, checks: super::Checks) {
         let mut problem =
             |field: String, message: String| problems.push(Problem { field, message });
         if self.pools.len() > MAX_POOLS {
@@ -291,7 +291,7 @@ impl Config {
                 Ok(config) => {
                     // The pool's own sections, checked as the top-level ones are; problems of what it
                     // inherits are the top level's, named there.
-                    let own = config.validate().into_iter().filter(|p| {
+                    let own = config.validate_with(checks).into_iter().filter(|p| {
                         OVERRIDABLE
                             .iter()
                             .any(|section| p.field.starts_with(section))
