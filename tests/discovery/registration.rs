@@ -7,8 +7,10 @@
 //! through a kubeconfig); the GPU nodes the pods stand for are in-process backends on loopback addresses.
 
 use std::collections::BTreeSet;
+use std::time::Duration;
 
 use http::Request;
+use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
 use crate::harness::*;
@@ -502,5 +504,74 @@ async fn a_node_that_says_it_is_going_drains_through_its_pod_annotation() {
     )
     .await;
     assert_eq!(drained, 1.0);
+    cluster.finish(proxy).await;
+}
+
+/// A node that says it goes in 5 s (`POST /v1/nodes/drain`) while it holds a stream with 8 s to go:
+/// through its pod's annotation tongs moves the stream to the other pod before then, and the client
+/// reads one whole stream, exactly what one node would have written. The nodes are the simulator's
+/// (they answer `/v1/completions` as vLLM does), on their own loopback addresses.
+#[tokio::test]
+async fn a_node_that_says_it_goes_in_5_s_has_its_stream_moved_whole() {
+    const TOKENS: u32 = 160;
+    let cluster = Cluster::start("tongs-drain-move").await;
+    let api = &cluster.api;
+    let mut specs = sim_nodes(2, Duration::from_secs(8), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS;
+    });
+    for (i, spec) in specs.iter_mut().enumerate() {
+        spec.listen = format!("127.0.0.{}:0", 8 + i).parse().expect("an address");
+    }
+    let fleet = sim_fleet(3, specs).await;
+    let names = ["node-0", "node-1"];
+    for (node, name) in fleet.nodes().iter().zip(names) {
+        serve_pod(api, name, &node.addr().ip().to_string(), node.addr().port());
+    }
+    let token_file = cluster.file("token", "s3cret-token\n");
+    let token_setting = format!("registration: {{ token_file: {} }}", token_file.display());
+    let proxy = start_proxy(cluster.config(&[LOOPBACK_PODS, &token_setting], "")).await;
+    let urls_wanted: Vec<String> = fleet.urls();
+    until_urls(&proxy, &[&urls_wanted[0], &urls_wanted[1]]).await;
+
+    let request = tongs::demo::build_request(&proxy.url(""), 40, true, TOKENS)
+        .map(|body| body.map_err(|never| match never {}).boxed());
+    let read = tokio::spawn(exchange(request));
+    let fleet_ref = &fleet;
+    eventually("a node holds the stream", HANG, || {
+        fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
+    })
+    .await;
+    let holder = fleet
+        .nodes()
+        .iter()
+        .position(|n| n.stats().in_flight == 1)
+        .expect("the node holding the stream");
+    let notice = json!({"namespace": NS, "pod": names[holder], "uid": uid_of(api, names[holder]),
+        "seconds": 5});
+    let (status, answer) = drain(&proxy, Some("s3cret-token"), &notice).await;
+    assert_eq!(status, 200, "{answer}");
+
+    let (head, body) = tokio::time::timeout(HANG, read)
+        .await
+        .expect("the stream ends")
+        .expect("the reading task");
+    assert_eq!(head.status, 200);
+    assert_eq!(
+        tongs::demo::check_completion(40, true, TOKENS, body.as_bytes()),
+        Ok(()),
+        "{body}"
+    );
+    assert_eq!(sample(&proxy, "tongs_streams_moved_total").await, 1.0);
+    assert_eq!(sample(&proxy, "tongs_streams_cut_total").await, 0.0);
+    assert_eq!(
+        fleet.nodes()[1 - holder].stats().received,
+        1,
+        "continued on the other node"
+    );
+    assert_eq!(
+        urls(&proxy).await,
+        BTreeSet::from([urls_wanted[1 - holder].clone()])
+    );
     cluster.finish(proxy).await;
 }
