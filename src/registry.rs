@@ -100,7 +100,7 @@ impl Registry {
         let mut outstanding = 0u64;
         let mut capacity = Some(0u64);
         let mut endpoints = 0u64;
-        for endpoint in self.departing() {
+        for endpoint in self.departing(&snapshot) {
             outstanding += endpoint.outstanding();
         }
         for endpoint in snapshot.iter() {
@@ -175,10 +175,11 @@ impl Registry {
     }
 
     /// Endpoints that left the set and still hold requests (a deleted pod's streams until they end or
-    /// move), whose URL is not back in the set: what `/debug/endpoints` and the metrics show as
-    /// draining besides the set. Those that hold nothing any more are forgotten here.
-    pub fn departing(&self) -> Vec<Arc<Endpoint>> {
-        let snapshot = self.snapshot.load();
+    /// move), as seen beside `set`, the snapshot the caller read: those whose URL is in `set` are left
+    /// out (so no endpoint counts twice, whichever snapshot the caller got), and of two with one URL
+    /// only the later. What `/debug/endpoints` and the metrics show as draining besides the set. Those
+    /// that hold nothing any more are forgotten here.
+    pub fn departing(&self, set: &[Arc<Endpoint>]) -> Vec<Arc<Endpoint>> {
         let mut departed = self.departed.lock().unwrap_or_else(|p| p.into_inner());
         let mut holding = Vec::new();
         departed.retain(|weak| match weak.upgrade() {
@@ -188,8 +189,20 @@ impl Registry {
             }
             _ => false,
         });
-        holding.retain(|endpoint| !snapshot.iter().any(|e| e.url() == endpoint.url()));
-        holding
+        drop(departed);
+        if holding.is_empty() {
+            return holding;
+        }
+        // One pass over the set, whatever its size: the departing are few.
+        let mut seen: std::collections::HashSet<&str> = set.iter().map(|e| e.url()).collect();
+        let mut kept: Vec<Arc<Endpoint>> = holding
+            .iter()
+            .rev()
+            .filter(|endpoint| seen.insert(endpoint.url()))
+            .cloned()
+            .collect();
+        kept.reverse();
+        kept
     }
 
     /// The endpoints right now, as an owned handle (for holding across awaits).
@@ -668,7 +681,7 @@ mod tests {
         let on_b = b.start_request();
         drop(b);
         registry.replace(vec![spec("http://c:1", 1)]);
-        let departing = registry.departing();
+        let departing = registry.departing(&registry.snapshot());
         let mut departing: Vec<&str> = departing.iter().map(|e| e.url()).collect();
         departing.sort_unstable();
         assert_eq!(departing, ["http://a:1", "http://b:1"]);
@@ -678,16 +691,29 @@ mod tests {
 
         // b's request ends: b is forgotten, and nothing keeps it alive.
         drop(on_b);
-        let departing = registry.departing();
+        let departing = registry.departing(&registry.snapshot());
         assert_eq!(departing.len(), 1);
         assert!(Arc::ptr_eq(&departing[0], &a));
         drop(departing);
         // a's URL back in the set: the new endpoint shows, not the old one still finishing.
         registry.replace(vec![spec("http://a:1", 1), spec("http://c:1", 1)]);
-        assert!(registry.departing().is_empty());
+        assert!(registry.departing(&registry.snapshot()).is_empty());
+        let new_a = serving(&registry, "http://a:1").unwrap();
+        let on_new_a = new_a.start_request();
+        // A reader that still holds the set from before a's removal counts a once, in that set.
+        let before = registry.snapshot_full();
         registry.replace(vec![spec("http://c:1", 1)]);
-        drop(held);
-        assert!(registry.departing().is_empty(), "nothing is left on a");
+        assert!(registry.departing(&before).is_empty());
+        // Two departed endpoints of one URL show once: the later.
+        let departing = registry.departing(&registry.snapshot());
+        assert_eq!(departing.len(), 1);
+        assert!(Arc::ptr_eq(&departing[0], &new_a));
+        drop(departing);
+        drop((held, on_new_a));
+        assert!(
+            registry.departing(&registry.snapshot()).is_empty(),
+            "nothing is left on either a"
+        );
     }
 
     #[test]

@@ -69,10 +69,9 @@ impl AdminState {
         );
         let registry = pool.registry();
         // The set, then those that left it with requests still on them (shown draining).
-        registry
-            .snapshot()
-            .iter()
-            .chain(registry.departing().iter())
+        let set = registry.snapshot();
+        set.iter()
+            .chain(registry.departing(&set).iter())
             .map(|endpoint| endpoint.view(now, slow_start, max_age))
             .collect()
     }
