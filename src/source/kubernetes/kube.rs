@@ -85,7 +85,8 @@ pub struct Changes {
     /// Endpoints that joined or changed.
     pub added: Vec<EndpointSpec>,
     /// URLs of endpoints that left because their pod is being deleted or its node said it is going,
-    /// with when it goes (Unix milliseconds): their streams move before then (see [`Outlet::publish`]).
+    /// with when it goes (Unix milliseconds; a time past: at once): their streams move before then
+    /// (see [`Outlet::publish`]).
     pub leaving: Vec<(String, Option<i64>)>,
 }
 
@@ -265,9 +266,10 @@ impl Tracker {
             if let Some(old) = old_spec {
                 if derived.spec.is_none() && (facts.terminating || facts.drain_at_ms.is_some()) {
                     // A deleted pod's node may go at once (a virtual kubelet stops it then) unless its
-                    // grace period is trusted; a drain annotation is the node's own word.
+                    // grace period is trusted: a time long past says so, and wins over any later time
+                    // the node itself gave. A drain annotation is the node's own word.
                     let at = match (facts.deleting_at_ms, facts.drain_at_ms) {
-                        (Some(_), _) if !self.rules.config().trust_grace_period => None,
+                        (Some(_), _) if !self.rules.config().trust_grace_period => Some(i64::MIN),
                         (Some(deleting), Some(drain)) => Some(deleting.min(drain)),
                         (deleting, drain) => deleting.or(drain),
                     };
@@ -617,7 +619,7 @@ mod tests {
         assert_eq!(
             changes.leaving,
             [
-                ("http://10.0.0.1:8000".to_owned(), None),
+                ("http://10.0.0.1:8000".to_owned(), Some(i64::MIN)),
                 ("http://10.0.0.3:8000".to_owned(), Some(1_800_000_010_000))
             ],
             "a deleted pod may go at once: its grace period is not trusted by default"
