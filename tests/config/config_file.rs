@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 
+use tongs::balance::config_problems;
 use tongs::config::Config;
 
 /// Dotted paths of every key in a YAML document that holds a value or a list (sections themselves are
@@ -56,7 +57,7 @@ fn all_keys() -> BTreeSet<String> {
 fn example_config_is_valid_and_has_every_key() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/tongs.yaml");
     let text = std::fs::read_to_string(path).unwrap();
-    Config::parse(&text, path).unwrap_or_else(|err| panic!("{err}"));
+    Config::parse_with(&text, path, config_problems).unwrap_or_else(|err| panic!("{err}"));
     let value: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
     let mut present = BTreeSet::new();
     key_paths(&value, "", &mut present);

@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 
 use k8s_openapi::api::core::v1::{Container, PodSpec};
 use serde_json::Value;
+use tongs::balance::config_problems;
 use tongs::config::{Config, parse_yaml};
 
 use crate::objects::Objects;
@@ -71,7 +72,7 @@ pub(crate) fn mounted_config(
     Some((config, text.clone()))
 }
 
-/// Parses and validates tongs.yaml as `Config::parse` does (`parse_yaml`, then `validate`), as it
+/// Parses and validates tongs.yaml as tongs does (`parse_yaml`, then `validate_with` tongs' checks), as it
 /// would in tongs' pod: validation reads some files (`admin.bearer_token_file`,
 /// `discovery.kubernetes.registration.token_file`), and one that the pod gets from a Secret volume
 /// (`secrets`) exists only there, so a placeholder file stands in for it. Whether the Secret really is
@@ -98,7 +99,7 @@ pub(crate) fn parse_config(
             *file = Some(placeholder_secret());
         }
     }
-    let remaining = in_the_pod.validate();
+    let remaining = in_the_pod.validate_with(config_problems);
     ensure!(
         problems,
         at,

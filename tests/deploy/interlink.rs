@@ -20,6 +20,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Toleration;
 use serde_json::{Value, json};
+use tongs::balance::config_problems;
 use tongs::config::{Config, Rule};
 use tongs::source::kubernetes::object::WatchedPod;
 use tongs::source::kubernetes::pods::{PodFacts, PodState, Reason, Rules};
@@ -109,7 +110,7 @@ fn tongs_config(documents: &[Value], problems: &mut Problems) -> Option<Config> 
         );
         return None;
     };
-    Config::parse(text, OVERLAY)
+    Config::parse_with(text, OVERLAY, config_problems)
         .map_err(|err| problems.fail(OVERLAY, format!("tongs.yaml: {err}")))
         .ok()
 }
