@@ -307,7 +307,8 @@ mod tests {
                 };
                 let fleet = demo_fleet(&options);
                 let planned: usize = fleet.planned(options.duration).iter().map(Vec::len).sum();
-                let fixed = options.nodes.min(InterruptionKind::ALL.len());
+                // One of each kind, and the announced one on the next node.
+                let fixed = options.nodes.min(InterruptionKind::ALL.len() + 1);
                 planned - fixed
             })
             .collect()

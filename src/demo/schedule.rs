@@ -56,11 +56,13 @@ struct Out {
 
 impl Out {
     fn new(node: usize, capacity: f64, interruption: &Interruption) -> Out {
-        let start = interruption.at.get();
+        // A node that said it goes takes no new request from then on.
+        let notice = interruption.notice.map_or(Duration::ZERO, |n| n.get());
+        let start = interruption.at.get().saturating_sub(notice);
         Out {
             node,
             start,
-            end: start + interruption.duration.get(),
+            end: interruption.at.get() + interruption.duration.get(),
             lost: capacity * lost_share(interruption),
             interruption: interruption.clone(),
         }

@@ -305,20 +305,22 @@ async fn scheduled_interruptions_begin_and_end_on_time() {
 }
 
 /// An interruption with notice: the node says it goes (`x-tongs-drain` on its heartbeat answers, with
-/// the seconds left) from `at − notice`, then goes at `at` and no longer says so.
+/// the seconds left) from `at − notice`, then goes at `at` and no longer says so. The checks of what
+/// `/health` answers are made only with half a second or more to spare before the next change.
 #[tokio::test]
 async fn an_interruption_with_notice_is_announced_then_happens() {
     let mut spec = exact("a", 5);
     spec.response = ResponseKind::Json;
     spec.interruptions = vec![Interruption {
         kind: InterruptionKind::Refuse,
-        at: HumanDuration::from_millis(1500),
+        at: HumanDuration::from_secs(4),
         duration: HumanDuration::from_secs(30),
         factor: 1.0,
-        notice: Some(HumanDuration::from_millis(1200)),
+        notice: Some(HumanDuration::from_secs(3)),
     }];
     let fleet = fleet(vec![spec], 1).await;
     let node = &fleet.nodes()[0];
+    let started = fleet.started();
     let health = format!("{}/health", node.url());
     let drain = || async {
         let (head, _) = exchange(Request::get(&health).body(full("")).expect("URL")).await;
@@ -326,22 +328,21 @@ async fn an_interruption_with_notice_is_announced_then_happens() {
             .get("x-tongs-drain")
             .map(|v| v.to_str().expect("text").parse::<f64>().expect("seconds"))
     };
-    // Before the notice: nothing said (unless this machine was slow to get here).
-    if node.leaving_in().is_none() && node.condition() == Condition::Up {
-        assert_eq!(drain().await, None);
+    if started.elapsed() < Duration::from_millis(500) {
+        assert_eq!(drain().await, None, "nothing said before the notice");
     }
     eventually("the node says it goes", Duration::from_secs(5), || {
-        node.leaving_in().is_some() || node.condition() != Condition::Up
+        node.leaving_in().is_some()
     })
     .await;
-    if node.condition() == Condition::Up {
+    if started.elapsed() < Duration::from_millis(3500) {
         let left = drain().await;
         assert!(
-            left.is_some_and(|left| (0.0..=1.2).contains(&left)),
+            left.is_some_and(|left| (0.4..=3.0).contains(&left)),
             "{left:?}"
         );
     }
-    eventually("the node goes", Duration::from_secs(5), || {
+    eventually("the node goes", Duration::from_secs(8), || {
         node.condition() == interrupted_with(InterruptionKind::Refuse, 1.0)
     })
     .await;
