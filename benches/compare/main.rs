@@ -665,6 +665,21 @@ async fn open_loop_row(scenario: Scenario, proxy: Proxy, settings: &Settings) ->
     } else {
         None
     };
+    if matches!(scenario, Scenario::Announced | Scenario::Unannounced) {
+        // Where a continued stream's wait for its first token can come from: a node that had more
+        // requests than slots queued the rest.
+        for node in fleet.nodes() {
+            let stats = node.stats();
+            eprintln!(
+                "compare: {} {}: most in flight {} (serves {} at once), most waiting {}",
+                running.label,
+                node.name(),
+                stats.peak_in_flight,
+                node.spec().capacity,
+                stats.max_waiting
+            );
+        }
+    }
     let row = Row {
         scenario,
         proxy: Some(proxy),
