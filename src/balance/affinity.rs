@@ -12,9 +12,10 @@
 //! saturation among them), the one ranked first by weighted rendezvous hashing (highest random weight:
 //! each node's score is `−weight ÷ ln(u)`, `u` a uniform draw from the hash of the key and the node's
 //! URL). A node that leaves moves only the keys it was home to, each to its next-ranked node, so a
-//! conversation whose node is interrupted moves as a whole to one node; a node that joins becomes home
-//! to its share of keys. The conversation key comes from the prompt; the session key from
-//! `balancer.affinity.session_header` or the OpenAI `user` field.
+//! conversation whose node is interrupted moves as a whole to one node (its next turns; a broken
+//! stream's continuation is placed without its home, by load: see `proxy::continuation`); a node
+//! that joins becomes home to its share of keys. The conversation key comes from the prompt; the
+//! session key from `balancer.affinity.session_header` or the OpenAI `user` field.
 
 use std::sync::Mutex;
 

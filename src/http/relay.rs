@@ -15,7 +15,7 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame};
 use tokio::time::Instant;
 
-use super::body::{BoxError, Guard, ProxyBody, TotalTimeout};
+use super::body::{BoxError, Guard, ProxyBody, StreamCut, TotalTimeout};
 use crate::openai::sse::{Events, MAX_EVENT_BYTES};
 use crate::openai::{AfterCut, Splicer};
 
@@ -26,12 +26,23 @@ pub type Resuming =
 
 /// Continues a broken stream on another endpoint (implemented by the request path).
 pub trait Resume: Send {
-    /// Sends `request`, the continuation's body, to an endpoint not yet tried for this request. `why`
-    /// says how the last piece broke, `silent` how long the client has had nothing by then.
-    fn resume(self: Box<Self>, request: Vec<u8>, why: String, silent: Duration) -> Resuming;
+    /// Sends `request`, the continuation's body, to an endpoint not yet tried for this request.
+    fn resume(self: Box<Self>, request: Vec<u8>, broke: Broke) -> Resuming;
     /// The stream broke and was not continued: it was complete but for its end (`None`: tongs wrote
     /// the end), or it could not be continued safely (the reason).
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str);
+}
+
+/// How the last piece of a stream broke.
+#[derive(Debug)]
+pub struct Broke {
+    /// What broke it, in words.
+    pub why: String,
+    /// How long the client has had nothing by then.
+    pub silent: Duration,
+    /// tongs ended it itself, since its node said it is going ([`StreamCut::Moved`]): the node still
+    /// serves, and the move has time to spare.
+    pub planned: bool,
 }
 
 /// A relayed, continuable stream.
@@ -97,8 +108,16 @@ impl Relay {
         match after {
             AfterCut::Continue(request) => {
                 self.piece = Box::pin(ProxyBody::empty());
-                let silent = self.last_event.elapsed();
-                self.resuming = Some(resumer.resume(request, why, silent));
+                let planned = error
+                    .as_ref()
+                    .and_then(|e| e.downcast_ref::<StreamCut>())
+                    .is_some_and(|cut| matches!(cut, StreamCut::Moved));
+                let broke = Broke {
+                    why,
+                    silent: self.last_event.elapsed(),
+                    planned,
+                };
+                self.resuming = Some(resumer.resume(request, broke));
             }
             AfterCut::Complete => {
                 resumer.not_continued(None, &why);

@@ -9,7 +9,6 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -18,13 +17,13 @@ use tokio::time::Instant;
 
 use super::acquire::Tried;
 use super::attempt::{Attempt, Sending};
-use super::hedge::Race;
+use super::hedge::{Hedging, Race};
 use super::request::Template;
 use super::respond::Piece;
 use super::retrying::{self, Attempts, Next, Retrying};
 use super::{Proxy, ProxySettings, WorkerPath};
 use crate::admission::Place;
-use crate::http::relay::{Relay, Resume, Resuming};
+use crate::http::relay::{Broke, Relay, Resume, Resuming};
 use crate::http::{BoxError, ProxyBody};
 use crate::metrics::Continuation;
 use crate::openai::{Continuable, Splicer};
@@ -123,8 +122,8 @@ impl Proxy {
 }
 
 impl Resume for Continuer {
-    fn resume(self: Box<Self>, request: Vec<u8>, why: String, silent: Duration) -> Resuming {
-        Box::pin(self.continue_elsewhere(Bytes::from(request), why, silent))
+    fn resume(self: Box<Self>, request: Vec<u8>, broke: Broke) -> Resuming {
+        Box::pin(self.continue_elsewhere(Bytes::from(request), broke))
     }
 
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str) {
@@ -174,9 +173,13 @@ impl Continuer {
     async fn continue_elsewhere(
         mut self: Box<Self>,
         request: Bytes,
-        why: String,
-        silent: Duration,
+        broke: Broke,
     ) -> Result<(ProxyBody, Box<dyn Resume>), BoxError> {
+        let Broke {
+            why,
+            silent,
+            planned,
+        } = broke;
         if self.taken >= self.settings.continuation.max {
             let reason = "continuation.max_continuations reached";
             return Err(self.refuse(Continuation::Limit, why, reason));
@@ -206,8 +209,24 @@ impl Continuer {
             sending.body.bytes(),
             self.template.headers(),
         );
+        // Without its conversation's home, though. The node that held this prompt is the one the
+        // stream leaves, and the answer so far was never sent anywhere else, so the home (the next
+        // node in rendezvous order) holds none of it, yet would be preferred until it is several times
+        // as loaded as the best other: a node full to its batch queues the continuation, and the client
+        // sees that queue as the stream's pause. So a continuation goes by load, and by what the
+        // prefix index says this replica sent where (earlier turns of the conversation, wherever they
+        // went). The conversation's next turn goes home again, or follows the continuation.
+        if let Some(keys) = self.tried.keys.as_mut() {
+            keys.prompt.conversation = None;
+        }
         let started = Instant::now();
-        let outcome = tokio::time::timeout_at(self.deadline, self.attempts(&sending)).await;
+        let hedging = if planned {
+            Hedging::AtOnce
+        } else {
+            Hedging::WhenLate
+        };
+        let outcome =
+            tokio::time::timeout_at(self.deadline, self.attempts(&sending, hedging)).await;
         let request_id = self.request_id.to_str().unwrap_or_default().to_owned();
         match outcome {
             Ok(Ok((piece, endpoint))) => {
@@ -245,7 +264,11 @@ impl Continuer {
     }
 
     /// Attempts of the continuation, like a request's: the first spliceable stream is the next piece.
-    async fn attempts(&mut self, sending: &Sending) -> Result<(ProxyBody, Arc<str>), String> {
+    async fn attempts(
+        &mut self,
+        sending: &Sending,
+        hedging: Hedging,
+    ) -> Result<(ProxyBody, Arc<str>), String> {
         let settings = Arc::clone(&self.settings);
         let mut attempts = Attempts::for_continuation(&settings.retry);
         let mut detail = "no endpoint left to try".to_owned();
@@ -276,7 +299,7 @@ impl Continuer {
                     .build(&mut slot, attempt_body, AttemptKind::Continuation),
                 slot,
                 template: &self.template,
-                hedgeable: true,
+                hedging,
             };
             let proxy = Arc::clone(&self.proxy);
             match proxy

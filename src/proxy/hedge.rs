@@ -82,6 +82,7 @@ impl Timing {
         started: Instant,
         expected: Duration,
         own: Option<Duration>,
+        hedging: Hedging,
     ) -> Timing {
         let hedge_after = expected
             .mul_f64(settings.hedge.after_multiplier)
@@ -99,9 +100,14 @@ impl Timing {
         if own.is_none() {
             stall_after = stall_after.max(settings.stream.first_token_idle);
         }
+        let hedge_at = if hedging == Hedging::AtOnce {
+            started
+        } else {
+            started + hedge_after
+        };
         Timing {
             started,
-            hedge_at: started + hedge_after,
+            hedge_at,
             stall_at: started + stall_after,
         }
     }
@@ -131,16 +137,33 @@ const STALLED_LOOK_AGAIN: Duration = Duration::from_millis(100);
 enum Spend {
     /// A hedge: the hedge budget and the retry budget.
     Hedge,
+    /// A planned move's second attempt, sent at once: the retry budget alone. Moves are bounded by
+    /// the streams of the nodes that said they go, not by the request rate the hedge budget follows.
+    Move,
     /// An attempt past its stall point with no hedge beside it: the retry budget alone.
     Retry,
 }
 
-/// The attempt to run: its slot, its request, and whether it may be hedged.
+/// Whether an attempt may get a second one beside it, and when.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Hedging {
+    /// Never (the client opted out of retries): only its stall point is watched.
+    Never,
+    /// Once it has waited past its hedge delay.
+    WhenLate,
+    /// At once: a stream moving off a node that said it goes. The client waits for the new node's
+    /// first token, and the move has time to spare, so it is sent to two nodes and the first to
+    /// answer is kept: a node that queues it (full to its batch, which tongs may not know) or a slow
+    /// prefill costs the client nothing while the other answers.
+    AtOnce,
+}
+
+/// The attempt to run: its slot, its request, and whether and when it may be hedged.
 pub(super) struct Race<'a> {
     pub slot: Slot,
     pub request: Request<UpstreamBody>,
     pub template: &'a Template,
-    pub hedgeable: bool,
+    pub hedging: Hedging,
 }
 
 /// One race's own state: the first attempt's endpoint and timing, and what its stall point found;
@@ -169,7 +192,7 @@ impl<'a> Racer<'a> {
         worker: &'a WorkerPath,
         template: &'a Template,
         endpoint: &Arc<Endpoint>,
-        hedgeable: bool,
+        hedging: Hedging,
     ) -> Racer<'a> {
         let settings = &*sending.settings;
         let started = Instant::now();
@@ -190,8 +213,10 @@ impl<'a> Racer<'a> {
             template,
             body: &sending.body,
             endpoint: Arc::clone(endpoint),
-            timing: Timing::new(settings, started, expected, own),
-            replayable: hedgeable && settings.hedge.enabled && sending.body.is_buffered(),
+            timing: Timing::new(settings, started, expected, own, hedging),
+            replayable: hedging != Hedging::Never
+                && settings.hedge.enabled
+                && sending.body.is_buffered(),
             stalled: false,
             found_alone: false,
         }
@@ -250,21 +275,27 @@ impl<'a> Racer<'a> {
         let endpoint = Arc::clone(slot.outstanding.endpoint());
         tried.push(endpoint.id());
         proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
-        if hedge {
-            proxy.stats.hedges.fetch_add(1, Ordering::Relaxed);
-            tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
-        } else {
-            proxy.stats.retries.count(FailureKind::Timeout);
-            tracing::debug!(
-                endpoint = endpoint.url(),
-                "a stalled attempt gets a second one"
-            );
-        }
-        let kind = if hedge {
-            AttemptKind::Hedge
-        } else {
-            AttemptKind::Stalled
+        let kind = match spend {
+            Spend::Hedge => {
+                tracing::debug!(endpoint = endpoint.url(), "hedging a slow attempt");
+                AttemptKind::Hedge
+            }
+            Spend::Move => {
+                tracing::debug!(endpoint = endpoint.url(), "a moving stream races two nodes");
+                AttemptKind::Hedge
+            }
+            Spend::Retry => {
+                proxy.stats.retries.count(FailureKind::Timeout);
+                tracing::debug!(
+                    endpoint = endpoint.url(),
+                    "a stalled attempt gets a second one"
+                );
+                AttemptKind::Stalled
+            }
         };
+        if kind == AttemptKind::Hedge {
+            proxy.stats.hedges.fetch_add(1, Ordering::Relaxed);
+        }
         let request = self.template.build(&mut slot, attempt_body, kind);
         Some((slot, request))
     }
@@ -327,10 +358,10 @@ impl Proxy {
             slot,
             request,
             template,
-            hedgeable,
+            hedging,
         } = race;
         let endpoint = Arc::clone(slot.outstanding.endpoint());
-        let mut racer = Racer::new(self, sending, worker, template, &endpoint, hedgeable);
+        let mut racer = Racer::new(self, sending, worker, template, &endpoint, hedging);
         let timing = racer.timing;
         let mut may_hedge = racer.replayable;
         let mut first = Box::pin(Arc::clone(self).attempt(sending.clone(), request, slot));
@@ -353,7 +384,11 @@ impl Proxy {
                 outcome = &mut first => return outcome,
                 () = &mut timer => {
                     let spend = if std::mem::take(&mut may_hedge) {
-                        Spend::Hedge
+                        if hedging == Hedging::AtOnce {
+                            Spend::Move
+                        } else {
+                            Spend::Hedge
+                        }
                     } else {
                         // Past its stall point and still unhedged (the hedge budget was spent, or
                         // no endpoint had room then): a second attempt elsewhere beside it, as a
@@ -385,7 +420,7 @@ impl Proxy {
                 },
                 outcome = &mut second, if !second_done => match outcome {
                     Attempt::Committed(committed) => {
-                        if spent == Spend::Hedge {
+                        if spent != Spend::Retry {
                             self.stats.hedges_won.fetch_add(1, Ordering::Relaxed);
                         }
                         if !first_done {
@@ -436,14 +471,14 @@ mod tests {
     async fn hedges_fire_at_a_multiple_of_the_expected_latency_and_never_before_the_floor() {
         let settings = ProxySettings::from_config(&Config::default());
         let now = Instant::now();
-        let fast = Timing::new(&settings, now, Duration::from_millis(10), Some(ms(10)));
+        let fast = Timing::new(&settings, now, ms(10), Some(ms(10)), Hedging::WhenLate);
         assert_eq!(fast.hedge_at - now, Duration::from_millis(250), "the floor");
         assert_eq!(
             fast.stall_at - now,
             Duration::from_millis(500),
             "twice the hedge delay"
         );
-        let slow = Timing::new(&settings, now, Duration::from_millis(400), Some(ms(400)));
+        let slow = Timing::new(&settings, now, ms(400), Some(ms(400)), Hedging::WhenLate);
         assert_eq!(
             slow.hedge_at - now,
             Duration::from_millis(1200),
@@ -456,14 +491,18 @@ mod tests {
         );
         // A node slower than the fleet, idle long enough that its estimate drifted back to the
         // fleet's: hedged at the fleet's pace, judged by its own.
-        let drifted = Timing::new(&settings, now, ms(100), Some(ms(1000)));
+        let drifted = Timing::new(&settings, now, ms(100), Some(ms(1000)), Hedging::WhenLate);
         assert_eq!(drifted.hedge_at - now, ms(300));
         assert_eq!(drifted.stall_at - now, ms(6000));
         // A node that never answered: hedged at the fleet's pace, not judged before
         // stream.first_token_idle (10 s).
-        let new = Timing::new(&settings, now, ms(100), None);
+        let new = Timing::new(&settings, now, ms(100), None, Hedging::WhenLate);
         assert_eq!(new.hedge_at - now, ms(300));
         assert_eq!(new.stall_at - now, Duration::from_secs(10));
+        // A planned move races at once; its stall point is a late hedge's.
+        let moving = Timing::new(&settings, now, ms(400), Some(ms(400)), Hedging::AtOnce);
+        assert_eq!(moving.hedge_at, now);
+        assert_eq!(moving.stall_at, slow.stall_at);
     }
 
     #[tokio::test(start_paused = true)]

@@ -40,7 +40,7 @@ pub use self::acquire::PickExplanation;
 use self::acquire::{Stop, Tried};
 use self::attempt::{Attempt, Committed, Failure, Sending};
 use self::continuation::Committing;
-use self::hedge::{HedgeBudget, Race};
+use self::hedge::{HedgeBudget, Hedging, Race};
 pub use self::receive::{Intake, Received};
 use self::request::ClientRequest;
 use self::retrying::{Attempts, Next, Retrying};
@@ -448,7 +448,11 @@ impl Proxy {
                     .build(&mut slot, attempt_body, AttemptKind::Next),
                 slot,
                 template: &request.template,
-                hedgeable: retries_wanted,
+                hedging: if retries_wanted {
+                    Hedging::WhenLate
+                } else {
+                    Hedging::Never
+                },
             };
             let failure = match self.race(&sending, worker, &mut tried, race).await {
                 Attempt::Committed(committed) => {

@@ -453,3 +453,178 @@ async fn a_stream_on_a_node_that_announces_its_end_moves_before_the_node_goes() 
     assert_eq!(sample(&proxy, "tongs_streams_cut_total").await, 0.0);
     proxy.stop().await;
 }
+
+/// A moved stream is placed by load, not at its conversation's home. Once its node drains, the home
+/// is the next node in rendezvous order, which holds none of the answer so far; preferred there, the
+/// continuation would wait behind that node's other requests (on a node full to its batch, in its
+/// queue), and the client would see that wait as a pause. Three nodes: the stream on its home `S`; the
+/// conversation's next home `X` given two long requests first (through tongs, so that tongs counts
+/// them); `Y` idle. When `S` announces its end, the stream moves to `Y`. Hedging is off: the pick
+/// alone decides (a moving stream otherwise races two nodes, the next test).
+#[tokio::test]
+async fn a_moved_stream_goes_to_the_least_loaded_node_not_to_its_conversations_next_home() {
+    let nodes = sim_nodes(3, Duration::from_secs(5), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS as u32;
+        spec.capacity = 16;
+    });
+    let fleet = sim_fleet(7, nodes).await;
+    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n\
+                  balancer: { policy: least-outstanding }\n\
+                  hedge: { enabled: false }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    eventually("every node healthy", HANG, || {
+        proxy.app_registry.counts().healthy() == 3
+    })
+    .await;
+    let admin = |path: &str, body: Value| {
+        let request = Request::post(format!("http://{}{path}", proxy.admin))
+            .body(full(Bytes::from(body.to_string())))
+            .unwrap();
+        send(request)
+    };
+    let home = |body: Value| async move {
+        let (status, text) = admin("/debug/pick", body).await;
+        assert_eq!(status, 200, "{text}");
+        let explained: Value = serde_json::from_str(&text).unwrap();
+        explained["conversation_home"]
+            .as_str()
+            .expect("a conversation home")
+            .trim_end_matches('/')
+            .to_owned()
+    };
+    let node_at = |url: &str| {
+        fleet
+            .nodes()
+            .iter()
+            .position(|n| n.url().trim_end_matches('/') == url)
+            .unwrap_or_else(|| panic!("{url} is none of the fleet's"))
+    };
+
+    // The stream's home, and its next home: the home while the first is drained.
+    let request = body(true, false);
+    let s = home(request.clone()).await;
+    let drain = |path: &'static str| {
+        let url = fleet.nodes()[node_at(&s)].url();
+        async move {
+            let (status, text) = admin(path, json!({ "url": url })).await;
+            assert_eq!(status, 200, "{text}");
+        }
+    };
+    drain("/endpoints/drain").await;
+    let x = home(request.clone()).await;
+    drain("/endpoints/undrain").await;
+    assert_ne!(s, x);
+
+    // Two requests whose own home is `X`, held there for the service time.
+    let mut held = Vec::new();
+    for k in 0..200 {
+        if held.len() == 2 {
+            break;
+        }
+        let load = json!({"model": "counter", "max_tokens": TOKENS,
+            "messages": [{"role": "user", "content": format!("count from {}", 1000 * (k + 1))}]});
+        if home(load.clone()).await == x {
+            let url = proxy.url("/v1/chat/completions");
+            held.push(tokio::spawn(async move {
+                let request = Request::post(url)
+                    .header("content-type", "application/json")
+                    .body(full(Bytes::from(load.to_string())))
+                    .unwrap();
+                send(request).await
+            }));
+            let want = held.len();
+            eventually("X holds its load", HANG, || {
+                fleet.nodes()[node_at(&x)].stats().in_flight == want
+            })
+            .await;
+        }
+    }
+    assert_eq!(held.len(), 2, "two conversations whose home is X");
+
+    let fleet_ref = &fleet;
+    let announce = async {
+        eventually("the stream reaches its home", HANG, || {
+            fleet_ref.nodes()[node_at(&s)].stats().in_flight == 1
+        })
+        .await;
+        fleet_ref.nodes()[node_at(&s)].announce_end(Duration::from_millis(1500));
+    };
+    let (seen, ()) = tokio::join!(stream(&proxy, true, &request, "", &[]), announce);
+    seen.assert_whole("moved");
+    assert_eq!(seen.text(), expected_text());
+    assert_eq!(sample(&proxy, "tongs_streams_moved_total").await, 1.0);
+    let received = |url: &str| fleet.nodes()[node_at(url)].stats().received;
+    assert_eq!(received(&x), 2, "X took only its own two requests");
+    let y = fleet
+        .nodes()
+        .iter()
+        .map(|n| n.url().trim_end_matches('/').to_owned())
+        .find(|url| *url != s && *url != x)
+        .unwrap();
+    assert_eq!(
+        received(&y),
+        1,
+        "Y, the least loaded, took the moved stream"
+    );
+    for task in held {
+        assert_eq!(task.await.unwrap().0, 200);
+    }
+    proxy.stop().await;
+}
+
+/// A stream moving off a node that said it goes races two nodes at once: the client waits for the new
+/// node's first token, and a node that holds the continuation back (here one slowed twentyfold, as a
+/// node full to its batch would queue it) must cost nothing while the other answers. Three nodes: the
+/// stream on `S`; `A` slowed once the stream runs; `B` as it was. When `S` announces its end, `A` and
+/// `B` both get the continuation, whichever the pick chose first, and the stream goes on from `B`.
+#[tokio::test]
+async fn a_moving_stream_races_two_nodes_and_keeps_the_first_to_answer() {
+    let nodes = sim_nodes(3, Duration::from_secs(3), |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS as u32;
+        spec.capacity = 16;
+    });
+    let fleet = sim_fleet(8, nodes).await;
+    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
+    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
+    eventually("every node healthy", HANG, || {
+        proxy.app_registry.counts().healthy() == 3
+    })
+    .await;
+    let fleet_ref = &fleet;
+    let announce = async {
+        eventually("a node holds the stream", HANG, || {
+            fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
+        })
+        .await;
+        let nodes = fleet_ref.nodes();
+        let s = nodes.iter().position(|n| n.stats().in_flight == 1).unwrap();
+        let (a, b) = ((s + 1) % 3, (s + 2) % 3);
+        nodes[a].set_condition(Condition::Interrupted {
+            kind: InterruptionKind::Slow,
+            factor: 20.0,
+        });
+        nodes[s].announce_end(Duration::from_millis(1500));
+        (a, b)
+    };
+    let request = body(true, true);
+    let (seen, (a, b)) = tokio::join!(stream(&proxy, true, &request, "", &[]), announce);
+    seen.assert_whole("moved");
+    assert_eq!(seen.text(), expected_text());
+    assert_eq!(sample(&proxy, "tongs_streams_moved_total").await, 1.0);
+    assert_eq!(sample(&proxy, "tongs_hedges_total").await, 1.0, "one race");
+    let nodes = fleet.nodes();
+    assert_eq!(
+        nodes[a].stats().received,
+        1,
+        "the slowed node got the continuation"
+    );
+    assert_eq!(nodes[b].stats().received, 1, "and so did the other");
+    assert_eq!(
+        nodes[b].stats().served,
+        1,
+        "the other one's answer is the stream's end"
+    );
+    proxy.stop().await;
+}
