@@ -59,7 +59,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 use support::stats::percentile;
-use support::{Process, TempDir, TongsProcess, Usage};
+use support::{NginxSse, TongsProcess, Usage, load_average, mib, seconds};
 
 /// Endpoint `i` listens (as far as tongs can tell) on this address plus `i`. 127.0.0.1, where tongs and
 /// this bench's other servers listen, is outside the range.
@@ -236,7 +236,7 @@ impl FakeEndpoints {
         let mut addr = SocketAddr::from(([0, 0, 0, 0], 0));
         let mut tasks = Vec::new();
         for _ in 0..cpus {
-            let listener = reuseport_listener(addr)?;
+            let listener = support::reuseport_listener(addr)?;
             addr = listener.local_addr()?;
             tasks.push(tokio::spawn(accept_endpoints(
                 listener,
@@ -268,22 +268,6 @@ impl Drop for FakeEndpoints {
             task.abort();
         }
     }
-}
-
-fn reuseport_listener(addr: SocketAddr) -> Result<TcpListener> {
-    let socket = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    socket.set_reuse_address(true)?;
-    socket.set_reuse_port(true)?;
-    socket.set_nonblocking(true)?;
-    socket
-        .bind(&addr.into())
-        .with_context(|| format!("binding {addr}"))?;
-    socket.listen(4096)?;
-    Ok(TcpListener::from_std(socket.into())?)
 }
 
 async fn accept_endpoints(listener: TcpListener, shared: Arc<EndpointsShared>) {
@@ -484,7 +468,7 @@ async fn fleet_run(
         .with_context(|| format!("tongs with {endpoints} endpoints"))?;
     let ready_after = started.elapsed();
     let ready = tongs.process.usage();
-    let fd_limit = open_file_limit(tongs.process.pid());
+    let fd_limit = support::open_file_limits(tongs.process.pid()).map(|(soft, _)| soft);
     let mut run = FleetRun {
         endpoints,
         heartbeats_on,
@@ -605,18 +589,6 @@ fn system_cpu(pid: u32) -> Duration {
     Duration::from_secs_f64(ticks as f64 / support::clock_ticks())
 }
 
-/// tongs' "Max open files" soft limit, from /proc.
-fn open_file_limit(pid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{pid}/limits"))
-        .ok()?
-        .lines()
-        .find(|line| line.starts_with("Max open files"))?
-        .split_whitespace()
-        .nth(3)?
-        .parse()
-        .ok()
-}
-
 struct Load {
     duration: Duration,
     latencies_us: Vec<u32>,
@@ -706,7 +678,7 @@ struct SseUpstream {
 
 impl SseUpstream {
     async fn start(events: u32, gap: Duration) -> Result<SseUpstream> {
-        let listener = reuseport_listener(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+        let listener = support::reuseport_listener(SocketAddr::from(([127, 0, 0, 1], 0)))?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(SseShared {
             events,
@@ -945,71 +917,22 @@ async fn nginx_streams(
     settings: &Settings,
     upstream: &SseUpstream,
 ) -> Result<StreamRun> {
-    let dir = TempDir::new("scale-nginx")?;
-    std::fs::create_dir_all(dir.path().join("tmp"))?;
-    let addr = support::free_addr()?;
-    let workers = support::cpus();
-    // A client and an upstream connection per stream, all of them possibly on one worker.
-    let connections = (settings.streams * 2 + 256).max(4096);
-    // `zone` shares the upstream's state between the workers (as tongs' counters are shared), least_conn
-    // as tongs balances, no buffering so each event goes out as it comes.
-    let conf = format!(
-        "{head}
-    upstream sse {{
-        zone sse 64k;
-        least_conn;
-        server {upstream};
-        keepalive 64;
-    }}
-    server {{
-        listen {addr};
-        location / {{
-            proxy_pass http://sse;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
-            proxy_buffering off;
-            proxy_read_timeout 100s;
-        }}
-    }}
-}}
-",
-        head = support::nginx_head(dir.path(), workers, connections, "nginx"),
-        upstream = upstream.addr,
-    );
-    let conf_path = dir.path().join("nginx.conf");
-    std::fs::write(&conf_path, conf)?;
-    let command = support::nginx_command(nginx, &conf_path, dir.path());
-    let mut process = Process::spawn("nginx", command, dir.path().join("nginx.log"))?;
-    process.wait_listening(addr, Duration::from_secs(10))?;
-    // Let the master start its workers before the idle figure.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while process.pids().len() <= workers && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let label = format!("nginx {}", support::program_version(nginx, "-v"));
-    stream_run(&label, addr, &process.pids(), upstream, settings).await
+    let nginx = NginxSse::start(nginx, &[upstream.addr], settings.streams, "scale-nginx").await?;
+    stream_run(
+        &nginx.label,
+        nginx.addr,
+        &nginx.process.pids(),
+        upstream,
+        settings,
+    )
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------------
 // Report.
 
-fn mib(kib: u64) -> String {
-    format!("{:.1} MiB", kib as f64 / 1024.0)
-}
-
 fn kib_per(delta_kib: f64, count: usize) -> String {
     format!("{:.2} KiB", delta_kib / count.max(1) as f64)
-}
-
-fn seconds(duration: Duration) -> String {
-    format!("{:.2} s", duration.as_secs_f64())
-}
-
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .ok()
-        .and_then(|text| text.split_whitespace().next().map(str::to_owned))
-        .unwrap_or_else(|| "unknown".into())
 }
 
 fn print_fleet(settings: &Settings, runs: &[FleetRun]) {

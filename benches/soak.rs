@@ -3,7 +3,7 @@
 //! time, watched for leaks. Every `SAMPLE_EVERY` it prints one row of a markdown table — requests sent
 //! and success so far, tongs' RSS, open file descriptors, threads and live tokio tasks (its
 //! `tongs_runtime_tasks` gauge), requests in flight at the fleet — and at the end the growth of each
-//! figure between the first sample after warm-up and the last, and its least-squares slope per minute
+//! figure between the first sample after warm-up and the last, and its least-squares slope per hour
 //! over the second half of the run. Flat means no leak; the figures are printed, not asserted.
 //!
 //! RSS rises at an outage surge (requests and their connections pile up while nodes are out) and should
@@ -15,6 +15,12 @@
 //!
 //!     cargo bench --bench soak                   # 10 minutes of load, then 200 s idle
 //!     DURATION=90s cargo bench --bench soak
+//!
+//! While the load runs, tongs' configuration is rewritten every `RELOAD_EVERY` (60s): the fleet, and
+//! a pool of `CHURN` (500) endpoints that exist nowhere (loopback addresses nobody listens on, refused
+//! at once), a new batch each time, which no request is sent to. So the soak also shows that reloads
+//! and endpoints churned through discovery (`discovery.static`; 15,000 of them in 30 minutes) leave
+//! nothing behind. `CHURN=0` turns it off.
 //!
 //! Environment: DURATION (load time, default 10m), SAMPLE_EVERY (10s), WARMUP (samples before it are
 //! left out of the verdict; default a fifth of DURATION, at most 60s), COOLDOWN (sampling after the
@@ -38,7 +44,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tongs::config::HumanDuration;
 use tongs::demo::{ClientOutcome, DemoOptions, LoadGenerator, LoadPlan, demo_fleet};
-use tongs::metrics::RUNTIME_TASKS;
+use tongs::metrics::{CONFIG_RELOADS, RUNTIME_TASKS};
 use tongs::sim::{Fleet, FleetConfig, InterruptionKind, RandomInterruptions};
 
 use support::{TongsProcess, env_duration, env_number, fleet, stats};
@@ -68,6 +74,9 @@ struct Settings {
     cooldown: Duration,
     load: f64,
     seed: u64,
+    /// Endpoints that exist nowhere added at each reload (0: no reloads).
+    churn: usize,
+    reload_every: Duration,
 }
 
 impl Settings {
@@ -84,6 +93,8 @@ impl Settings {
                 cooldown: Duration::ZERO,
                 load: 0.1,
                 seed: 1,
+                churn: 5,
+                reload_every: Duration::from_secs(1),
             });
         }
         let duration = env_duration("DURATION", Duration::from_secs(600))?;
@@ -109,6 +120,9 @@ impl Settings {
             cooldown: env_duration("COOLDOWN", Duration::from_secs(200))?,
             load,
             seed: env_number("SEED", 1)?,
+            churn: env_number("CHURN", 500)?,
+            reload_every: env_duration("RELOAD_EVERY", Duration::from_secs(60))?
+                .max(Duration::from_secs(1)),
         })
     }
 }
@@ -315,6 +329,11 @@ async fn run(settings: Settings) -> Result<()> {
         let generator = Arc::clone(&generator);
         tokio::spawn(async move { generator.run(&plan, CancellationToken::new()).await })
     };
+    let stop_churn = CancellationToken::new();
+    let fleet_urls = fleet.urls();
+    let churn = churn(&tongs, &fleet_urls, &settings, stop_churn.clone());
+    tokio::pin!(churn);
+    let mut churned = None;
     let mut ticker =
         tokio::time::interval_at(started + settings.sample_every, settings.sample_every);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -323,9 +342,14 @@ async fn run(settings: Settings) -> Result<()> {
         let tick = tokio::select! {
             finished = &mut load, if load_over.is_none() => {
                 load_over = Some(Instant::now());
+                stop_churn.cancel();
                 if finished.is_err() {
                     bail!("the load generator panicked");
                 }
+                continue;
+            }
+            done = &mut churn, if churned.is_none() => {
+                churned = Some(done?);
                 continue;
             }
             tick = ticker.tick() => tick,
@@ -347,6 +371,14 @@ async fn run(settings: Settings) -> Result<()> {
         }
     }
     let after = samples.last().copied().unwrap_or(before);
+    let churned = match churned {
+        Some(churned) => churned,
+        None => churn.await?,
+    };
+    let applied = tongs
+        .metric(&format!("{}{{result=\"applied\"}}", CONFIG_RELOADS.name))
+        .await
+        .unwrap_or(0.0);
 
     println!();
     let (sent, succeeded, rejected, failures) = generator.with(|r| {
@@ -369,6 +401,10 @@ async fn run(settings: Settings) -> Result<()> {
         fleet.interruptions_injected(),
         tongs.process.usage().cpu.as_secs_f64(),
     );
+    println!(
+        "reloads: {} written, {applied:.0} applied by tongs (`{}`); {} endpoints churned through them",
+        churned.reloads, CONFIG_RELOADS.name, churned.endpoints,
+    );
     println!();
     verdict(&settings, &before, &samples, &after);
 
@@ -380,8 +416,73 @@ async fn run(settings: Settings) -> Result<()> {
         if samples.iter().any(|s| s.tasks.is_none()) || before.tasks.is_none() {
             bail!("smoke pass: {} missing from /metrics", RUNTIME_TASKS.name);
         }
+        if churned.reloads == 0 || applied < 1.0 {
+            bail!(
+                "smoke pass: {} reloads written, {applied} applied",
+                churned.reloads
+            );
+        }
     }
     Ok(())
+}
+
+/// What the churn did.
+#[derive(Clone, Copy, Default)]
+struct Churned {
+    reloads: u64,
+    endpoints: u64,
+}
+
+/// Until `stop`, every `reload_every`: tongs' configuration rewritten with the fleet and a pool of
+/// `churn` endpoints of a new batch, each at a loopback address of its own on a port nobody listens
+/// on (heartbeats refused at once). The pool matches a header the load never sends: its endpoints
+/// are discovered, heartbeated and dropped, but never sent a request (a listed endpoint takes
+/// requests before its first heartbeat, which would fail the load's). The configuration tongs
+/// started with comes back at the end, the pool gone.
+async fn churn(
+    tongs: &TongsProcess,
+    fleet: &[String],
+    settings: &Settings,
+    stop: CancellationToken,
+) -> Result<Churned> {
+    let mut done = Churned::default();
+    if settings.churn == 0 {
+        return Ok(done);
+    }
+    let mut ticker = tokio::time::interval_at(
+        Instant::now() + settings.reload_every,
+        settings.reload_every,
+    );
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => break,
+            _ = ticker.tick() => {}
+        }
+        let batch = (0..settings.churn as u64).map(|i| {
+            let n = done.endpoints + i;
+            format!(
+                "http://127.{}.{}.{}:9",
+                1 + (n / 62_500) % 250,
+                (n / 250) % 250,
+                1 + n % 250
+            )
+        });
+        let mut config = support::static_discovery(fleet);
+        config.push_str(
+            "pools:\n  - name: churn\n    match: { headers: { x-pool: churn } }\n    \
+             discovery:\n      static:\n",
+        );
+        for url in batch {
+            config.push_str(&format!("        - url: {url}\n"));
+        }
+        tongs.reconfigure(&config)?;
+        done.reloads += 1;
+        done.endpoints += settings.churn as u64;
+    }
+    tongs.reconfigure(&support::static_discovery(fleet))?;
+    done.reloads += 1;
+    Ok(done)
 }
 
 /// Least-squares slope of `points` (minutes, value): change per minute. None below two distinct times.
@@ -433,7 +534,7 @@ fn verdict(settings: &Settings, before: &Sample, samples: &[Sample], after: &Sam
     );
     println!();
     println!(
-        "| figure | before the load | after warm-up | last under load | growth | slope per minute, second half | after the load |"
+        "| figure | before the load | after warm-up | last under load | growth | slope per hour, second half | after the load |"
     );
     println!("| --- | ---: | ---: | ---: | ---: | ---: | ---: |");
     type Read = fn(&Sample) -> Option<f64>;
@@ -461,7 +562,7 @@ fn verdict(settings: &Settings, before: &Sample, samples: &[Sample], after: &Sam
             .iter()
             .filter_map(|s| Some((s.elapsed.as_secs_f64() / 60.0, read(s)?)))
             .collect();
-        let slope = slope_per_minute(&points);
+        let slope = slope_per_minute(&points).map(|per_minute| per_minute * 60.0);
         println!(
             "| {name} | {} | {} | {} | {} | {} | {} |",
             show(read(before), decimals),

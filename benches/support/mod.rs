@@ -121,6 +121,24 @@ pub fn free_addr() -> Result<SocketAddr> {
     listener.local_addr().context("finding a free port")
 }
 
+/// A listener on `addr` with SO_REUSEPORT (several may share the port, the kernel spreading connections
+/// over them) and a deep backlog, so that bursts of connects wait rather than fail on a busy machine.
+pub fn reuseport_listener(addr: SocketAddr) -> Result<tokio::net::TcpListener> {
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    socket.set_reuse_address(true)?;
+    socket.set_reuse_port(true)?;
+    socket.set_nonblocking(true)?;
+    socket
+        .bind(&addr.into())
+        .with_context(|| format!("binding {addr}"))?;
+    socket.listen(4096)?;
+    Ok(tokio::net::TcpListener::from_std(socket.into())?)
+}
+
 /// Finds `name` on PATH or in /usr/sbin and /sbin (where Debian puts nginx and HAProxy).
 pub fn find_program(name: &str) -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
@@ -179,6 +197,78 @@ pub fn nginx_command(binary: &Path, config: &Path, prefix: &Path) -> Command {
         .arg(prefix)
         .args(["-g", "daemon off;"]);
     command
+}
+
+/// nginx in front of Server-Sent Event upstreams, as the streaming benchmarks run it: `proxy_buffering off`
+/// so each event goes out as it comes, HTTP/1.1 upstream keepalive, `least_conn` with a `zone` (the
+/// workers share their counts, as tongs' are shared), a worker per CPU, room for a client and an upstream
+/// connection per stream on any one worker. Dropping it stops nginx, then removes its directory.
+pub struct NginxSse {
+    pub process: Process,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    /// "nginx 1.22.1".
+    pub label: String,
+    _dir: TempDir,
+}
+
+impl NginxSse {
+    /// Starts `binary` in front of `upstreams` with room for `streams` streams; returns once it listens
+    /// and its workers have started. `name` prefixes its temporary directory.
+    pub async fn start(
+        binary: &Path,
+        upstreams: &[SocketAddr],
+        streams: usize,
+        name: &str,
+    ) -> Result<NginxSse> {
+        let dir = TempDir::new(name)?;
+        std::fs::create_dir_all(dir.path().join("tmp"))?;
+        let addr = free_addr()?;
+        let workers = cpus();
+        let connections = (streams * 2 + 256).max(4096);
+        let servers = upstreams
+            .iter()
+            .map(|upstream| format!("\n        server {upstream};"))
+            .collect::<Vec<_>>()
+            .concat();
+        let conf = format!(
+            "{head}
+    upstream sse {{
+        zone sse 64k;
+        least_conn;{servers}
+        keepalive 64;
+    }}
+    server {{
+        listen {addr};
+        location / {{
+            proxy_pass http://sse;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_buffering off;
+            proxy_read_timeout 100s;
+        }}
+    }}
+}}
+",
+            head = nginx_head(dir.path(), workers, connections, "nginx"),
+        );
+        let conf_path = dir.path().join("nginx.conf");
+        std::fs::write(&conf_path, conf)?;
+        let command = nginx_command(binary, &conf_path, dir.path());
+        let mut process = Process::spawn("nginx", command, dir.path().join("nginx.log"))?;
+        process.wait_listening(addr, Duration::from_secs(10))?;
+        // Let the master start its workers before the idle figure.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while process.pids().len() <= workers && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(NginxSse {
+            process,
+            addr,
+            label: format!("nginx {}", program_version(binary, "-v")),
+            _dir: dir,
+        })
+    }
 }
 
 /// HAProxy in the foreground (`-db`) on the configuration file `config`.
@@ -268,6 +358,34 @@ pub fn usage(pids: &[u32]) -> Usage {
         }
     }
     total
+}
+
+/// A process's "Max open files" limits, soft and hard, from /proc.
+pub fn open_file_limits(pid: u32) -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).ok()?;
+    let line = limits
+        .lines()
+        .find(|line| line.starts_with("Max open files"))?;
+    let mut values = line.split_whitespace().skip(3).map(str::parse);
+    Some((values.next()?.ok()?, values.next()?.ok()?))
+}
+
+/// The 1-minute load average, from /proc.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next().map(str::to_owned))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// KiB as "12.3 MiB".
+pub fn mib(kib: u64) -> String {
+    format!("{:.1} MiB", kib as f64 / 1024.0)
+}
+
+/// A duration as "1.23 s".
+pub fn seconds(duration: Duration) -> String {
+    format!("{:.2} s", duration.as_secs_f64())
 }
 
 /// A numeric field of a /proc status-like text ("VmRSS:   1234 kB" → 1234).
@@ -444,7 +562,7 @@ pub struct TongsProcess {
     pub process: Process,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
-    _dir: TempDir,
+    dir: TempDir,
 }
 
 impl TongsProcess {
@@ -480,12 +598,27 @@ impl TongsProcess {
             process,
             addr,
             admin,
-            _dir: dir,
+            dir,
         })
     }
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Rewrites tongs' configuration file with `config` (as [`TongsProcess::start`] takes it, on the
+    /// same ports); tongs reloads it on its own. A temporary file renamed over it, so tongs never reads
+    /// half a file.
+    pub fn reconfigure(&self, config: &str) -> Result<()> {
+        let text = format!(
+            "listen: {}\nadmin: {{ listen: {} }}\n{config}",
+            self.addr, self.admin
+        );
+        let path = self.dir.path().join("tongs.yaml");
+        let temporary = self.dir.path().join("tongs.yaml.new");
+        std::fs::write(&temporary, text)
+            .with_context(|| format!("writing {}", temporary.display()))?;
+        std::fs::rename(&temporary, &path).with_context(|| format!("replacing {}", path.display()))
     }
 
     /// The value of one unlabelled sample in tongs' Prometheus text (`/metrics`).
