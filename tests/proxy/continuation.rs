@@ -412,37 +412,57 @@ async fn a_pool_may_turn_continuation_off_while_the_others_keep_it() {
     proxy.stop().await;
 }
 
+/// Quick heartbeats, so that a node's drain notice is heard within 200 ms.
+const QUICK_HEARTBEATS: &str =
+    "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
+
+/// `count` nodes streaming `TOKENS` tokens over `service` each, with room for 16, behind a proxy with
+/// quick heartbeats and `extra` configuration; returned once every node is healthy.
+async fn fleet_of_streams(
+    count: usize,
+    service: Duration,
+    seed: u64,
+    extra: &str,
+) -> (tongs::sim::Fleet, TestProxy) {
+    let nodes = sim_nodes(count, service, |spec| {
+        spec.service_time.spread = 0.0;
+        spec.tokens = TOKENS as u32;
+        spec.capacity = 16;
+    });
+    let fleet = sim_fleet(seed, nodes).await;
+    let config = format!("{QUICK_HEARTBEATS}{extra}");
+    let proxy = start_proxy(config_with(&config, &fleet.urls())).await;
+    eventually("every node healthy", HANG, || {
+        proxy.app_registry.counts().healthy() == count
+    })
+    .await;
+    (fleet, proxy)
+}
+
+/// The index of the node holding the one stream, once one does.
+async fn holder(fleet: &tongs::sim::Fleet) -> usize {
+    eventually("a node holds the stream", HANG, || {
+        fleet.nodes().iter().any(|n| n.stats().in_flight == 1)
+    })
+    .await;
+    fleet
+        .nodes()
+        .iter()
+        .position(|n| n.stats().in_flight == 1)
+        .expect("the node holding the stream")
+}
+
 /// A node that announces its end (the simulator's `announce_end`: `x-tongs-drain` on its heartbeat
 /// answers, then it goes) has its continuable stream moved before it goes: the client's stream is
 /// exact and whole, continued once and moved once, and no stream was cut.
 #[tokio::test]
 async fn a_stream_on_a_node_that_announces_its_end_moves_before_the_node_goes() {
-    let nodes = sim_nodes(2, Duration::from_secs(3), |spec| {
-        spec.service_time.spread = 0.0;
-        spec.tokens = TOKENS as u32;
-        spec.capacity = 16;
-    });
-    let fleet = sim_fleet(5, nodes).await;
-    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
-    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
-    eventually("every node healthy", HANG, || {
-        proxy.app_registry.counts().healthy() == 2
-    })
-    .await;
-    let fleet_ref = &fleet;
+    let (fleet, proxy) = fleet_of_streams(2, Duration::from_secs(3), 5, "").await;
     let announce = async {
-        eventually("a node holds the stream", HANG, || {
-            fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
-        })
-        .await;
-        let node = fleet_ref
-            .nodes()
-            .iter()
-            .find(|n| n.stats().in_flight == 1)
-            .expect("the node holding the stream");
+        let node = holder(&fleet).await;
         // Less time left than the stream needs, and than the least margin: it moves at once, and
         // must, since the node then goes with the stream unfinished.
-        node.announce_end(Duration::from_millis(1500));
+        fleet.nodes()[node].announce_end(Duration::from_millis(1500));
     };
     let request = body(true, true);
     let (seen, ()) = tokio::join!(stream(&proxy, true, &request, "", &[]), announce);
@@ -463,20 +483,8 @@ async fn a_stream_on_a_node_that_announces_its_end_moves_before_the_node_goes() 
 /// alone decides (a moving stream otherwise races two nodes, the next test).
 #[tokio::test]
 async fn a_moved_stream_goes_to_the_least_loaded_node_not_to_its_conversations_next_home() {
-    let nodes = sim_nodes(3, Duration::from_secs(5), |spec| {
-        spec.service_time.spread = 0.0;
-        spec.tokens = TOKENS as u32;
-        spec.capacity = 16;
-    });
-    let fleet = sim_fleet(7, nodes).await;
-    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n\
-                  balancer: { policy: least-outstanding }\n\
-                  hedge: { enabled: false }\n";
-    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
-    eventually("every node healthy", HANG, || {
-        proxy.app_registry.counts().healthy() == 3
-    })
-    .await;
+    let config = "balancer: { policy: least-outstanding }\nhedge: { enabled: false }\n";
+    let (fleet, proxy) = fleet_of_streams(3, Duration::from_secs(5), 7, config).await;
     let admin = |path: &str, body: Value| {
         let request = Request::post(format!("http://{}{path}", proxy.admin))
             .body(full(Bytes::from(body.to_string())))
@@ -542,13 +550,10 @@ async fn a_moved_stream_goes_to_the_least_loaded_node_not_to_its_conversations_n
     }
     assert_eq!(held.len(), 2, "two conversations whose home is X");
 
-    let fleet_ref = &fleet;
     let announce = async {
-        eventually("the stream reaches its home", HANG, || {
-            fleet_ref.nodes()[node_at(&s)].stats().in_flight == 1
-        })
-        .await;
-        fleet_ref.nodes()[node_at(&s)].announce_end(Duration::from_millis(1500));
+        let node = holder(&fleet).await;
+        assert_eq!(node, node_at(&s), "the stream went to its home");
+        fleet.nodes()[node].announce_end(Duration::from_millis(1500));
     };
     let (seen, ()) = tokio::join!(stream(&proxy, true, &request, "", &[]), announce);
     seen.assert_whole("moved");
@@ -580,26 +585,10 @@ async fn a_moved_stream_goes_to_the_least_loaded_node_not_to_its_conversations_n
 /// `B` both get the continuation, whichever the pick chose first, and the stream goes on from `B`.
 #[tokio::test]
 async fn a_moving_stream_races_two_nodes_and_keeps_the_first_to_answer() {
-    let nodes = sim_nodes(3, Duration::from_secs(3), |spec| {
-        spec.service_time.spread = 0.0;
-        spec.tokens = TOKENS as u32;
-        spec.capacity = 16;
-    });
-    let fleet = sim_fleet(8, nodes).await;
-    let config = "health: { interval: 200ms, fast_interval: 100ms, timeout: 300ms }\n";
-    let proxy = start_proxy(config_with(config, &fleet.urls())).await;
-    eventually("every node healthy", HANG, || {
-        proxy.app_registry.counts().healthy() == 3
-    })
-    .await;
-    let fleet_ref = &fleet;
+    let (fleet, proxy) = fleet_of_streams(3, Duration::from_secs(3), 8, "").await;
     let announce = async {
-        eventually("a node holds the stream", HANG, || {
-            fleet_ref.nodes().iter().any(|n| n.stats().in_flight == 1)
-        })
-        .await;
-        let nodes = fleet_ref.nodes();
-        let s = nodes.iter().position(|n| n.stats().in_flight == 1).unwrap();
+        let s = holder(&fleet).await;
+        let nodes = fleet.nodes();
         let (a, b) = ((s + 1) % 3, (s + 2) % 3);
         nodes[a].set_condition(Condition::Interrupted {
             kind: InterruptionKind::Slow,
