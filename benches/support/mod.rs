@@ -584,7 +584,18 @@ impl TongsProcess {
             }
             Err(_) => ("warn".to_owned(), dir.path().join("tongs.log")),
         };
-        let mut command = Command::new(tongs_binary());
+        // TONGS_WRAP (a command and its arguments, split at spaces) runs tongs under it, for a profile
+        // of one run: `TONGS_WRAP="heaptrack -o /tmp/tongs"`. The figures read off the process
+        // (RSS, CPU) are then the wrapper's.
+        let mut command = match std::env::var("TONGS_WRAP") {
+            Ok(wrap) if !wrap.trim().is_empty() => {
+                let mut words = wrap.split_whitespace();
+                let mut command = Command::new(words.next().unwrap_or_default());
+                command.args(words).arg(tongs_binary());
+                command
+            }
+            _ => Command::new(tongs_binary()),
+        };
         command
             .arg("run")
             .arg("--config")

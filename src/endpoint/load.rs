@@ -25,6 +25,7 @@ impl Endpoint {
         Outstanding {
             endpoint: Arc::clone(self),
             in_flight,
+            first_byte: None,
         }
     }
 
@@ -51,6 +52,7 @@ impl Endpoint {
         Some(Outstanding {
             endpoint: Arc::clone(self),
             in_flight: current + 1,
+            first_byte: None,
         })
     }
 
@@ -194,6 +196,14 @@ impl LoadControl<'_> {
             };
             drop(limiter);
             self.store_limit(limit);
+        }
+    }
+
+    /// A committed request ended `after_first` after its first byte: what the learned limit counts a
+    /// request's slot held for (see [`Learned::on_end`]).
+    pub fn observe_end(&self, after_first: Duration) {
+        if let Some(Learner::Profile(profile)) = self.endpoint.limits.lock().as_mut() {
+            profile.on_end(after_first);
         }
     }
 
@@ -350,6 +360,8 @@ pub struct Outstanding {
     endpoint: Arc<Endpoint>,
     /// Requests outstanding on the endpoint when this one started, itself included.
     in_flight: u64,
+    /// When its answer's first byte came (`None`: not committed).
+    first_byte: Option<Instant>,
 }
 
 impl Outstanding {
@@ -360,6 +372,12 @@ impl Outstanding {
     pub fn in_flight_at_start(&self) -> u64 {
         self.in_flight
     }
+
+    /// The answer's first byte came at `at`: when it ends, the time since is what the request held
+    /// its slot for beyond its first byte (see [`LoadControl::observe_end`]).
+    pub fn first_byte_at(&mut self, at: Instant) {
+        self.first_byte = Some(at);
+    }
 }
 
 impl Drop for Outstanding {
@@ -367,6 +385,11 @@ impl Drop for Outstanding {
         // SeqCst on both sides of the hand-off (this decrement then the queue's waiting count; a joiner's
         // increment of that count then its look at this one): one of the two always sees the other.
         self.endpoint.outstanding.fetch_sub(1, Ordering::SeqCst);
+        if let Some(at) = self.first_byte {
+            self.endpoint
+                .load()
+                .observe_end(Instant::now().saturating_duration_since(at));
+        }
         if let Some(slot_freed) = self.endpoint.limits.slot_freed.get() {
             slot_freed.call();
         }

@@ -191,7 +191,9 @@ impl Proxy {
         let settings = &*settings;
         let body = &body;
         let Slot {
-            outstanding, probe, ..
+            mut outstanding,
+            probe,
+            ..
         } = slot;
         let endpoint = &Arc::clone(outstanding.endpoint());
         // Cancelled mid-attempt (the client left), a half-open probe would hold the probe slot forever.
@@ -355,6 +357,7 @@ impl Proxy {
         endpoint
             .load()
             .observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
+        outstanding.first_byte_at(now);
         Attempt::Committed(Committed {
             response,
             first,
