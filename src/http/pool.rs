@@ -68,8 +68,18 @@ impl SendError {
 pub struct Connections<C> {
     shared: Arc<Shared>,
     connector: C,
+    h1: http1::Builder,
     h2: http2::Builder<TokioExecutor>,
 }
+
+/// What an HTTP/1 connection to a node reads into at a time, and so the largest answer head a node may
+/// send (nginx's `proxy_buffer_size` is 4 or 8 KiB; a model server's heads are a few hundred bytes).
+/// A fixed size, not hyper's default: that buffer starts at 8 KiB but doubles on every read that fills
+/// it, up to about 400 KiB, and a replica behind on thousands of streams, whose nodes' events piled up
+/// in the sockets, filled every read: the buffers grew and each event handed on kept its buffer alive.
+/// 5,000 chat streams peaked at 839 MiB with it, 264 MiB without (`benches/RESULTS.md`, "Long
+/// streams"). A long answer takes more reads of 8 KiB, as nginx's do.
+const NODE_BUFFER_BYTES: usize = 8 * 1024;
 
 struct Shared {
     idle: Mutex<HashMap<Key, Idle>>,
@@ -107,6 +117,8 @@ where
     pub fn new(connector: C, idle_timeout: Duration, max_idle: usize) -> Connections<C> {
         let mut h2 = http2::Builder::new(TokioExecutor::new());
         h2.timer(TokioTimer::new());
+        let mut h1 = http1::Builder::new();
+        h1.read_buf_exact_size(Some(NODE_BUFFER_BYTES));
         Connections {
             shared: Arc::new(Shared {
                 idle: Mutex::new(HashMap::new()),
@@ -115,6 +127,7 @@ where
                 sweeping: AtomicBool::new(false),
             }),
             connector,
+            h1,
             h2,
         }
     }
@@ -202,7 +215,7 @@ where
             self.shared.share_h2(key, &sender);
             Ok(Sender::H2(sender))
         } else {
-            let (mut sender, connection) = http1::handshake(io).await.map_err(SendError::Http)?;
+            let (mut sender, connection) = self.h1.handshake(io).await.map_err(SendError::Http)?;
             // `map`, not an async block: the block would hold the connection twice (captured, then
             // awaited), a few KiB more per connection.
             tokio::spawn(connection.with_upgrades().map(|ended| {
