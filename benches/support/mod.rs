@@ -584,9 +584,9 @@ impl TongsProcess {
             }
             Err(_) => ("warn".to_owned(), dir.path().join("tongs.log")),
         };
-        // TONGS_WRAP (a command and its arguments, split at spaces) runs tongs under it, for a profile
-        // of one run: `TONGS_WRAP="heaptrack -o /tmp/tongs"`. The figures read off the process
-        // (RSS, CPU) are then the wrapper's.
+        // TONGS_WRAP (a command and its arguments, split at spaces) runs tongs under it, for a look
+        // at one run (benches/README.md, `streams.rs`). The figures read off the process (RSS, CPU)
+        // are then the wrapper's.
         let mut command = match std::env::var("TONGS_WRAP") {
             Ok(wrap) if !wrap.trim().is_empty() => {
                 let mut words = wrap.split_whitespace();

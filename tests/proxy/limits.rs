@@ -536,6 +536,31 @@ async fn refused_connection_gets_502_with_a_json_error() {
     proxy.stop().await;
 }
 
+/// tongs reads a node's HTTP/1 connection 8 KiB at a time, so that is the largest answer head a node
+/// may send: one of about 7 KiB passes whole, one of about 9 KiB is a broken answer (502, JSON error),
+/// and the proxy serves on.
+#[tokio::test]
+async fn a_node_answer_head_up_to_8_kib_passes_and_a_larger_one_gets_502() {
+    let node = backend(|request: Request<Incoming>| async move {
+        let size: usize = request.uri().query().unwrap_or("0").parse().unwrap();
+        Response::builder()
+            .header("x-padding", "p".repeat(size))
+            .body(full("whole"))
+            .unwrap()
+    })
+    .await;
+    let proxy = start_proxy(config_with("", &[node.url()])).await;
+
+    let (status, _, body) = send(post(&proxy, "/v1/chat?7000", full("hello"))).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "whole"));
+    let (status, request_id, body) = send(post(&proxy, "/v1/chat?9000", full("hello"))).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY, "{body}");
+    assert_json_error(&body, request_id.as_deref());
+    let (status, _, body) = send(post(&proxy, "/v1/chat?100", full("hello"))).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "whole"));
+    proxy.stop().await;
+}
+
 #[tokio::test]
 async fn endpoint_that_never_answers_gets_504_with_a_json_error() {
     // Accepts connections and holds them without ever reading or writing.
