@@ -71,6 +71,7 @@ scorers! {
 }
 
 pub mod affinity;
+pub mod line;
 pub mod saturation;
 #[cfg(test)]
 mod signal_tests;
@@ -81,6 +82,7 @@ use std::sync::{Arc, LazyLock};
 use tokio::time::Instant;
 
 pub use affinity::{Affinity, PrefixIndex, RequestKeys};
+pub use line::Unlined;
 pub use saturation::{Saturation, Unsaturated};
 pub use score::{Cost, Filter, Pipeline, Reads, Scorer, Sight, UnknownScorer, config_problems};
 

@@ -17,6 +17,8 @@ pub struct LatencyModel {
     /// Time to first byte by the requests in flight when an attempt started (see `latency`): an EWMA
     /// in microseconds per load bucket (0: none seen at that load).
     by_load: [AtomicU64; LOAD_BUCKETS],
+    /// ... and the millisecond of each bucket's last sample.
+    by_load_at: [AtomicU64; LOAD_BUCKETS],
     /// Attempts here waiting for their first byte ...
     waiting: AtomicU64,
     /// ... and the millisecond the endpoint last went from none waiting to some ...
@@ -67,7 +69,9 @@ impl LatencyModel {
     /// Records an answer's time to first byte under the load it started at: `in_flight` requests here,
     /// itself included. An EWMA per load bucket, weight 1/4: the buckets the endpoint works in follow
     /// it within a few answers. What was learnt before a spell of `decay_ms` without answers is
-    /// forgotten, so a node that comes back is judged by what it does now. Call before
+    /// forgotten, so a node that comes back is judged by what it does now; so is what was learnt at
+    /// one load before [`LOAD_FRESH_MS`] without a sample there: a node kept away from a load (it was
+    /// slow there once, or full) is judged there by its next answer alone. Call before
     /// [`LatencyModel::observe`], which marks the answer.
     pub fn observe_at_load(&self, sample: Duration, in_flight: u64, now_ms: u64, decay_ms: u64) {
         if now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) >= decay_ms {
@@ -76,14 +80,18 @@ impl LatencyModel {
             }
         }
         let sample = u64::try_from(sample.as_micros()).unwrap_or(u64::MAX).max(1);
-        let slot = &self.by_load[load_bucket(in_flight)];
+        let bucket = load_bucket(in_flight);
+        let slot = &self.by_load[bucket];
         let old = slot.load(Ordering::Relaxed);
-        let next = if old == 0 {
+        let stale =
+            now_ms.saturating_sub(self.by_load_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
+        let next = if old == 0 || stale {
             sample
         } else {
             old - old / 4 + sample / 4
         };
         slot.store(next, Ordering::Relaxed);
+        self.by_load_at[bucket].store(now_ms, Ordering::Relaxed);
     }
 
     /// The time to first byte a new request here should expect (µs), with `outstanding` requests
@@ -126,6 +134,36 @@ impl LatencyModel {
                 .saturating_mul(n)
         });
         expected.max(self.silence_ms(now_ms).saturating_mul(1000))
+    }
+
+    /// Its quickest first byte by load (µs; 0: none seen): what an answer takes when the request
+    /// finds a free slot. Of the loads seen in the last [`LOAD_FRESH_MS`], and of the loads below
+    /// the lowest of them however old: a node busy past its batch for a while answers at no low
+    /// load, and its quick answers there still say what a free slot takes, while a node that slowed
+    /// down all over shows it at its lowest load first.
+    pub fn quickest_us(&self, now_ms: u64) -> u64 {
+        let mut quickest = u64::MAX;
+        let mut fresh_below = false;
+        for bucket in 0..LOAD_BUCKETS {
+            if let Some(seen) = self.at_bucket(bucket, now_ms)
+                && (seen.fresh || !fresh_below)
+            {
+                quickest = quickest.min(seen.us);
+                fresh_below |= seen.fresh;
+            }
+        }
+        if quickest == u64::MAX { 0 } else { quickest }
+    }
+
+    /// What its answers took when they started at `bucket`'s loads (see [`load_bucket`]); `None`
+    /// when none did since the model last forgot.
+    pub fn at_bucket(&self, bucket: usize, now_ms: u64) -> Option<AtLoad> {
+        let us = self.by_load.get(bucket)?.load(Ordering::Relaxed);
+        let at = self.by_load_at[bucket].load(Ordering::Relaxed);
+        (us > 0).then(|| AtLoad {
+            us,
+            fresh: now_ms.saturating_sub(at) < LOAD_FRESH_MS,
+        })
     }
 
     /// When the endpoint last answered a request (ms on the [`super::millis`] clock; 0: never).
@@ -183,7 +221,22 @@ impl Drop for Waiting<'_> {
 /// Load buckets of [`LatencyModel::observe_at_load`]: requests in flight 1, 2, 3–4, 5–8, 9–16, 17+.
 pub const LOAD_BUCKETS: usize = 6;
 
-fn load_bucket(in_flight: u64) -> usize {
+/// How long what a node's answers took at one load stands without another sample there (ms): long
+/// enough to span a few generations, short enough that a node kept from a load by a spell that
+/// passed (a slow minute, a full batch) is tried there again within seconds.
+pub const LOAD_FRESH_MS: u64 = 2_000;
+
+/// What answers took at one load bucket of a [`LatencyModel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AtLoad {
+    /// Their time to first byte, an EWMA in microseconds.
+    pub us: u64,
+    /// Whether one came in the last [`LOAD_FRESH_MS`].
+    pub fresh: bool,
+}
+
+/// The load bucket of `in_flight` requests (itself included): 1, 2, 3–4, 5–8, 9–16, 17+.
+pub fn load_bucket(in_flight: u64) -> usize {
     let bits = 64 - in_flight.max(1).saturating_sub(1).leading_zeros() as usize;
     bits.min(LOAD_BUCKETS - 1)
 }
@@ -191,6 +244,16 @@ fn load_bucket(in_flight: u64) -> usize {
 /// The load a bucket stands for when it is extrapolated from: its highest.
 fn bucket_load(bucket: usize) -> u64 {
     1 << bucket
+}
+
+/// A bucket's lowest load: the first request that finds the endpoint holding more than the bucket
+/// below.
+pub fn bucket_floor(bucket: usize) -> u64 {
+    if bucket == 0 {
+        1
+    } else {
+        (1 << (bucket - 1)) + 1
+    }
 }
 
 #[cfg(test)]

@@ -39,7 +39,9 @@ use self::counts::Counted;
 pub use self::counts::FleetCounts;
 pub use self::gate::{BreakerControl, Circuit};
 use self::gate::{GATE_CLOSED, GATE_PROBING};
-pub use self::latency::{LOAD_BUCKETS, LatencyModel, Waiting};
+pub use self::latency::{
+    AtLoad, LOAD_BUCKETS, LOAD_FRESH_MS, LatencyModel, Waiting, bucket_floor, load_bucket,
+};
 pub use self::liveness::{Announcer, LastHeartbeat, Liveness, Notices};
 pub use self::load::{LimitState, LoadControl, Outstanding};
 pub use self::models::ServedModels;

@@ -402,7 +402,8 @@ pub struct PickExplanation {
     pub session_home: Option<String>,
     /// Endpoints this replica sent a prefix of the prompt to, with the share they hold.
     pub prefix_matches: Vec<(String, f64)>,
-    /// Eligible endpoints the pipeline's filters keep out (saturated by their own metrics).
+    /// Eligible endpoints the pipeline's filters keep out (saturated by their own metrics, or with
+    /// a line at the load this request would make: `balance::line`).
     pub saturated: Vec<String>,
     /// The prompt's blocks, and whether it had a conversation and a session key.
     pub blocks: usize,

@@ -122,6 +122,7 @@ impl BalanceSettings {
         // did the policy's scorer alone is the safe pick.
         let pipeline =
             Pipeline::of(&named).unwrap_or_else(|_| Pipeline::for_policy(config.balancer.policy));
+        let pipeline = pipeline.with_filter(Box::new(crate::balance::Unlined));
         if config.signals.enabled {
             pipeline.with_filter(Box::new(Unsaturated(Saturation::from_config(
                 &config.signals.saturation,

@@ -1,0 +1,262 @@
+//! `unlined` (always in the pipeline): a node whose requests would wait in its own line takes no new
+//! request while another has room.
+//!
+//! A GPU server past its batch keeps the rest in its own line, where nobody can reorder them and a slot
+//! freed on another node cannot reach them; tongs rarely knows the batch. But the node shows it: what
+//! its answers took by the load they started at (`endpoint::latency`, by powers of two). When the
+//! answers that started at a load took more than [`LINE_FACTOR`] times its quickest first byte (and
+//! over [`LINE_MIN_MS`]), requests there waited for a slot: the node is full at that load and above,
+//! and the request goes elsewhere. When every node is, it waits in tongs' queue, in order, for the
+//! first slot anywhere (the queue looks again as slots free, and every `admission::HEAD_RECHECK`): the
+//! late binding a told capacity gives, without the number.
+//!
+//! A node kept from a load answers nothing there, so what it took there stands only for
+//! `endpoint::LOAD_FRESH_MS`; past that, and at a load it has not been seen at, one request (the first
+//! at that load) finds out whether there is room, and the rest wait for its first byte. That is slow
+//! start, level by level, cheap where a first byte comes in milliseconds (a stream's); a node whose
+//! quickest first byte takes longer than [`PROBE_WITHIN_MS`] (a whole answer) is tried at loads not
+//! seen, as before. Left alone: a node with nothing in flight, a node with a limit (told, or learned
+//! when asked), and a node that serves its own metrics, judged by them (`saturation`), since a
+//! continuous-batching server's first token slows as its batch grows without any line.
+//!
+//! In the stalls scenario (a gray node takes 54 % of the fleet's capacity out for 6 s), the defaults'
+//! p99 went from 1.14–1.48× the told capacities' to 0.97–1.14×, 1.1× or less in four runs of five
+//! (`benches/RESULTS.md`).
+
+use super::PickContext;
+use super::score::{Filter, Sight};
+use crate::endpoint::{bucket_floor, load_bucket};
+
+/// How many times its quickest first byte an attempt may wait before the node counts as lined.
+pub const LINE_FACTOR: u64 = 3;
+/// The least wait that counts as a line (ms): a first byte is never that exact.
+pub const LINE_MIN_MS: u64 = 20;
+/// Loads not seen are probed one request at a time only on a node whose quickest first byte comes
+/// within this (ms): a fresh node then opens to 17 at once in five first bytes, half a second at most.
+pub const PROBE_WITHIN_MS: u64 = 100;
+
+/// The pipeline's filter: only nodes without a line.
+#[derive(Debug)]
+pub struct Unlined;
+
+impl Filter for Unlined {
+    fn name(&self) -> &'static str {
+        "unlined"
+    }
+
+    #[inline]
+    fn admits(&self, sight: &Sight<'_>, _ctx: &PickContext<'_>) -> bool {
+        // A node's own metrics say when it is full (`saturation`), and a continuous-batching server's
+        // first token slows as its batch grows without any line forming. A node with nothing in
+        // flight has no line of ours to wait in, and one with a limit (told, or learned when asked)
+        // is held to that.
+        if sight.engine.is_some()
+            || sight.outstanding == 0
+            || sight.endpoint.load().limit().is_some()
+        {
+            return true;
+        }
+        let latency = sight.endpoint.latency();
+        let quickest = latency.quickest_us(sight.now_ms);
+        if quickest == 0 {
+            return true;
+        }
+        let line = (quickest * LINE_FACTOR).max(LINE_MIN_MS * 1000);
+        // Loads never seen are probed only where a first byte says quickly whether they are free.
+        let probe_unseen = quickest <= PROBE_WITHIN_MS * 1000;
+        let load = sight.outstanding + 1;
+        let bucket = load_bucket(load);
+        // A line at one load is a line at every load above it, seen there or not. A load of one is
+        // never a line of ours: slow there is the node's speed (or a cold connection).
+        for below in 1..=bucket {
+            let probe = match latency.at_bucket(below, sight.now_ms) {
+                Some(seen) if seen.us > line => !seen.fresh,
+                None if probe_unseen => true,
+                _ => continue,
+            };
+            // A line, or a load not seen (lately): one request, the first at that load, finds out
+            // whether there is room; the rest wait for its first byte.
+            return probe && below == bucket && load == bucket_floor(bucket);
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::balance::tests::endpoint;
+    use crate::endpoint::{Endpoint, LOAD_FRESH_MS};
+
+    /// Some millisecond on the model's clock, the tests' "now" (the model takes its time passed in).
+    const NOW: u64 = 1_000_000;
+
+    fn admits(endpoint: &Endpoint, outstanding: u64, now_ms: u64) -> bool {
+        let sight = Sight {
+            endpoint,
+            now_ms,
+            weight: 1000,
+            outstanding,
+            engine: None,
+            load: outstanding,
+        };
+        Unlined.admits(&sight, &PickContext::at(Instant::now()))
+    }
+
+    /// An answer `ms` after its start at `load`, recorded as an attempt records it.
+    fn answer(node: &Endpoint, ms: u64, load: u64, now_ms: u64) {
+        let took = Duration::from_millis(ms);
+        node.latency().observe_at_load(took, load, now_ms, 10_000);
+        node.latency().observe(took, now_ms, 10_000);
+    }
+
+    /// A batch of 4: quick first bytes up to 4, a line past it (5 to 8 share a bucket).
+    fn batch_of_four(node: &Endpoint, now_ms: u64) {
+        answer(node, 15, 1, now_ms);
+        answer(node, 16, 2, now_ms);
+        answer(node, 15, 4, now_ms);
+        answer(node, 400, 6, now_ms);
+    }
+
+    #[test]
+    fn a_node_takes_no_request_at_a_load_whose_answers_waited_for_a_slot() {
+        let node = endpoint(1);
+        // Nothing seen: every load is tried.
+        assert!(admits(&node, 0, NOW) && admits(&node, 20, NOW));
+        batch_of_four(&node, NOW);
+        assert!(admits(&node, 3, NOW), "the fourth request finds a slot");
+        assert!(
+            !admits(&node, 4, NOW),
+            "a fifth would wait in the node's line"
+        );
+        assert!(!admits(&node, 7, NOW));
+        assert!(
+            !admits(&node, 8, NOW) && !admits(&node, 30, NOW),
+            "a line at 5 to 8 is a line beyond, unseen as it is"
+        );
+        // Slower, but within three times the quickest: no line (once the load's mean says so).
+        for _ in 0..20 {
+            answer(&node, 40, 6, NOW);
+        }
+        assert!(
+            admits(&node, 4, NOW),
+            "{:?}",
+            node.latency().at_bucket(3, NOW)
+        );
+    }
+
+    #[test]
+    fn a_quick_node_is_not_lined_by_a_few_milliseconds() {
+        let node = endpoint(1);
+        answer(&node, 1, 1, NOW);
+        answer(&node, 1, 2, NOW);
+        answer(&node, 12, 3, NOW);
+        // 12 ms is 12 times the quickest, but under the least wait that counts as a line.
+        assert!(admits(&node, 2, NOW));
+    }
+
+    #[test]
+    fn a_slow_answer_alone_on_a_node_is_its_speed_not_a_line() {
+        let node = endpoint(1);
+        // Slow at a load of one (a cold connection), quick at two.
+        answer(&node, 15, 2, NOW);
+        answer(&node, 900, 1, NOW);
+        assert!(admits(&node, 0, NOW) && admits(&node, 1, NOW) && admits(&node, 2, NOW));
+        // Lined at 3–4: still the place for a request when it holds none.
+        answer(&node, 900, 3, NOW);
+        assert!(admits(&node, 0, NOW) && admits(&node, 1, NOW) && !admits(&node, 2, NOW));
+    }
+
+    /// A node busy past its batch for longer than `LOAD_FRESH_MS` answers at no low load: its quick
+    /// answers there, however old, still say what a free slot takes, and the line stays a line.
+    #[test]
+    fn a_node_busy_past_its_batch_for_a_while_stays_lined() {
+        let node = endpoint(1);
+        batch_of_four(&node, NOW);
+        let later = NOW + 3 * LOAD_FRESH_MS;
+        // Only the loads of a full node answered lately: 3–4 quick, 5–8 waited.
+        answer(&node, 15, 4, later);
+        answer(&node, 400, 6, later);
+        assert!(!admits(&node, 4, later) && admits(&node, 3, later));
+        // Even when only the line answered lately.
+        let later = later + LOAD_FRESH_MS;
+        answer(&node, 400, 6, later);
+        assert!(!admits(&node, 4, later));
+    }
+
+    /// A node that slowed down all over shows it at its lowest load, which is never kept from it: the
+    /// slower answers there are its speed now, and its other loads are judged against them.
+    #[test]
+    fn a_node_that_slowed_down_is_judged_by_its_speed_now() {
+        let node = endpoint(1);
+        batch_of_four(&node, NOW);
+        let later = NOW + LOAD_FRESH_MS;
+        // Five times slower, alone and at three.
+        answer(&node, 75, 1, later);
+        answer(&node, 80, 3, later);
+        assert!(
+            admits(&node, 2, later),
+            "80 ms is its free slot now, not a line"
+        );
+    }
+
+    /// A node whose first byte is quick opens to a load it has not been seen at one request at a time:
+    /// the first at that load finds out whether there is room, the rest wait for its first byte.
+    #[test]
+    fn a_quick_node_is_opened_to_loads_not_seen_one_request_at_a_time() {
+        let node = endpoint(1);
+        answer(&node, 15, 1, NOW);
+        assert!(admits(&node, 1, NOW), "the first at a load of two");
+        assert!(!admits(&node, 2, NOW) && !admits(&node, 9, NOW));
+        answer(&node, 16, 2, NOW);
+        assert!(admits(&node, 2, NOW) && !admits(&node, 3, NOW));
+        answer(&node, 15, 3, NOW);
+        assert!(admits(&node, 3, NOW), "3–4 seen free");
+        assert!(admits(&node, 4, NOW) && !admits(&node, 5, NOW));
+    }
+
+    /// A node whose quickest first byte is a whole answer (slower than `PROBE_WITHIN_MS`) would open
+    /// level by level one answer at a time, seconds each: it is tried at loads not seen, as a node
+    /// nothing is known of.
+    #[test]
+    fn a_node_whose_first_byte_is_a_whole_answer_is_tried_at_loads_not_seen() {
+        let node = endpoint(1);
+        answer(&node, PROBE_WITHIN_MS + 1, 1, NOW);
+        assert!(admits(&node, 1, NOW) && admits(&node, 2, NOW) && admits(&node, 30, NOW));
+        // A line it showed is still a line.
+        answer(&node, 5 * PROBE_WITHIN_MS, 3, NOW);
+        assert!(admits(&node, 1, NOW) && !admits(&node, 2, NOW) && !admits(&node, 30, NOW));
+    }
+
+    /// A node kept from a load takes no answers there, so nothing it does could lift the cap: what it
+    /// took there is forgotten after `LOAD_FRESH_MS`, and its next answer there judges it alone.
+    #[test]
+    fn a_load_lined_by_a_spell_that_passed_is_tried_again_and_judged_by_its_next_answer() {
+        let node = endpoint(1);
+        batch_of_four(&node, NOW);
+        // Answers keep coming at the loads it is allowed; none at the lined one.
+        let later = NOW + LOAD_FRESH_MS - 1;
+        answer(&node, 15, 1, later);
+        assert!(!admits(&node, 4, later), "still lined within the window");
+        let after = NOW + LOAD_FRESH_MS;
+        assert!(
+            admits(&node, 4, after),
+            "tried again, by the first request at that load"
+        );
+        assert!(
+            !admits(&node, 5, after) && !admits(&node, 9, after),
+            "the rest wait for its answer"
+        );
+        // One quick answer there opens it; a blend with the old 400 ms would still read as a line.
+        answer(&node, 16, 6, after);
+        assert!(admits(&node, 4, after + 1));
+        // And one slow answer there closes it again.
+        answer(&node, 400, 6, after + 2 * LOAD_FRESH_MS);
+        answer(&node, 15, 1, after + 2 * LOAD_FRESH_MS);
+        assert!(!admits(&node, 4, after + 2 * LOAD_FRESH_MS));
+    }
+}
