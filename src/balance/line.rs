@@ -29,8 +29,10 @@ use crate::endpoint::{bucket_floor, load_bucket};
 
 /// How many times its quickest first byte an attempt may wait before the node counts as lined.
 pub const LINE_FACTOR: u64 = 3;
-/// The least wait that counts as a line (ms): a first byte is never that exact.
-pub const LINE_MIN_MS: u64 = 20;
+/// The least wait that counts as a line (ms): a first byte is never that exact (a delayed ACK alone
+/// is 40 ms), and a request held in tongs' queue for a line shorter than this loses more than it
+/// gains.
+pub const LINE_MIN_MS: u64 = 50;
 /// Loads not seen are probed one request at a time only on a node whose quickest first byte comes
 /// within this (ms): a fresh node then opens to 17 at once in five first bytes, half a second at most.
 pub const PROBE_WITHIN_MS: u64 = 100;
@@ -188,6 +190,28 @@ mod tests {
         assert!(!admits(&node, 4, later));
     }
 
+    /// One first byte late for reasons of its own (a delayed ACK, a hiccup on the path) does not keep
+    /// a node from a load; the same wait again and again does, as does one answer that waited for a
+    /// whole generation.
+    #[test]
+    fn one_late_first_byte_is_not_a_line_but_late_ones_again_and_again_are() {
+        let node = endpoint(1);
+        answer(&node, 15, 1, NOW);
+        answer(&node, 16, 2, NOW);
+        answer(&node, 120, 3, NOW);
+        assert!(admits(&node, 3, NOW), "one 120 ms first byte at 3–4");
+        answer(&node, 120, 4, NOW);
+        answer(&node, 120, 3, NOW);
+        assert!(!admits(&node, 2, NOW), "three of them in a row");
+        assert!(admits(&node, 1, NOW));
+        // A whole generation's wait is a line at once.
+        let node = endpoint(2);
+        answer(&node, 15, 1, NOW);
+        answer(&node, 16, 2, NOW);
+        answer(&node, 1_000, 3, NOW);
+        assert!(!admits(&node, 2, NOW) && admits(&node, 1, NOW));
+    }
+
     /// A node that slowed down all over shows it at its lowest load, which is never kept from it: the
     /// slower answers there are its speed now, and its other loads are judged against them.
     #[test]
@@ -228,7 +252,7 @@ mod tests {
         answer(&node, PROBE_WITHIN_MS + 1, 1, NOW);
         assert!(admits(&node, 1, NOW) && admits(&node, 2, NOW) && admits(&node, 30, NOW));
         // A line it showed is still a line.
-        answer(&node, 5 * PROBE_WITHIN_MS, 3, NOW);
+        answer(&node, 10 * PROBE_WITHIN_MS, 3, NOW);
         assert!(admits(&node, 1, NOW) && !admits(&node, 2, NOW) && !admits(&node, 30, NOW));
     }
 

@@ -71,9 +71,20 @@ impl LatencyModel {
     /// it within a few answers. What was learnt before a spell of `decay_ms` without answers is
     /// forgotten, so a node that comes back is judged by what it does now; so is what was learnt at
     /// one load before [`LOAD_FRESH_MS`] without a sample there: a node kept away from a load (it was
-    /// slow there once, or full) is judged there by its next answer alone. Call before
-    /// [`LatencyModel::observe`], which marks the answer.
-    pub fn observe_at_load(&self, sample: Duration, in_flight: u64, now_ms: u64, decay_ms: u64) {
+    /// slow there once, or full) is judged there by its next answer, which starts the load's EWMA
+    /// from the node's quickest first byte ([`LatencyModel::quickest_us`]) as a load's first answer
+    /// does. Call before [`LatencyModel::observe`], which marks the answer.
+    ///
+    /// True when the sample may let the node take more than before (`balance::line`): the first at
+    /// its load lately, or quicker there than what stood. Whoever waits for a node to take them then
+    /// looks again at once rather than at the queue's next recheck.
+    pub fn observe_at_load(
+        &self,
+        sample: Duration,
+        in_flight: u64,
+        now_ms: u64,
+        decay_ms: u64,
+    ) -> bool {
         if now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) >= decay_ms {
             for slot in &self.by_load {
                 slot.store(0, Ordering::Relaxed);
@@ -85,13 +96,23 @@ impl LatencyModel {
         let old = slot.load(Ordering::Relaxed);
         let stale =
             now_ms.saturating_sub(self.by_load_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
-        let next = if old == 0 || stale {
+        let opened = old == 0 || stale;
+        // A load's first sample (lately) counts a quarter too, against what a free slot takes here:
+        // one first byte late for reasons of its own (a delayed ACK, the path) is not yet a line,
+        // while one that waited for a whole answer to end is.
+        let base = if opened {
+            self.quickest_us(now_ms)
+        } else {
+            old
+        };
+        let next = if base == 0 {
             sample
         } else {
-            old - old / 4 + sample / 4
+            base - base / 4 + sample / 4
         };
         slot.store(next, Ordering::Relaxed);
         self.by_load_at[bucket].store(now_ms, Ordering::Relaxed);
+        opened || next < old
     }
 
     /// The time to first byte a new request here should expect (µs), with `outstanding` requests

@@ -347,7 +347,7 @@ impl Proxy {
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
-        endpoint.latency().observe_at_load(
+        let opened = endpoint.latency().observe_at_load(
             first_byte,
             outstanding.in_flight_at_start(),
             crate::endpoint::millis(now),
@@ -358,6 +358,12 @@ impl Proxy {
             .load()
             .observe_limit_sample(first_byte, outstanding.in_flight_at_start(), now);
         outstanding.first_byte_at(now);
+        if opened {
+            // A load probed (`balance::line`): requests held for its answer go now, not at the
+            // queue's next recheck. The first byte of a stream comes in milliseconds, and a node
+            // many streams reach at once opens level by level at that pace.
+            endpoint.wake_waiters();
+        }
         Attempt::Committed(Committed {
             response,
             first,

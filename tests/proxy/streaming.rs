@@ -274,3 +274,68 @@ async fn websocket_upgrade_passes_through_and_counts_as_outstanding() {
     drop(stream);
     stop_once_idle(proxy, "upgrade").await;
 }
+
+/// Streams that reach one node at once are all open there together: however tongs finds out what a
+/// node can take (`balance::line` opens a node it knows little of load by load, each load on its
+/// first answer's first byte), it opens faster than streams end. Each stream here sends its first
+/// event at once and ends after `HOLD`, shorter than the queue's own recheck would take to open
+/// five loads one after the other. The node is an in-process backend standing in for a GPU node.
+#[tokio::test]
+async fn streams_that_reach_one_node_at_once_are_all_open_there_together() {
+    const STREAMS: usize = 50;
+    const HOLD: Duration = Duration::from_millis(400);
+    let open = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let (o, m) = (Arc::clone(&open), Arc::clone(&most));
+    let backend = backend(move |_request| {
+        let (open, most) = (Arc::clone(&o), Arc::clone(&m));
+        async move {
+            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            let (mut sender, body) = Channel::<Bytes, BoxError>::new(2);
+            tokio::spawn(async move {
+                let _ = sender.send_data(Bytes::from_static(b"data: 1\n\n")).await;
+                tokio::time::sleep(HOLD).await;
+                open.fetch_sub(1, Ordering::SeqCst);
+                let _ = sender
+                    .send_data(Bytes::from_static(b"data: [DONE]\n\n"))
+                    .await;
+            });
+            Response::builder()
+                .header("content-type", "text/event-stream")
+                .body(body.boxed())
+                .unwrap()
+        }
+    })
+    .await;
+    let proxy = start_proxy(config_with("", &[backend.url()])).await;
+    let one = || {
+        let request = Request::post(proxy.url("/v1/chat/completions"))
+            .header("content-type", "application/json")
+            .body(full(r#"{"stream":true}"#))
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(30), exchange(request))
+    };
+    // One stream first: tongs has seen how quickly the node answers alone, and nothing more.
+    let (head, _) = one().await.expect("the first stream ends within 30 s");
+    assert_eq!(head.status, StatusCode::OK);
+    most.store(0, Ordering::SeqCst);
+
+    let streams: Vec<_> = (0..STREAMS)
+        .map(|_| {
+            let stream = one();
+            tokio::spawn(async move { stream.await.expect("a stream ends within 30 s") })
+        })
+        .collect();
+    for stream in streams {
+        let (head, body) = stream.await.unwrap();
+        assert_eq!(head.status, StatusCode::OK, "{body}");
+        assert_eq!(body, "data: 1\n\ndata: [DONE]\n\n");
+    }
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        STREAMS,
+        "the node held every stream open at once"
+    );
+    stop_once_idle(proxy, "streams").await;
+}
