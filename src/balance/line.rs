@@ -3,21 +3,25 @@
 //!
 //! A GPU server past its batch keeps the rest in its own line, where nobody can reorder them and a slot
 //! freed on another node cannot reach them; tongs rarely knows the batch. But the node shows it: what
-//! its answers took by the load they started at (`endpoint::latency`, by powers of two). When the
-//! answers that started at a load took more than [`LINE_FACTOR`] times its quickest first byte (and
-//! over [`LINE_MIN_MS`]), requests there waited for a slot: the node is full at that load and above,
-//! and the request goes elsewhere. When every node is, it waits in tongs' queue, in order, for the
-//! first slot anywhere (the queue looks again as slots free, and every `admission::HEAD_RECHECK`): the
-//! late binding a told capacity gives, without the number.
+//! its streams' first bytes took by the load they started at (`LatencyModel::observe_stream_start`, by
+//! powers of two). A stream's first byte is its wait for a slot and its prompt; a whole answer's is its
+//! whole generation, and a long generation is no line, so whole answers count for nothing here. When
+//! the streams that started at a load waited more than [`LINE_FACTOR`] times the node's quickest first
+//! byte (and over [`LINE_MIN_MS`]; one late first byte counts a quarter), they waited for a slot: the
+//! node is full at that load and above, and the request goes elsewhere. When every node is, it waits
+//! in tongs' queue, in order, for the first slot anywhere (the queue looks again as slots free, as
+//! loads open, and every `admission::HEAD_RECHECK`): the late binding a told capacity gives, without
+//! the number.
 //!
 //! A node kept from a load answers nothing there, so what it took there stands only for
 //! `endpoint::LOAD_FRESH_MS`; past that, and at a load it has not been seen at, one request (the first
-//! at that load) finds out whether there is room, and the rest wait for its first byte. That is slow
-//! start, level by level, cheap where a first byte comes in milliseconds (a stream's); a node whose
-//! quickest first byte takes longer than [`PROBE_WITHIN_MS`] (a whole answer) is tried at loads not
-//! seen, as before. Left alone: a node with nothing in flight, a node with a limit (told, or learned
-//! when asked), and a node that serves its own metrics, judged by them (`saturation`), since a
-//! continuous-batching server's first token slows as its batch grows without any line.
+//! at that load) finds out whether there is room, and the rest wait for its first byte, which wakes
+//! them. That is slow start, level by level, at the pace of a stream's first byte; a node whose
+//! quickest first byte takes longer than [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node
+//! nothing is known of. Left alone: a node with nothing in flight, a node that has streamed nothing
+//! (since it was last idle), a node with a limit (told, or learned when asked), and a node that serves its own metrics,
+//! judged by them (`saturation`), since a continuous-batching server's first token slows as its batch
+//! grows without any line.
 //!
 //! In the stalls scenario (a gray node takes 54 % of the fleet's capacity out for 6 s), the defaults'
 //! p99 went from 1.14–1.48× the told capacities' to 0.97–1.14×, 1.1× or less in four runs of five
@@ -109,11 +113,31 @@ mod tests {
         Unlined.admits(&sight, &PickContext::at(Instant::now()))
     }
 
-    /// An answer `ms` after its start at `load`, recorded as an attempt records it.
+    /// A stream's first byte `ms` after its start at `load`, recorded as an attempt records it.
     fn answer(node: &Endpoint, ms: u64, load: u64, now_ms: u64) {
         let took = Duration::from_millis(ms);
         node.latency().observe_at_load(took, load, now_ms, 10_000);
+        node.latency().observe_stream_start(took, load, now_ms);
         node.latency().observe(took, now_ms, 10_000);
+    }
+
+    /// A whole answer's first byte is its whole generation: a long one is no line.
+    #[test]
+    fn whole_answers_however_long_make_no_line() {
+        let node = endpoint(1);
+        let took = Duration::from_millis(15);
+        node.latency().observe_at_load(took, 1, NOW, 10_000);
+        node.latency().observe(took, NOW, 10_000);
+        for _ in 0..10 {
+            let took = Duration::from_millis(3_000);
+            node.latency().observe_at_load(took, 3, NOW, 10_000);
+            node.latency().observe(took, NOW, 10_000);
+        }
+        assert!(admits(&node, 2, NOW) && admits(&node, 30, NOW));
+        // A stream's first byte that long is one.
+        answer(&node, 15, 1, NOW);
+        answer(&node, 3_000, 3, NOW);
+        assert!(!admits(&node, 2, NOW) && admits(&node, 1, NOW));
     }
 
     /// A batch of 4: quick first bytes up to 4, a line past it (5 to 8 share a bucket).

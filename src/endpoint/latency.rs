@@ -17,8 +17,10 @@ pub struct LatencyModel {
     /// Time to first byte by the requests in flight when an attempt started (see `latency`): an EWMA
     /// in microseconds per load bucket (0: none seen at that load).
     by_load: [AtomicU64; LOAD_BUCKETS],
+    /// The same for the first bytes of streamed answers alone (see [`LatencyModel::observe_stream_start`]) ...
+    streams: [AtomicU64; LOAD_BUCKETS],
     /// ... and the millisecond of each bucket's last sample.
-    by_load_at: [AtomicU64; LOAD_BUCKETS],
+    streams_at: [AtomicU64; LOAD_BUCKETS],
     /// Attempts here waiting for their first byte ...
     waiting: AtomicU64,
     /// ... and the millisecond the endpoint last went from none waiting to some ...
@@ -69,37 +71,48 @@ impl LatencyModel {
     /// Records an answer's time to first byte under the load it started at: `in_flight` requests here,
     /// itself included. An EWMA per load bucket, weight 1/4: the buckets the endpoint works in follow
     /// it within a few answers. What was learnt before a spell of `decay_ms` without answers is
-    /// forgotten, so a node that comes back is judged by what it does now; so is what was learnt at
-    /// one load before [`LOAD_FRESH_MS`] without a sample there: a node kept away from a load (it was
-    /// slow there once, or full) is judged there by its next answer, which starts the load's EWMA
-    /// from the node's quickest first byte ([`LatencyModel::quickest_us`]) as a load's first answer
-    /// does. Call before [`LatencyModel::observe`], which marks the answer.
-    ///
-    /// True when the sample may let the node take more than before (`balance::line`): the first at
-    /// its load lately, or quicker there than what stood. Whoever waits for a node to take them then
-    /// looks again at once rather than at the queue's next recheck.
-    pub fn observe_at_load(
-        &self,
-        sample: Duration,
-        in_flight: u64,
-        now_ms: u64,
-        decay_ms: u64,
-    ) -> bool {
+    /// forgotten (streamed answers' first bytes too), so a node that comes back is judged by what it
+    /// does now. Call before [`LatencyModel::observe`], which marks the answer.
+    pub fn observe_at_load(&self, sample: Duration, in_flight: u64, now_ms: u64, decay_ms: u64) {
         if now_ms.saturating_sub(self.latency_at.load(Ordering::Relaxed)) >= decay_ms {
-            for slot in &self.by_load {
+            for slot in self.by_load.iter().chain(&self.streams) {
                 slot.store(0, Ordering::Relaxed);
             }
         }
-        let sample = u64::try_from(sample.as_micros()).unwrap_or(u64::MAX).max(1);
-        let bucket = load_bucket(in_flight);
-        let slot = &self.by_load[bucket];
+        let sample = micros(sample);
+        let slot = &self.by_load[load_bucket(in_flight)];
         let old = slot.load(Ordering::Relaxed);
+        let next = if old == 0 {
+            sample
+        } else {
+            old - old / 4 + sample / 4
+        };
+        slot.store(next, Ordering::Relaxed);
+    }
+
+    /// Records a streamed answer's first byte under the load it started at, as
+    /// [`LatencyModel::observe_at_load`] does for every answer (call it after that one). A stream's
+    /// first byte is its wait for a slot and its prompt, whatever it generates after; a whole answer's
+    /// is its whole generation, and a long one says nothing of a line. This is what `balance::line`
+    /// judges a node's line by.
+    ///
+    /// What was learnt at one load stands for [`LOAD_FRESH_MS`] without a sample there: a node kept
+    /// away from a load (it was slow there once, or full) is judged there by its next answer. A load's
+    /// first sample (lately) starts its EWMA from the node's quickest first byte
+    /// ([`LatencyModel::quickest_us`]) and counts a quarter, as every later one does: one first byte
+    /// late for reasons of its own (a delayed ACK, the path) is not yet a line, one that waited for a
+    /// whole generation to end is.
+    ///
+    /// True when the sample may let the node take more than before: the first at its load lately, or
+    /// quicker there than what stood. Whoever waits for a node to take them then looks again at once
+    /// rather than at the queue's next recheck.
+    pub fn observe_stream_start(&self, sample: Duration, in_flight: u64, now_ms: u64) -> bool {
+        let sample = micros(sample);
+        let bucket = load_bucket(in_flight);
+        let old = self.streams[bucket].load(Ordering::Relaxed);
         let stale =
-            now_ms.saturating_sub(self.by_load_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
+            now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
         let opened = old == 0 || stale;
-        // A load's first sample (lately) counts a quarter too, against what a free slot takes here:
-        // one first byte late for reasons of its own (a delayed ACK, the path) is not yet a line,
-        // while one that waited for a whole answer to end is.
         let base = if opened {
             self.quickest_us(now_ms)
         } else {
@@ -110,8 +123,8 @@ impl LatencyModel {
         } else {
             base - base / 4 + sample / 4
         };
-        slot.store(next, Ordering::Relaxed);
-        self.by_load_at[bucket].store(now_ms, Ordering::Relaxed);
+        self.streams[bucket].store(next, Ordering::Relaxed);
+        self.streams_at[bucket].store(now_ms, Ordering::Relaxed);
         opened || next < old
     }
 
@@ -157,8 +170,8 @@ impl LatencyModel {
         expected.max(self.silence_ms(now_ms).saturating_mul(1000))
     }
 
-    /// Its quickest first byte by load (µs; 0: none seen): what an answer takes when the request
-    /// finds a free slot. Of the loads seen in the last [`LOAD_FRESH_MS`], and of the loads below
+    /// Its quickest streamed first byte by load (µs; 0: none seen): what a stream's start takes when
+    /// the request finds a free slot. Of the loads seen in the last [`LOAD_FRESH_MS`], and of the loads below
     /// the lowest of them however old: a node busy past its batch for a while answers at no low
     /// load, and its quick answers there still say what a free slot takes, while a node that slowed
     /// down all over shows it at its lowest load first.
@@ -176,11 +189,11 @@ impl LatencyModel {
         if quickest == u64::MAX { 0 } else { quickest }
     }
 
-    /// What its answers took when they started at `bucket`'s loads (see [`load_bucket`]); `None`
-    /// when none did since the model last forgot.
+    /// What its streams' first bytes took when they started at `bucket`'s loads (see
+    /// [`load_bucket`]); `None` when none did since the model last forgot.
     pub fn at_bucket(&self, bucket: usize, now_ms: u64) -> Option<AtLoad> {
-        let us = self.by_load.get(bucket)?.load(Ordering::Relaxed);
-        let at = self.by_load_at[bucket].load(Ordering::Relaxed);
+        let us = self.streams.get(bucket)?.load(Ordering::Relaxed);
+        let at = self.streams_at[bucket].load(Ordering::Relaxed);
         (us > 0).then(|| AtLoad {
             us,
             fresh: now_ms.saturating_sub(at) < LOAD_FRESH_MS,
@@ -239,6 +252,10 @@ impl Drop for Waiting<'_> {
     }
 }
 
+fn micros(sample: Duration) -> u64 {
+    u64::try_from(sample.as_micros()).unwrap_or(u64::MAX).max(1)
+}
+
 /// Load buckets of [`LatencyModel::observe_at_load`]: requests in flight 1, 2, 3–4, 5–8, 9–16, 17+.
 pub const LOAD_BUCKETS: usize = 6;
 
@@ -247,7 +264,7 @@ pub const LOAD_BUCKETS: usize = 6;
 /// passed (a slow minute, a full batch) is tried there again within seconds.
 pub const LOAD_FRESH_MS: u64 = 2_000;
 
-/// What answers took at one load bucket of a [`LatencyModel`].
+/// What streams' first bytes took at one load bucket of a [`LatencyModel`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AtLoad {
     /// Their time to first byte, an EWMA in microseconds.

@@ -347,12 +347,18 @@ impl Proxy {
         self.last_answer
             .fetch_max(crate::endpoint::millis(now), Ordering::Relaxed);
         let first_byte = now.saturating_duration_since(attempt_started);
-        let opened = endpoint.latency().observe_at_load(
+        endpoint.latency().observe_at_load(
             first_byte,
             outstanding.in_flight_at_start(),
             crate::endpoint::millis(now),
             millis_of(settings.balance.latency_decay),
         );
+        let opened = streams_on
+            && endpoint.latency().observe_stream_start(
+                first_byte,
+                outstanding.in_flight_at_start(),
+                crate::endpoint::millis(now),
+            );
         self.observe_latency(settings, endpoint, first_byte, now);
         endpoint
             .load()
