@@ -1,9 +1,10 @@
 //! Benchmarks `tongs::balance::pick` at 8, 64 and 10,000 endpoints, with uneven outstanding load, with and
 //! without a small exclusion slice; then counts heap allocations over 1,000,000 picks per size.
 //!
-//! Then the pick as a pool makes it by default (`balancer.scorers` unset: five scorers and the
-//! saturation filter, the nodes' own metrics read), with no affinity key and with a conversation's
-//! prompt (its prefix index and homes), against the policy's scorer alone in the same run; and what
+//! Then the pick as a pool makes it by default (`balancer.scorers` unset: five scorers, the line and
+//! saturation filters, the nodes' own metrics read), with no affinity key, with a conversation's
+//! prompt (its prefix index and homes), and with every node's streams seen at each load (the line
+//! filter's whole walk), against the policy's scorer alone in the same run; and what
 //! reading a prompt's keys costs: an 8,000-token chat body (about 32 KB) cut into 64-byte blocks and
 //! hashed, and its match in a pool's prefix index.
 //!
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion};
 use tongs::balance::{
-    PickContext, Pipeline, PrefixIndex, RequestKeys, Saturation, Unsaturated, pick,
+    PickContext, Pipeline, PrefixIndex, RequestKeys, Saturation, Unlined, Unsaturated, pick,
 };
 use tongs::config::{self, BalancePolicy, EndpointUrl};
 use tongs::endpoint::{Endpoint, EndpointId, Outstanding};
@@ -184,8 +185,10 @@ fn chat_body(tokens: usize) -> Vec<u8> {
 
 fn bench_default_pipeline(c: &mut Criterion) {
     let default = config::default_scorers(BalancePolicy::ExpectedLatency);
+    // As a pool builds it (`proxy::BalanceSettings`): the line filter, then the saturation filter.
     let pipeline = Pipeline::of(&default)
         .unwrap()
+        .with_filter(Box::new(Unlined))
         .with_filter(Box::new(Unsaturated(Saturation::from_config(
             &config::Saturation::default(),
         ))));
@@ -237,16 +240,33 @@ fn bench_default_pipeline(c: &mut Criterion) {
             keys: Some((&keys, &index)),
             ..with_signals
         };
+        let mut measure = |name: &str, ctx: &PickContext<'_>| {
+            group.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
+                b.iter(|| pick(black_box(&endpoints), black_box(&[]), ctx).map(|(e, _)| e.id()))
+            });
+        };
         for (name, ctx) in [
             ("policy_alone", &policy_alone),
             ("default", &by_default),
             ("default_8k_prompt", &with_prompt),
+        ] {
+            measure(name, ctx);
+        }
+        // Every endpoint has streamed at each load up to the one it holds now, quickly: the line
+        // filter walks every level of each node it looks at, and keeps none out.
+        for endpoint in &endpoints {
+            for load in 1..=endpoint.outstanding() + 1 {
+                endpoint
+                    .latency()
+                    .observe_stream_start(Duration::from_millis(15), load, read_ms);
+            }
+        }
+        measure("default_streams", &by_default);
+        for (name, ctx) in [
             ("default_signals", &with_signals),
             ("default_signals_8k_prompt", &with_both),
         ] {
-            group.bench_with_input(BenchmarkId::new(name, n), &n, |b, _| {
-                b.iter(|| pick(black_box(&endpoints), black_box(&[]), ctx).map(|(e, _)| e.id()))
-            });
+            measure(name, ctx);
         }
     }
     group.finish();
