@@ -24,8 +24,8 @@
 //! grows without any line.
 //!
 //! In the stalls scenario (a gray node takes 54 % of the fleet's capacity out for 6 s), the defaults'
-//! p99 went from 1.14–1.48× the told capacities' to 0.97–1.14×, 1.1× or less in four runs of five
-//! (`benches/RESULTS.md`).
+//! p99 went from 1.24–1.38× the told capacities' (three seeds) to 1.08–1.24× (the same seeds, twice
+//! each), 7 % lower on average (`benches/RESULTS.md`, "Late binding, third form").
 
 use super::PickContext;
 use super::score::{Filter, Sight};
