@@ -76,7 +76,7 @@ impl Filter for Unlined {
         // never a line of ours: slow there is the node's speed (or a cold connection).
         for below in 1..=bucket {
             let probe = match latency.at_bucket(below, sight.now_ms) {
-                Some(seen) if seen.us > line => !seen.fresh,
+                Some(seen) if seen.us > line => !seen.held,
                 None if probe_unseen => true,
                 _ => continue,
             };
@@ -140,12 +140,14 @@ mod tests {
         assert!(!admits(&node, 2, NOW) && admits(&node, 1, NOW));
     }
 
-    /// A batch of 4: quick first bytes up to 4, a line past it (5 to 8 share a bucket).
+    /// A batch of 4: quick first bytes up to 4, a line past it (5 to 8 share a bucket) that two
+    /// streams met.
     fn batch_of_four(node: &Endpoint, now_ms: u64) {
         answer(node, 15, 1, now_ms);
         answer(node, 16, 2, now_ms);
         answer(node, 15, 4, now_ms);
         answer(node, 400, 6, now_ms);
+        answer(node, 400, 5, now_ms);
     }
 
     #[test]
@@ -214,26 +216,44 @@ mod tests {
         assert!(!admits(&node, 4, later));
     }
 
-    /// One first byte late for reasons of its own (a delayed ACK, a hiccup on the path) does not keep
-    /// a node from a load; the same wait again and again does, as does one answer that waited for a
-    /// whole generation.
+    /// One first byte late for reasons of its own (a delayed ACK, a hiccup on the path) keeps a node
+    /// from a load for no longer than it was late; the next one there says whether it was a line.
     #[test]
-    fn one_late_first_byte_is_not_a_line_but_late_ones_again_and_again_are() {
+    fn one_late_first_byte_keeps_a_node_from_a_load_only_as_long_as_it_was_late() {
+        let spike = |node: &Endpoint| {
+            answer(node, 15, 1, NOW);
+            answer(node, 16, 2, NOW);
+            answer(node, 120, 3, NOW);
+            assert!(!admits(node, 2, NOW) && !admits(node, 3, NOW + 119));
+            assert!(admits(node, 1, NOW), "below it, the node takes requests");
+            // Then the first request at that load finds out; the rest wait for its first byte.
+            assert!(admits(node, 2, NOW + 120) && !admits(node, 3, NOW + 120));
+        };
+        // It was no line: a quick first byte there, and the load is open.
+        let node = endpoint(1);
+        spike(&node);
+        answer(&node, 16, 3, NOW + 130);
+        assert!(admits(&node, 3, NOW + 130) && admits(&node, 2, NOW + 130));
+        // It was one: the next waited too, and the two stand the whole window.
+        let node = endpoint(2);
+        spike(&node);
+        answer(&node, 110, 3, NOW + 130);
+        let last = NOW + 130 + LOAD_FRESH_MS - 1;
+        assert!(!admits(&node, 2, last) && admits(&node, 1, last));
+        assert!(admits(&node, 2, last + 1), "then tried again");
+    }
+
+    /// Streams that come in a line fill the window with it, however each began.
+    #[test]
+    fn late_first_bytes_again_and_again_are_a_line() {
         let node = endpoint(1);
         answer(&node, 15, 1, NOW);
         answer(&node, 16, 2, NOW);
-        answer(&node, 120, 3, NOW);
-        assert!(admits(&node, 3, NOW), "one 120 ms first byte at 3–4");
-        answer(&node, 120, 4, NOW);
-        answer(&node, 120, 3, NOW);
-        assert!(!admits(&node, 2, NOW), "three of them in a row");
-        assert!(admits(&node, 1, NOW));
-        // A whole generation's wait is a line at once.
-        let node = endpoint(2);
-        answer(&node, 15, 1, NOW);
-        answer(&node, 16, 2, NOW);
-        answer(&node, 1_000, 3, NOW);
-        assert!(!admits(&node, 2, NOW) && admits(&node, 1, NOW));
+        answer(&node, 15, 3, NOW);
+        answer(&node, 120, 4, NOW + 1);
+        answer(&node, 120, 3, NOW + 2);
+        answer(&node, 120, 4, NOW + 3);
+        assert!(!admits(&node, 2, NOW + 1_000) && admits(&node, 1, NOW + 1_000));
     }
 
     /// A node that slowed down all over shows it at its lowest load, which is never kept from it: the

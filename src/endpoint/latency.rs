@@ -1,7 +1,7 @@
 //! The endpoint's latency model (time to first byte): a peak EWMA, what answers took by the load they
 //! started at, and the attempts waiting for a first byte now. The balancer ranks endpoints by it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -19,8 +19,10 @@ pub struct LatencyModel {
     by_load: [AtomicU64; LOAD_BUCKETS],
     /// The same for the first bytes of streamed answers alone (see [`LatencyModel::observe_stream_start`]) ...
     streams: [AtomicU64; LOAD_BUCKETS],
-    /// ... and the millisecond of each bucket's last sample.
+    /// ... and the millisecond of each bucket's last sample ...
     streams_at: [AtomicU64; LOAD_BUCKETS],
+    /// ... and whether its value is one sample's, the first there lately (see [`AtLoad::held`]).
+    streams_one: [AtomicBool; LOAD_BUCKETS],
     /// Attempts here waiting for their first byte ...
     waiting: AtomicU64,
     /// ... and the millisecond the endpoint last went from none waiting to some ...
@@ -97,11 +99,12 @@ impl LatencyModel {
     /// judges a node's line by.
     ///
     /// What was learnt at one load stands for [`LOAD_FRESH_MS`] without a sample there: a node kept
-    /// away from a load (it was slow there once, or full) is judged there by its next answer. A load's
-    /// first sample (lately) starts its EWMA from the node's quickest first byte
-    /// ([`LatencyModel::quickest_us`]) and counts a quarter, as every later one does: one first byte
-    /// late for reasons of its own (a delayed ACK, the path) is not yet a line, one that waited for a
-    /// whole generation to end is.
+    /// away from a load (it was slow there once, or full) is judged there by its next answer, alone.
+    /// A load's first sample lately is taken as it is, but stands only for as long as it took
+    /// ([`AtLoad::held`]): one first byte late for reasons of its own (a delayed ACK, the path) keeps
+    /// the node from that load for no longer than it was late. The next one there then says which it
+    /// was: under half of it, and the first is forgotten (the line, if it was one, is gone); else the
+    /// two are blended (weight 1/4, as every later one) and stand the whole [`LOAD_FRESH_MS`].
     ///
     /// True when the sample may let the node take more than before: the first at its load lately, or
     /// quicker there than what stood. Whoever waits for a node to take them then looks again at once
@@ -113,18 +116,15 @@ impl LatencyModel {
         let stale =
             now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
         let opened = old == 0 || stale;
-        let base = if opened {
-            self.quickest_us(now_ms)
-        } else {
-            old
-        };
-        let next = if base == 0 {
+        let undone = !opened && self.streams_one[bucket].load(Ordering::Relaxed) && sample < old / 2;
+        let next = if opened || undone {
             sample
         } else {
-            base - base / 4 + sample / 4
+            old - old / 4 + sample / 4
         };
         self.streams[bucket].store(next, Ordering::Relaxed);
         self.streams_at[bucket].store(now_ms, Ordering::Relaxed);
+        self.streams_one[bucket].store(opened || undone, Ordering::Relaxed);
         opened || next < old
     }
 
@@ -193,10 +193,16 @@ impl LatencyModel {
     /// [`load_bucket`]); `None` when none did since the model last forgot.
     pub fn at_bucket(&self, bucket: usize, now_ms: u64) -> Option<AtLoad> {
         let us = self.streams.get(bucket)?.load(Ordering::Relaxed);
-        let at = self.streams_at[bucket].load(Ordering::Relaxed);
+        let since = now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed));
+        let stands = if self.streams_one[bucket].load(Ordering::Relaxed) {
+            (us / 1000).min(LOAD_FRESH_MS)
+        } else {
+            LOAD_FRESH_MS
+        };
         (us > 0).then(|| AtLoad {
             us,
-            fresh: now_ms.saturating_sub(at) < LOAD_FRESH_MS,
+            fresh: since < LOAD_FRESH_MS,
+            held: since < stands,
         })
     }
 
@@ -271,6 +277,10 @@ pub struct AtLoad {
     pub us: u64,
     /// Whether one came in the last [`LOAD_FRESH_MS`].
     pub fresh: bool,
+    /// Whether it still stands as what a request there would meet: for [`LOAD_FRESH_MS`] after the
+    /// last sample, or, while it is one sample's (the first there lately), for as long as that one
+    /// took.
+    pub held: bool,
 }
 
 /// The load bucket of `in_flight` requests (itself included): 1, 2, 3–4, 5–8, 9–16, 17+.
