@@ -7,25 +7,28 @@
 //! powers of two). A stream's first byte is its wait for a slot and its prompt; a whole answer's is its
 //! whole generation, and a long generation is no line, so whole answers count for nothing here. When
 //! the streams that started at a load waited more than [`LINE_FACTOR`] times the node's quickest first
-//! byte (and over [`LINE_MIN_MS`]; one late first byte counts a quarter), they waited for a slot: the
-//! node is full at that load and above, and the request goes elsewhere. When every node is, it waits
-//! in tongs' queue, in order, for the first slot anywhere (the queue looks again as slots free, as
-//! loads open, and every `admission::HEAD_RECHECK`): the late binding a told capacity gives, without
-//! the number.
+//! byte (and over [`LINE_MIN_MS`]), they waited for a slot: the node is full at that load and above,
+//! and the request goes elsewhere. When every node is, it waits in tongs' queue, in order, for the
+//! first slot anywhere (the queue looks again as slots free, as loads open, and every
+//! `admission::HEAD_RECHECK`): the late binding a told capacity gives, without the number.
 //!
-//! A node kept from a load answers nothing there, so what it took there stands only for
-//! `endpoint::LOAD_FRESH_MS`; past that, and at a load it has not been seen at, one request (the first
-//! at that load) finds out whether there is room, and the rest wait for its first byte, which wakes
-//! them. That is slow start, level by level, at the pace of a stream's first byte; a node whose
-//! quickest first byte takes longer than [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node
-//! nothing is known of. Left alone: a node with nothing in flight, a node that has streamed nothing
-//! (since it was last idle), a node with a limit (told, or learned when asked), and a node that serves its own metrics,
-//! judged by them (`saturation`), since a continuous-batching server's first token slows as its batch
-//! grows without any line.
+//! What a node took at a load stands for `endpoint::LOAD_FRESH_MS` without another stream there; a
+//! load's first stream lately stands alone only for as long as its first byte took (`AtLoad::held`),
+//! so one first byte late for reasons of its own (a delayed ACK, a hiccup on the path) keeps the node
+//! from that load no longer than it was late, and the next one there says whether it was a line. A
+//! node kept from a load answers nothing there; once what stood is over, and at a load it has not been
+//! seen at, one request (the first at that load) finds out whether there is room, and the rest wait
+//! for its first byte, which wakes them. That is slow start, level by level, at the pace of a stream's
+//! first byte; a node whose quickest first byte takes longer than [`PROBE_WITHIN_MS`] is tried at
+//! loads not seen, as a node nothing is known of. Left alone: a node with nothing in flight, a node
+//! that has streamed nothing (since it was last idle), a node with a limit (told, or learned when
+//! asked), and a node that serves its own metrics, judged by them (`saturation`), since a
+//! continuous-batching server's first token slows as its batch grows without any line.
 //!
 //! In the stalls scenario (a gray node takes 54 % of the fleet's capacity out for 6 s), the defaults'
-//! p99 went from 1.24–1.38× the told capacities' (three seeds) to 1.08–1.24× (the same seeds, twice
-//! each), 7 % lower on average (`benches/RESULTS.md`, "Late binding, third form").
+//! p99 is 1.09× the told capacities' on average over nine runs (1.03–1.18× run by run), from
+//! 1.24–1.38× without the filter (`benches/RESULTS.md`, "Late binding: a load's first stream taken
+//! whole").
 
 use super::PickContext;
 use super::score::{Filter, Sight};

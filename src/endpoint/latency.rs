@@ -116,7 +116,8 @@ impl LatencyModel {
         let stale =
             now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
         let opened = old == 0 || stale;
-        let undone = !opened && self.streams_one[bucket].load(Ordering::Relaxed) && sample < old / 2;
+        let undone =
+            !opened && self.streams_one[bucket].load(Ordering::Relaxed) && sample < old / 2;
         let next = if opened || undone {
             sample
         } else {
@@ -199,7 +200,7 @@ impl LatencyModel {
         } else {
             LOAD_FRESH_MS
         };
-        (us > 0).then(|| AtLoad {
+        (us > 0).then_some(AtLoad {
             us,
             fresh: since < LOAD_FRESH_MS,
             held: since < stands,
