@@ -124,17 +124,20 @@ mod tests {
         node.latency().observe(took, now_ms, 10_000);
     }
 
+    /// A whole answer's first byte `ms` after its start at `load`: not a stream's.
+    fn whole_answer(node: &Endpoint, ms: u64, load: u64, now_ms: u64) {
+        let took = Duration::from_millis(ms);
+        node.latency().observe_at_load(took, load, now_ms, 10_000);
+        node.latency().observe(took, now_ms, 10_000);
+    }
+
     /// A whole answer's first byte is its whole generation: a long one is no line.
     #[test]
     fn whole_answers_however_long_make_no_line() {
         let node = endpoint(1);
-        let took = Duration::from_millis(15);
-        node.latency().observe_at_load(took, 1, NOW, 10_000);
-        node.latency().observe(took, NOW, 10_000);
+        whole_answer(&node, 15, 1, NOW);
         for _ in 0..10 {
-            let took = Duration::from_millis(3_000);
-            node.latency().observe_at_load(took, 3, NOW, 10_000);
-            node.latency().observe(took, NOW, 10_000);
+            whole_answer(&node, 3_000, 3, NOW);
         }
         assert!(admits(&node, 2, NOW) && admits(&node, 30, NOW));
         // A stream's first byte that long is one.

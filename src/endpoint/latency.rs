@@ -84,11 +84,7 @@ impl LatencyModel {
         let sample = micros(sample);
         let slot = &self.by_load[load_bucket(in_flight)];
         let old = slot.load(Ordering::Relaxed);
-        let next = if old == 0 {
-            sample
-        } else {
-            old - old / 4 + sample / 4
-        };
+        let next = if old == 0 { sample } else { blend(old, sample) };
         slot.store(next, Ordering::Relaxed);
     }
 
@@ -121,7 +117,7 @@ impl LatencyModel {
         let next = if opened || undone {
             sample
         } else {
-            old - old / 4 + sample / 4
+            blend(old, sample)
         };
         self.streams[bucket].store(next, Ordering::Relaxed);
         self.streams_at[bucket].store(now_ms, Ordering::Relaxed);
@@ -194,13 +190,16 @@ impl LatencyModel {
     /// [`load_bucket`]); `None` when none did since the model last forgot.
     pub fn at_bucket(&self, bucket: usize, now_ms: u64) -> Option<AtLoad> {
         let us = self.streams.get(bucket)?.load(Ordering::Relaxed);
+        if us == 0 {
+            return None;
+        }
         let since = now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed));
         let stands = if self.streams_one[bucket].load(Ordering::Relaxed) {
             (us / 1000).min(LOAD_FRESH_MS)
         } else {
             LOAD_FRESH_MS
         };
-        (us > 0).then_some(AtLoad {
+        Some(AtLoad {
             us,
             fresh: since < LOAD_FRESH_MS,
             held: since < stands,
@@ -257,6 +256,11 @@ impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.model.waiting.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// A load bucket's EWMA after one more sample: weight 1/4.
+fn blend(old: u64, sample: u64) -> u64 {
+    old - old / 4 + sample / 4
 }
 
 fn micros(sample: Duration) -> u64 {
