@@ -17,10 +17,11 @@
 //! so one first byte late for reasons of its own (a delayed ACK, a hiccup on the path) keeps the node
 //! from that load no longer than it was late, and the next one there says whether it was a line. A
 //! node kept from a load answers nothing there; once what stood is over, and at a load it has not been
-//! seen at, one request (the first at that load) finds out whether there is room, and the rest wait
-//! for its first byte, which wakes them. That is slow start, level by level, at the pace of a stream's
-//! first byte; a node whose quickest first byte takes longer than [`PROBE_WITHIN_MS`] is tried at
-//! loads not seen, as a node nothing is known of. Left alone: a node with nothing in flight, a node
+//! seen at, one request finds out whether there is room (the first at that load, or any while no
+//! attempt on the node waits for a first byte: streams that run may hold it above that load's first),
+//! and the rest wait for its first byte, which wakes them. That is slow start, level by level, at the
+//! pace of a stream's first byte; a node whose quickest first byte takes longer than
+//! [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node nothing is known of. Left alone: a node with nothing in flight, a node
 //! that has streamed nothing (since it was last idle), a node with a limit (told, or learned when
 //! asked), and a node that serves its own metrics, judged by them (`saturation`), since a
 //! continuous-batching server's first token slows as its batch grows without any line.
@@ -83,9 +84,13 @@ impl Filter for Unlined {
                 None if probe_unseen => true,
                 _ => continue,
             };
-            // A line, or a load not seen (lately): one request, the first at that load, finds out
-            // whether there is room; the rest wait for its first byte.
-            return probe && below == bucket && load == bucket_floor(bucket);
+            // A line that no longer stands, or a load not seen: one request finds out whether there
+            // is room, and the rest wait for its first byte. The first at that load is one. So is
+            // any while no attempt here waits for a first byte: the streams that run hold the node
+            // above that load's first, and until one of them ended, nobody would try it.
+            return probe
+                && below == bucket
+                && (load == bucket_floor(bucket) || latency.waiting_attempts() == 0);
         }
         true
     }
@@ -233,7 +238,10 @@ mod tests {
             assert!(!admits(node, 2, NOW) && !admits(node, 3, NOW + 119));
             assert!(admits(node, 1, NOW), "below it, the node takes requests");
             // Then the first request at that load finds out; the rest wait for its first byte.
-            assert!(admits(node, 2, NOW + 120) && !admits(node, 3, NOW + 120));
+            assert!(admits(node, 2, NOW + 120));
+            let probing = node.latency().start_waiting(Instant::now());
+            assert!(!admits(node, 3, NOW + 120));
+            drop(probing);
         };
         // It was no line: a quick first byte there, and the load is open.
         let node = endpoint(1);
@@ -247,6 +255,42 @@ mod tests {
         let last = NOW + 130 + LOAD_FRESH_MS - 1;
         assert!(!admits(&node, 2, last) && admits(&node, 1, last));
         assert!(admits(&node, 2, last + 1), "then tried again");
+    }
+
+    /// Streams that run hold a node above the first of the load it was late at: what stood there,
+    /// once it no longer does, is tried again by the next request, whatever the load, while no
+    /// attempt on the node waits for a first byte (one at a time: the rest wait for its first byte).
+    #[test]
+    fn a_load_is_tried_again_above_its_first_while_its_streams_run() {
+        let node = endpoint(1);
+        for load in [1, 2, 3, 5, 9] {
+            answer(&node, 15, load, NOW);
+        }
+        // The first at 17 waited 120 ms; it and the 16 before it stream on.
+        answer(&node, 120, 17, NOW);
+        assert!(!admits(&node, 17, NOW + 119) && admits(&node, 15, NOW + 119));
+        let probing = node.latency().start_waiting(Instant::now());
+        assert!(
+            !admits(&node, 17, NOW + 120),
+            "not while another's first byte is awaited here"
+        );
+        drop(probing);
+        assert!(admits(&node, 17, NOW + 120), "the 18th finds out");
+        // It was no line: the load is open to all.
+        answer(&node, 16, 18, NOW + 130);
+        assert!(admits(&node, 18, NOW + 130) && admits(&node, 40, NOW + 130));
+        // A line that stood its whole window is tried again the same way, by one request.
+        let node = endpoint(2);
+        for load in [1, 2, 3, 5, 9] {
+            answer(&node, 15, load, NOW);
+        }
+        answer(&node, 120, 17, NOW);
+        answer(&node, 130, 17, NOW + 200);
+        let after = NOW + 200 + LOAD_FRESH_MS;
+        assert!(!admits(&node, 20, after - 1) && admits(&node, 20, after));
+        let probing = node.latency().start_waiting(Instant::now());
+        assert!(!admits(&node, 20, after) && !admits(&node, 21, after));
+        drop(probing);
     }
 
     /// Streams that come in a line fill the window with it, however each began.
@@ -287,10 +331,16 @@ mod tests {
         assert!(admits(&node, 1, NOW), "the first at a load of two");
         assert!(!admits(&node, 2, NOW) && !admits(&node, 9, NOW));
         answer(&node, 16, 2, NOW);
-        assert!(admits(&node, 2, NOW) && !admits(&node, 3, NOW));
+        assert!(admits(&node, 2, NOW));
+        let probing = node.latency().start_waiting(Instant::now());
+        assert!(!admits(&node, 3, NOW), "while the first at 3 waits");
+        drop(probing);
         answer(&node, 15, 3, NOW);
         assert!(admits(&node, 3, NOW), "3–4 seen free");
-        assert!(admits(&node, 4, NOW) && !admits(&node, 5, NOW));
+        assert!(admits(&node, 4, NOW));
+        let probing = node.latency().start_waiting(Instant::now());
+        assert!(!admits(&node, 5, NOW));
+        drop(probing);
     }
 
     /// A node whose quickest first byte is a whole answer (slower than `PROBE_WITHIN_MS`) would open
@@ -321,10 +371,12 @@ mod tests {
             admits(&node, 4, after),
             "tried again, by the first request at that load"
         );
+        let probing = node.latency().start_waiting(Instant::now());
         assert!(
             !admits(&node, 5, after) && !admits(&node, 9, after),
             "the rest wait for its answer"
         );
+        drop(probing);
         // One quick answer there opens it; a blend with the old 400 ms would still read as a line.
         answer(&node, 16, 6, after);
         assert!(admits(&node, 4, after + 1));
