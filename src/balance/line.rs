@@ -17,9 +17,9 @@
 //! so one first byte late for reasons of its own (a delayed ACK, a hiccup on the path) keeps the node
 //! from that load no longer than it was late, and the next one there says whether it was a line. A
 //! node kept from a load answers nothing there; once what stood is over, and at a load it has not been
-//! seen at, one request finds out whether there is room (the first at that load, or any while no
-//! attempt on the node waits for a first byte: streams that run may hold it above that load's first),
-//! and the rest wait for its first byte, which wakes them. That is slow start, level by level, at the
+//! seen at, one request finds out whether there is room (the first at that load; after one late
+//! first byte there, any while no attempt on the node waits for a first byte, since streams that run
+//! may hold it above that load's first), and the rest wait for its first byte, which wakes them. That is slow start, level by level, at the
 //! pace of a stream's first byte; a node whose quickest first byte takes longer than
 //! [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node nothing is known of. Left alone: a node with nothing in flight, a node
 //! that has streamed nothing (since it was last idle), a node with a limit (told, or learned when
@@ -79,18 +79,20 @@ impl Filter for Unlined {
         // A line at one load is a line at every load above it, seen there or not. A load of one is
         // never a line of ours: slow there is the node's speed (or a cold connection).
         for below in 1..=bucket {
-            let probe = match latency.at_bucket(below, sight.now_ms) {
-                Some(seen) if seen.us > line => !seen.held,
-                None if probe_unseen => true,
+            let (probe, alone) = match latency.at_bucket(below, sight.now_ms) {
+                Some(seen) if seen.us > line => (!seen.held, seen.alone),
+                None if probe_unseen => (true, false),
                 _ => continue,
             };
             // A line that no longer stands, or a load not seen: one request finds out whether there
-            // is room, and the rest wait for its first byte. The first at that load is one. So is
-            // any while no attempt here waits for a first byte: the streams that run hold the node
-            // above that load's first, and until one of them ended, nobody would try it.
+            // is room, and the rest wait for its first byte. The first at that load is one. After
+            // one late first byte there, not yet confirmed, so is any while no attempt here waits
+            // for a first byte: the streams that run hold the node above that load's first, and
+            // until one of them ended, nobody would try it. A line confirmed waits for that: it
+            // was one, and the node's load falling says a slot came free.
             return probe
                 && below == bucket
-                && (load == bucket_floor(bucket) || latency.waiting_attempts() == 0);
+                && (load == bucket_floor(bucket) || alone && latency.waiting_attempts() == 0);
         }
         true
     }
@@ -257,9 +259,10 @@ mod tests {
         assert!(admits(&node, 2, last + 1), "then tried again");
     }
 
-    /// Streams that run hold a node above the first of the load it was late at: what stood there,
-    /// once it no longer does, is tried again by the next request, whatever the load, while no
-    /// attempt on the node waits for a first byte (one at a time: the rest wait for its first byte).
+    /// Streams that run hold a node above the first of the load it was late at: one late first byte
+    /// there, once it no longer stands, is tried again by the next request, whatever the load, while
+    /// no attempt on the node waits for a first byte (one at a time: the rest wait for its first
+    /// byte).
     #[test]
     fn a_load_is_tried_again_above_its_first_while_its_streams_run() {
         let node = endpoint(1);
@@ -279,7 +282,8 @@ mod tests {
         // It was no line: the load is open to all.
         answer(&node, 16, 18, NOW + 130);
         assert!(admits(&node, 18, NOW + 130) && admits(&node, 40, NOW + 130));
-        // A line that stood its whole window is tried again the same way, by one request.
+        // A line confirmed (a second stream waited too) is tried again only by the first at that
+        // load, once the node's load fell below it: a slot came free.
         let node = endpoint(2);
         for load in [1, 2, 3, 5, 9] {
             answer(&node, 15, load, NOW);
@@ -287,10 +291,8 @@ mod tests {
         answer(&node, 120, 17, NOW);
         answer(&node, 130, 17, NOW + 200);
         let after = NOW + 200 + LOAD_FRESH_MS;
-        assert!(!admits(&node, 20, after - 1) && admits(&node, 20, after));
-        let probing = node.latency().start_waiting(Instant::now());
-        assert!(!admits(&node, 20, after) && !admits(&node, 21, after));
-        drop(probing);
+        assert!(!admits(&node, 17, after) && !admits(&node, 20, after));
+        assert!(!admits(&node, 16, after - 1) && admits(&node, 16, after));
     }
 
     /// Streams that come in a line fill the window with it, however each began.

@@ -194,7 +194,8 @@ impl LatencyModel {
             return None;
         }
         let since = now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed));
-        let stands = if self.streams_one[bucket].load(Ordering::Relaxed) {
+        let alone = self.streams_one[bucket].load(Ordering::Relaxed);
+        let stands = if alone {
             (us / 1000).min(LOAD_FRESH_MS)
         } else {
             LOAD_FRESH_MS
@@ -203,6 +204,7 @@ impl LatencyModel {
             us,
             fresh: since < LOAD_FRESH_MS,
             held: since < stands,
+            alone,
         })
     }
 
@@ -286,6 +288,8 @@ pub struct AtLoad {
     /// last sample, or, while it is one sample's (the first there lately), for as long as that one
     /// took.
     pub held: bool,
+    /// Whether it is one sample's, the first there lately: not yet confirmed by another.
+    pub alone: bool,
 }
 
 /// The load bucket of `in_flight` requests (itself included): 1, 2, 3–4, 5–8, 9–16, 17+.
