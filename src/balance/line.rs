@@ -19,12 +19,13 @@
 //! node kept from a load answers nothing there; once what stood is over, and at a load it has not been
 //! seen at, one request finds out whether there is room (the first at that load; after one late
 //! first byte there, any while no attempt on the node waits for a first byte, since streams that run
-//! may hold it above that load's first), and the rest wait for its first byte, which wakes them. That is slow start, level by level, at the
-//! pace of a stream's first byte; a node whose quickest first byte takes longer than
-//! [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node nothing is known of. Left alone: a node with nothing in flight, a node
-//! that has streamed nothing (since it was last idle), a node with a limit (told, or learned when
-//! asked), and a node that serves its own metrics, judged by them (`saturation`), since a
-//! continuous-batching server's first token slows as its batch grows without any line.
+//! may hold it above that load's first), and the rest wait for its first byte, which wakes them. That
+//! is slow start, level by level, at the pace of a stream's first byte; a node whose quickest first
+//! byte takes longer than [`PROBE_WITHIN_MS`] is tried at loads not seen, as a node nothing is known
+//! of. Left alone: a node with nothing in flight, a node that has streamed nothing (since it was last
+//! idle), a node with a limit (told, or learned when asked), and a node that serves its own metrics,
+//! judged by them (`saturation`), since a continuous-batching server's first token slows as its batch
+//! grows without any line.
 //!
 //! In the stalls scenario (a gray node takes 54 % of the fleet's capacity out for 6 s), the defaults'
 //! p99 is 1.09× the told capacities' on average over nine runs (1.03–1.18× run by run), from

@@ -278,7 +278,7 @@ async fn websocket_upgrade_passes_through_and_counts_as_outstanding() {
 /// Streams that reach one node at once are all open there together: however tongs finds out what a
 /// node can take (`balance::line` opens a node it knows little of load by load, each load on its
 /// first answer's first byte), it opens faster than streams end. Each stream here sends its first
-/// event at once and ends after `HOLD`, shorter than the queue's own recheck would take to open
+/// event at once and ends 400 ms after it, shorter than the queue's own recheck would take to open
 /// five loads one after the other. The node is an in-process backend standing in for a GPU node.
 #[tokio::test]
 async fn streams_that_reach_one_node_at_once_are_all_open_there_together() {
@@ -290,7 +290,7 @@ async fn streams_that_reach_one_node_at_once_are_all_open_there_together() {
 /// the rest from that load only as long as it was late, though the streams that run hold the node
 /// above that load's first: the next request there finds out, and it was no line. The 17th stream
 /// at once, the first at the highest load bucket, waits `LATE` for its first event; each stream
-/// ends after `HOLD`, long after. The node is an in-process backend standing in for a GPU node.
+/// ends 1.5 s after its first event, long after. The node is an in-process backend standing in for a GPU node.
 #[tokio::test]
 async fn one_late_first_byte_keeps_no_stream_from_a_node_for_long() {
     const LATE: Duration = Duration::from_millis(150);
