@@ -21,8 +21,8 @@ pub struct LatencyModel {
     streams: [AtomicU64; LOAD_BUCKETS],
     /// ... and the millisecond of each bucket's last sample ...
     streams_at: [AtomicU64; LOAD_BUCKETS],
-    /// ... and whether its value is one sample's, the first there lately (see [`AtLoad::held`]).
-    streams_one: [AtomicBool; LOAD_BUCKETS],
+    /// ... and whether its value is one sample's, the first there lately (see [`AtLoad::alone`]).
+    streams_alone: [AtomicBool; LOAD_BUCKETS],
     /// Attempts here waiting for their first byte ...
     waiting: AtomicU64,
     /// ... and the millisecond the endpoint last went from none waiting to some ...
@@ -113,7 +113,7 @@ impl LatencyModel {
             now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed)) >= LOAD_FRESH_MS;
         let opened = old == 0 || stale;
         let undone =
-            !opened && self.streams_one[bucket].load(Ordering::Relaxed) && sample < old / 2;
+            !opened && self.streams_alone[bucket].load(Ordering::Relaxed) && sample < old / 2;
         let next = if opened || undone {
             sample
         } else {
@@ -121,7 +121,7 @@ impl LatencyModel {
         };
         self.streams[bucket].store(next, Ordering::Relaxed);
         self.streams_at[bucket].store(now_ms, Ordering::Relaxed);
-        self.streams_one[bucket].store(opened || undone, Ordering::Relaxed);
+        self.streams_alone[bucket].store(opened || undone, Ordering::Relaxed);
         opened || next < old
     }
 
@@ -194,7 +194,7 @@ impl LatencyModel {
             return None;
         }
         let since = now_ms.saturating_sub(self.streams_at[bucket].load(Ordering::Relaxed));
-        let alone = self.streams_one[bucket].load(Ordering::Relaxed);
+        let alone = self.streams_alone[bucket].load(Ordering::Relaxed);
         let stands = if alone {
             (us / 1000).min(LOAD_FRESH_MS)
         } else {
