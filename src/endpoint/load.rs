@@ -116,12 +116,23 @@ impl LoadControl<'_> {
         let mut limiter = self.endpoint.limits.lock();
         let limit = match settings.mode {
             LimitMode::None => {
-                *limiter = None;
+                // A node that refused keeps its profile across a reload: it is what tongs learnt of
+                // the node, not a setting (and `min_limit`/`max_limit` bound only the modes that
+                // name them).
+                let kept = match limiter.take() {
+                    Some(Learner::Refused(kept)) => Some(kept),
+                    _ => None,
+                };
+                let limit = kept
+                    .as_ref()
+                    .and_then(Learned::limit)
+                    .map_or(u64::MAX, u64::from);
+                *limiter = kept.map(Learner::Refused);
                 self.endpoint
                     .limits
                     .configured
                     .store(u64::MAX, Ordering::Relaxed);
-                u64::MAX
+                limit
             }
             LimitMode::Static => {
                 *limiter = None;
@@ -173,7 +184,7 @@ impl LoadControl<'_> {
                 Learner::Gradient(gradient) => {
                     u64::from(gradient.on_sample(sample, in_flight, now_ms))
                 }
-                Learner::Profile(profile) => {
+                Learner::Profile(profile) | Learner::Refused(profile) => {
                     let learned = profile.on_sample(sample, in_flight, now_ms);
                     // A node that reports its own queue says when it is full (the pick's saturation
                     // filter reads it): its latency profile is kept, not enforced. A continuous
@@ -202,24 +213,39 @@ impl LoadControl<'_> {
     /// A committed request ended `after_first` after its first byte: what the learned limit counts a
     /// request's slot held for (see [`Learned::on_end`]).
     pub fn observe_end(&self, after_first: Duration) {
-        if let Some(Learner::Profile(profile)) = self.endpoint.limits.lock().as_mut() {
+        if let Some(Learner::Profile(profile) | Learner::Refused(profile)) =
+            self.endpoint.limits.lock().as_mut()
+        {
             profile.on_end(after_first);
         }
     }
 
     /// The endpoint pushed back while it still served others of ours: the adaptive limit drops at
-    /// once; without one, the endpoint is held to what it held (at least one) for [`HOLD`], so
-    /// requests beyond what it takes wait in tongs' queue, in order, instead of each finding out by a
-    /// refusal. A node still at capacity when the hold lifts refuses again and is held again.
+    /// once, the learned one is capped at what the node held. Without a limit configured, the node is
+    /// held to what it held (at least one) for [`HOLD`], so requests beyond what it takes wait in
+    /// tongs' queue, in order, instead of each finding out by a refusal; a node still at capacity
+    /// when the hold lifts refuses again and is held again. And from its first refusal such a node
+    /// keeps a learned profile ([`Learner::Refused`]): a server that refuses past a line of its own
+    /// would otherwise be held to its batch *and* its line, and a request sent into that line waits
+    /// there for a slot on that node alone, where in tongs' queue it would take the first slot free
+    /// anywhere. The profile holds it to the batch its answers show; a node that never refuses (a
+    /// model server with an unbounded queue, one that reports its own) never gets one. With a static
+    /// limit, the hold alone.
     pub fn limit_back_pressure(&self, now: Instant) {
         // The refused request still counts as outstanding here; the node holds the others.
         let holding = self.endpoint.outstanding().saturating_sub(1);
         let mut limiter = self.endpoint.limits.lock();
+        let configured = self.endpoint.limits.configured.load(Ordering::Relaxed);
+        if limiter.is_none() && configured == u64::MAX {
+            *limiter = Some(Learner::Refused(
+                Learned::new(1, u32::MAX).refusals_kept(HOLD.as_millis() as u64),
+            ));
+        }
         let limit = match limiter.as_mut() {
             Some(Learner::Gradient(state)) => {
                 u64::from(state.on_back_pressure(millis(now), holding))
             }
-            Some(Learner::Profile(state)) => state
+            Some(Learner::Profile(state) | Learner::Refused(state)) => state
                 .on_back_pressure(holding, millis(now))
                 .map_or(u64::MAX, u64::from),
             None => {
@@ -314,7 +340,7 @@ impl LimitState {
             .as_ref()
             .map(|learner| match learner {
                 Learner::Gradient(gradient) => gradient.unloaded_us(),
-                Learner::Profile(profile) => profile.baseline_us(),
+                Learner::Profile(profile) | Learner::Refused(profile) => profile.baseline_us(),
             })
             .filter(|&us| us > 0)
     }
@@ -322,7 +348,9 @@ impl LimitState {
     /// The capacity the learned limit found (`None`: none yet, or another mode).
     pub fn learned_capacity(&self) -> Option<u32> {
         match self.lock().as_ref() {
-            Some(Learner::Profile(profile)) => Some(profile.capacity()).filter(|&c| c > 0),
+            Some(Learner::Profile(profile) | Learner::Refused(profile)) => {
+                Some(profile.capacity()).filter(|&c| c > 0)
+            }
             _ => None,
         }
     }
@@ -341,6 +369,10 @@ pub enum Learner {
     Gradient(Limiter),
     /// `concurrency.limit: learned`: the node's latency profile by load (see [`Learned`]).
     Profile(Learned),
+    /// No limit configured, but the node refused while busy: the same profile, kept from that
+    /// refusal on, with a refusal standing only as long as [`HOLD`] (see
+    /// [`LoadControl::limit_back_pressure`]).
+    Refused(Learned),
 }
 
 /// A node whose own metrics were read this recently reports its own queue (see

@@ -35,6 +35,10 @@
 //! - **A level to compare with.** A node always held full shows only its slow levels, which would pass
 //!   for its baseline. Unless some level at or below half the highest in use is judged, the node is
 //!   held to that half for the few answers it takes to measure it.
+//! - **Kept from a refusal** ([`Learned::refusals_kept`]). With no limit configured, a node that
+//!   refused while busy keeps this profile from then on, to be held to its batch rather than its batch
+//!   and its line: its refusal stands for tongs' hold (2 s), the level to compare with is half of
+//!   what it held when it refused, and until a knee is seen a lapsed refusal leaves it unlimited.
 //!
 //! Pure: times come in as milliseconds, and each call returns the limit to enforce from now on.
 
@@ -74,8 +78,15 @@ pub struct Learned {
     ends: u32,
     /// The capacity found last (0: no knee seen yet).
     capacity: u32,
-    /// The node refused while it held this many of ours, at this time.
+    /// The node refused while it held this many of ours, at this time ...
     refused: Option<(u32, u64)>,
+    /// ... which caps the limit for this long ([`FORGET_MS`], or less: see [`Learned::refusals_kept`]).
+    refusal_ms: u64,
+    /// What the node held when it last refused, for the level to compare with, until it refuses
+    /// again (`None`: not a profile kept from a refusal, see [`Learned::refusals_kept`]; 0: none yet).
+    held_at_refusal: Option<u32>,
+    /// A knee has been seen in this profile.
+    knee_seen: bool,
     /// The limit in force (`None`: none).
     limit: Option<u32>,
     /// The limit is the capacity found (a knee, or a refusal), not a level explored or a probe.
@@ -94,11 +105,29 @@ impl Learned {
             ends: 0,
             capacity: 0,
             refused: None,
+            refusal_ms: FORGET_MS,
+            held_at_refusal: None,
+            knee_seen: false,
             limit: None,
             full: false,
             min: min.max(1),
             max: max.max(min.max(1)),
         }
+    }
+
+    /// A profile kept because the node refused (no limit configured, see `endpoint::load`): a
+    /// refusal caps the limit for `ms` instead of [`FORGET_MS`] (what the node held stands only as
+    /// long as tongs' hold would; its batch is what the profile shows), and the level to compare
+    /// with is half of what the node held when it last refused, not half the limit. What it held is
+    /// its batch and its line, so that half is within its batch while its line is no longer than its
+    /// batch, and a node held at its batch is not held lower every [`FORGET_MS`] to measure a level
+    /// it no longer works at (a node of 2 held at 1 for twelve answers loses half its throughput for
+    /// that long). A line longer than the batch is then only shortened, never to below the batch.
+    /// Until a knee is seen, a lapsed refusal leaves the node unlimited, as tongs' hold did.
+    pub fn refusals_kept(mut self, ms: u64) -> Learned {
+        self.refusal_ms = ms.min(FORGET_MS);
+        self.held_at_refusal = Some(0);
+        self
     }
 
     /// New bounds from a reload; the profile stays.
@@ -163,11 +192,14 @@ impl Learned {
     pub fn on_back_pressure(&mut self, holding: u64, now_ms: u64) -> Option<u32> {
         let held = u32::try_from(holding).unwrap_or(u32::MAX).max(1);
         self.refused = Some(match self.refused {
-            Some((known, at)) if known < held && now_ms.saturating_sub(at) < FORGET_MS => {
+            Some((known, at)) if known < held && now_ms.saturating_sub(at) < self.refusal_ms => {
                 (known, now_ms)
             }
             _ => (held, now_ms),
         });
+        if self.held_at_refusal.is_some() {
+            self.held_at_refusal = Some(held);
+        }
         self.judge(now_ms);
         self.limit
     }
@@ -201,7 +233,7 @@ impl Learned {
         });
         let refused = self
             .refused
-            .filter(|&(_, at)| now_ms.saturating_sub(at) < FORGET_MS)
+            .filter(|&(_, at)| now_ms.saturating_sub(at) < self.refusal_ms)
             .map(|(held, _)| (held, held));
         self.refused = self.refused.filter(|_| refused.is_some());
         let capped = match (full, refused) {
@@ -209,21 +241,28 @@ impl Learned {
             (full, refused) => full.or(refused),
         };
         self.full = capped.is_some();
+        self.knee_seen |= full.is_some();
         let mut limit = match capped {
             Some((capacity, limit)) => {
                 self.capacity = capacity;
                 Some(limit)
             }
             None if self.capacity == 0 || top as usize >= LEVELS => None,
+            // Kept from a refusal that lapsed, with no knee ever seen: the node refused for a reason
+            // its answers do not show (another client's load, a passing spell), and is not held.
+            None if self.held_at_refusal.is_some() && !self.knee_seen => None,
             None => {
                 self.capacity = self.capacity.max(top);
                 Some(self.capacity + 1)
             }
         };
-        let reference = limit.unwrap_or(top);
+        let reference = limit
+            .unwrap_or(top)
+            .max(self.held_at_refusal.unwrap_or_default());
         let below = (reference / 2).max(1);
         if reference > 1 && !self.judged(now_ms).any(|(load, _)| load <= below) {
-            limit = Some(below);
+            // Never above the limit: with the level taken from a refusal, half of it may be.
+            limit = Some(limit.map_or(below, |limit| limit.min(below)));
         }
         self.limit = limit.map(|limit| limit.clamp(self.min, self.max));
     }
@@ -274,6 +313,9 @@ mod tests {
         /// Streams: the first byte this long after a slot is taken, the end at the service time.
         /// `None`: whole answers, whose first byte is their end.
         prefill_ms: Option<f64>,
+        /// A node that sheds load: this many wait inside it at most, and one more is refused
+        /// (`None`: its line is unbounded).
+        line: Option<usize>,
     }
 
     impl Sim {
@@ -287,6 +329,7 @@ mod tests {
                 outside: clients,
                 now: 0.0,
                 prefill_ms: None,
+                line: None,
             }
         }
 
@@ -330,6 +373,14 @@ mod tests {
                         .limit()
                         .is_none_or(|limit| self.at_node.len() < limit as usize)
                 {
+                    if self
+                        .line
+                        .is_some_and(|line| self.at_node.len() >= self.capacity + line)
+                    {
+                        // Refused while it holds the rest: the client tries again a moment later.
+                        learned.on_back_pressure(self.at_node.len() as u64, now as u64);
+                        break;
+                    }
                     self.outside -= 1;
                     let in_flight = self.at_node.len() as u64 + 1;
                     let (slot, free) = self
@@ -399,6 +450,48 @@ mod tests {
     #[test]
     fn the_limit_settles_near_capacity_on_streams_whose_first_byte_is_quick() {
         settles_near_capacity(Some(5.0));
+    }
+
+    /// A node that refuses past a line as long as its batch, with a profile kept from its first
+    /// refusal (no limit configured): held near its batch (the estimate's noise puts it a level
+    /// below for a few seconds at times: a fifth of the seconds at most), to its batch and its line
+    /// only for a moment (a twentieth of the seconds at most), and never at half its batch to
+    /// measure a level below (the level to compare with is half of what it held when it refused,
+    /// its batch here).
+    #[test]
+    fn a_node_that_refuses_past_its_line_is_held_near_its_batch() {
+        for capacity in [16, 2, 4] {
+            for seed in 1..=5 {
+                let mut sim = Sim::new(capacity as usize, 3 * capacity as usize, seed);
+                sim.line = Some(capacity as usize);
+                let mut learned = Learned::new(1, 256).refusals_kept(2_000);
+                let limits = sim.run(&mut learned, 60);
+                let settled = &limits[20..];
+                let off = settled
+                    .iter()
+                    .filter(|limit| !near(capacity, **limit))
+                    .count();
+                assert!(
+                    off <= settled.len() / 5,
+                    "capacity {capacity}, seed {seed}: {limits:?}"
+                );
+                // Exploring a level further now and then (a node may have grown) meets its line
+                // and a refusal again, for a moment.
+                let lined = settled
+                    .iter()
+                    .filter(|limit| limit.is_none_or(|limit| limit >= 2 * capacity))
+                    .count();
+                assert!(
+                    lined <= settled.len() / 20,
+                    "held to its batch and its line: capacity {capacity}, seed {seed}: {limits:?}"
+                );
+                let below = settled
+                    .iter()
+                    .filter(|limit| limit.is_some_and(|limit| limit <= capacity / 2))
+                    .count();
+                assert_eq!(below, 0, "capacity {capacity}, seed {seed}: {limits:?}");
+            }
+        }
     }
 
     #[test]

@@ -726,6 +726,81 @@ async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold
     proxy.stop().await;
 }
 
+/// With no limit configured, a node that refuses past a line of its own is held to its batch, not to
+/// its batch and its line: its first refusal says what it holds in all, and from then on the profile
+/// of its answers by load (`Learner::Refused`) shows where its answers start to wait, so requests
+/// beyond its batch wait in tongs' queue, for whichever node frees a slot first, instead of in one
+/// node's line. The fleet is the simulator's nodes (standing in for GPU servers that shed load:
+/// `capacity` at once, 100 ms each, `queue` more waiting inside, 503 + `Retry-After` beyond), under
+/// closed-loop load of three times what they serve at once. Before, such a node was held to what it
+/// held (its batch and its line) for 2 s at a time, then sent more until it refused again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_refuses_past_a_line_of_its_own_is_held_to_its_batch() {
+    let node = |name: &str, capacity: usize| {
+        let mut spec = tongs::sim::NodeSpec::new(name, Duration::from_millis(100));
+        spec.service_time.spread = 0.1;
+        spec.capacity = capacity;
+        spec.queue = capacity;
+        spec
+    };
+    let fleet = sim_fleet(12, vec![node("four", 4), node("two", 2)]).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = load(proxy.url("/v1/generate"), 18, Arc::clone(&stop));
+    let registry = Arc::clone(&proxy.app_registry);
+    let limits = || {
+        let snapshot = registry.snapshot();
+        fleet
+            .urls()
+            .iter()
+            .map(|url| {
+                snapshot
+                    .iter()
+                    .find(|e| e.url() == url)
+                    .and_then(|e| e.load().limit())
+            })
+            .collect::<Vec<_>>()
+    };
+    // At its batch, or one above while the level past it is measured; never its batch and its line.
+    let near = |capacity: u64, limit: Option<u64>| {
+        limit.is_some_and(|l| (capacity..=capacity + capacity / 3 + 1).contains(&l))
+    };
+    let settled = |limits: &[Option<u64>]| near(4, limits[0]) && near(2, limits[1]);
+    // Settled: both near their batch for longer than a hold (2 s) lasts, polled every 50 ms.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut since: Option<Instant> = None;
+    let mut last = Vec::new();
+    while since.is_none_or(|since| since.elapsed() < Duration::from_millis(2500)) {
+        assert!(
+            Instant::now() < deadline,
+            "each node held near its batch (4, 2) for 2.5 s on end, within 40 s; last seen {last:?}"
+        );
+        last = limits();
+        since = if settled(&last) {
+            since.or(Some(Instant::now()))
+        } else {
+            None
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Held at its batch, a node has nobody waiting inside it, so it refuses nobody.
+    let shed = || fleet.nodes().iter().map(|n| n.stats().shed).sum::<u64>();
+    let before = shed();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let refused_since = shed() - before;
+    stop.store(true, Ordering::SeqCst);
+    let mut served = 0;
+    for client in clients {
+        served += client.await.unwrap();
+    }
+    println!(
+        "limits (4, 2): {last:?}; {served} served; refused by the nodes after settling: {refused_since}"
+    );
+    assert!(served > 0);
+    assert_eq!(refused_since, 0, "no node refused once held to its batch");
+    proxy.stop().await;
+}
+
 /// A model server as loaded inference servers behave: `slots` requests served at once, each for
 /// `service`; `line` more wait inside it; beyond that it answers 503 with `Retry-After: 1`.
 async fn model_server(slots: usize, line: usize, service: Duration) -> Backend {
