@@ -228,9 +228,9 @@ impl LoadControl<'_> {
     /// keeps a learned profile ([`Learner::Refused`]): a server that refuses past a line of its own
     /// would otherwise be held to its batch *and* its line, and a request sent into that line waits
     /// there for a slot on that node alone, where in tongs' queue it would take the first slot free
-    /// anywhere. The profile holds it to the batch its answers show; a node that never refuses (a
-    /// model server with an unbounded queue, one that reports its own) never gets one. With a static
-    /// limit, the hold alone.
+    /// anywhere. Once the node refuses again after its hold lifted, the profile holds it to the batch
+    /// its answers show; a node that never refuses (a model server with an unbounded queue, one that
+    /// reports its own) never gets one. With a static limit, the hold alone.
     pub fn limit_back_pressure(&self, now: Instant) {
         // The refused request still counts as outstanding here; the node holds the others.
         let holding = self.endpoint.outstanding().saturating_sub(1);
@@ -370,8 +370,8 @@ pub enum Learner {
     /// `concurrency.limit: learned`: the node's latency profile by load (see [`Learned`]).
     Profile(Learned),
     /// No limit configured, but the node refused while busy: the same profile, kept from that
-    /// refusal on, with a refusal standing only as long as [`HOLD`] (see
-    /// [`LoadControl::limit_back_pressure`]).
+    /// refusal on, with a refusal standing only as long as [`HOLD`], and holding the node only from
+    /// its second spell of refusals (see [`LoadControl::limit_back_pressure`]).
     Refused(Learned),
 }
 

@@ -371,17 +371,13 @@ mod tests {
         ep.load().apply_limit(&settings, Instant::now());
         assert_eq!(ep.load().limit(), None, "no limit by default");
         let held: Vec<_> = (0..3).map(|_| ep.start_request()).collect();
-        // The third request was refused while the node held the other two: from then on the node
-        // keeps a profile, which first holds it at half that, to measure a level within its batch.
+        // The third request was refused while the node held the other two: held to two, and from
+        // then on the node keeps a profile.
         ep.load().limit_back_pressure(Instant::now());
-        assert_eq!(ep.load().limit(), Some(1), "half of what it held");
+        assert_eq!(ep.load().limit(), Some(2));
         let now_ms = millis(Instant::now());
         assert_eq!(ep.eligibility(now_ms, false), Eligibility::No, "full");
         let answer = std::time::Duration::from_millis(100);
-        for _ in 0..crate::limit::learned::MIN_SAMPLES {
-            ep.load().observe_limit_sample(answer, 1, Instant::now());
-        }
-        assert_eq!(ep.load().limit(), Some(2), "then what it held");
         tokio::time::advance(load::HOLD).await;
         ep.load().observe_limit_sample(answer, 2, Instant::now());
         let now_ms = millis(Instant::now());
@@ -391,6 +387,14 @@ mod tests {
             "the hold lifted"
         );
         assert_eq!(ep.load().limit(), None, "no knee seen: not held");
+        // Refused again once that lapsed: full for more than a moment, so held at half what it held
+        // for the answers it takes to measure a level within its batch, then to what it held.
+        ep.load().limit_back_pressure(Instant::now());
+        assert_eq!(ep.load().limit(), Some(1), "half of what it held");
+        for _ in 0..crate::limit::learned::MIN_SAMPLES {
+            ep.load().observe_limit_sample(answer, 1, Instant::now());
+        }
+        assert_eq!(ep.load().limit(), Some(2), "then what it held");
 
         // A static limit is never raised by a hold, and a refusal holding nothing keeps one slot.
         let settings = crate::limit::LimitSettings {

@@ -28,7 +28,8 @@
 //! - **Limit.** When the highest level in use is past the estimate by more than a tenth of it (and
 //!   three quarters of a request: one level's noise does not make a node look full), the estimate, or
 //!   one more while the level just past it has too few samples to say (an estimate a little low
-//!   corrects itself). A node's refusal (429, or 503 with Retry-After) while it held `n` of ours caps
+//!   corrects itself); never below a level in use whose answers show no wait (within [`TOLERANCE`]
+//!   of the baseline), which the node serves at once. A node's refusal (429, or 503 with Retry-After) while it held `n` of ours caps
 //!   it at `n` for [`FORGET_MS`]. Otherwise one above the highest level in use, so a node that grew is
 //!   tried one level further; and before any knee was ever seen, none (a node nobody loaded past its
 //!   batch says nothing of it).
@@ -37,8 +38,9 @@
 //!   held to that half for the few answers it takes to measure it.
 //! - **Kept from a refusal** ([`Learned::refusals_kept`]). With no limit configured, a node that
 //!   refused while busy keeps this profile from then on, to be held to its batch rather than its batch
-//!   and its line: its refusal stands for tongs' hold (2 s), the level to compare with is half of
-//!   what it held when it refused, and until a knee is seen a lapsed refusal leaves it unlimited.
+//!   and its line: its refusal stands for tongs' hold (2 s), the profile holds it (and measures the
+//!   level to compare with, half of what it held when it refused) only once the node refuses again
+//!   after a refusal lapsed, and until a knee is seen a lapsed refusal leaves it unlimited.
 //!
 //! Pure: times come in as milliseconds, and each call returns the limit to enforce from now on.
 
@@ -87,6 +89,8 @@ pub struct Learned {
     held_at_refusal: Option<u32>,
     /// A knee has been seen in this profile.
     knee_seen: bool,
+    /// Spells of refusals (refusals after the last had lapsed) the node has had, counted up to 2.
+    spells: u8,
     /// The limit in force (`None`: none).
     limit: Option<u32>,
     /// The limit is the capacity found (a knee, or a refusal), not a level explored or a probe.
@@ -108,6 +112,7 @@ impl Learned {
             refusal_ms: FORGET_MS,
             held_at_refusal: None,
             knee_seen: false,
+            spells: 0,
             limit: None,
             full: false,
             min: min.max(1),
@@ -123,7 +128,9 @@ impl Learned {
     /// batch, and a node held at its batch is not held lower every [`FORGET_MS`] to measure a level
     /// it no longer works at (a node of 2 held at 1 for twelve answers loses half its throughput for
     /// that long). A line longer than the batch is then only shortened, never to below the batch.
-    /// Until a knee is seen, a lapsed refusal leaves the node unlimited, as tongs' hold did.
+    /// The profile holds the node (and measures that half) only from its second spell of refusals:
+    /// refused once, the node is held for `ms` alone, as tongs' hold did. Until a knee is seen, a
+    /// lapsed refusal leaves the node unlimited.
     pub fn refusals_kept(mut self, ms: u64) -> Learned {
         self.refusal_ms = ms.min(FORGET_MS);
         self.held_at_refusal = Some(0);
@@ -191,6 +198,12 @@ impl Learned {
     /// ours: it takes no more than that now.
     pub fn on_back_pressure(&mut self, holding: u64, now_ms: u64) -> Option<u32> {
         let held = u32::try_from(holding).unwrap_or(u32::MAX).max(1);
+        let lapsed = self
+            .refused
+            .is_none_or(|(_, at)| now_ms.saturating_sub(at) >= self.refusal_ms);
+        if lapsed {
+            self.spells = self.spells.saturating_add(1).min(2);
+        }
         self.refused = Some(match self.refused {
             Some((known, at)) if known < held && now_ms.saturating_sub(at) < self.refusal_ms => {
                 (known, now_ms)
@@ -225,6 +238,19 @@ impl Learned {
             let wait = (level.mean_us - baseline).max(0.0);
             (load, (load_f * service / (service + wait)).min(load_f))
         });
+        // Never below a level in use whose answers show no wait: the node serves that many at once.
+        // (One level past the batch waits for the next slot to free, a fraction of a service time
+        // whose mean, from slots that free in bunches, can read as half a service: alone, it put
+        // a node of 4 at 3.)
+        let served = self
+            .judged(now_ms)
+            .filter(|(_, level)| {
+                now_ms.saturating_sub(level.last_ms) < FRESH_MS
+                    && level.mean_us <= baseline * (1.0 + TOLERANCE)
+            })
+            .last()
+            .map_or(0.0, |(load, _)| f64::from(load));
+        let estimate = estimate.max(served.min(f64::from(top)));
         let margin = (f64::from(top) * 0.1).max(0.75);
         let full = (top > 0 && estimate < f64::from(top) - margin).then(|| {
             let full = (estimate.round() as u32).max(1);
@@ -236,6 +262,12 @@ impl Learned {
             .filter(|&(_, at)| now_ms.saturating_sub(at) < self.refusal_ms)
             .map(|(held, _)| (held, held));
         self.refused = self.refused.filter(|_| refused.is_some());
+        // Kept from a refusal, the profile holds the node only from its second spell of refusals:
+        // one spell is a surge (a node back from an interruption, load moved off one that left), and
+        // a node refused once is held for tongs' hold alone, as before it had a profile; a node that
+        // refuses spell after spell is full for good.
+        let settled = self.held_at_refusal.is_none() || self.spells >= 2;
+        let full = full.filter(|_| settled);
         let capped = match (full, refused) {
             (Some(full), Some(refused)) => Some(full.min(refused)),
             (full, refused) => full.or(refused),
@@ -260,7 +292,9 @@ impl Learned {
             .unwrap_or(top)
             .max(self.held_at_refusal.unwrap_or_default());
         let below = (reference / 2).max(1);
-        if reference > 1 && !self.judged(now_ms).any(|(load, _)| load <= below) {
+        // Nor is it held lower to measure before then: halving what a node takes in a surge costs
+        // most.
+        if settled && reference > 1 && !self.judged(now_ms).any(|(load, _)| load <= below) {
             // Never above the limit: with the level taken from a refusal, half of it may be.
             limit = Some(limit.map_or(below, |limit| limit.min(below)));
         }
