@@ -726,6 +726,24 @@ async fn a_node_that_refused_while_busy_gets_no_more_than_it_held_until_the_hold
     proxy.stop().await;
 }
 
+/// The limit tongs enforces on each of `fleet`'s nodes now, in the fleet's order.
+fn limits_in_force(
+    registry: &tongs::registry::Registry,
+    fleet: &tongs::sim::Fleet,
+) -> Vec<Option<u64>> {
+    let snapshot = registry.snapshot();
+    fleet
+        .urls()
+        .iter()
+        .map(|url| {
+            snapshot
+                .iter()
+                .find(|e| e.url() == url)
+                .and_then(|e| e.load().limit())
+        })
+        .collect()
+}
+
 /// With no limit configured, a node that refuses past a line of its own is held to its batch, not to
 /// its batch and its line: its first refusal says what it holds in all, and from then on the profile
 /// of its answers by load (`Learner::Refused`) shows where its answers start to wait, so requests
@@ -747,20 +765,7 @@ async fn a_node_that_refuses_past_a_line_of_its_own_is_held_to_its_batch() {
     let proxy = start_proxy(config_with("", &fleet.urls())).await;
     let stop = Arc::new(AtomicBool::new(false));
     let clients = load(proxy.url("/v1/generate"), 18, Arc::clone(&stop));
-    let registry = Arc::clone(&proxy.app_registry);
-    let limits = || {
-        let snapshot = registry.snapshot();
-        fleet
-            .urls()
-            .iter()
-            .map(|url| {
-                snapshot
-                    .iter()
-                    .find(|e| e.url() == url)
-                    .and_then(|e| e.load().limit())
-            })
-            .collect::<Vec<_>>()
-    };
+    let limits = || limits_in_force(&proxy.app_registry, &fleet);
     // At its batch, or one above while the level past it is measured; never its batch and its line.
     let near = |capacity: u64, limit: Option<u64>| {
         limit.is_some_and(|l| (capacity..=capacity + capacity / 3 + 1).contains(&l))
@@ -966,20 +971,7 @@ async fn the_learned_limit_finds_each_nodes_capacity() {
     .await;
     let stop = Arc::new(AtomicBool::new(false));
     let clients = load(proxy.url("/v1/generate"), 44, Arc::clone(&stop));
-    let registry = Arc::clone(&proxy.app_registry);
-    let limits = || {
-        let snapshot = registry.snapshot();
-        fleet
-            .urls()
-            .iter()
-            .map(|url| {
-                snapshot
-                    .iter()
-                    .find(|e| e.url() == url)
-                    .and_then(|e| e.load().limit())
-            })
-            .collect::<Vec<_>>()
-    };
+    let limits = || limits_in_force(&proxy.app_registry, &fleet);
     let near = |capacity: u64, limit: Option<u64>| {
         limit.is_some_and(|l| (capacity - capacity / 8..=capacity + capacity / 3 + 1).contains(&l))
     };
