@@ -29,10 +29,10 @@
 //!   three quarters of a request: one level's noise does not make a node look full), the estimate, or
 //!   one more while the level just past it has too few samples to say (an estimate a little low
 //!   corrects itself); never below a level in use whose answers show no wait (within [`TOLERANCE`]
-//!   of the baseline), which the node serves at once. A node's refusal (429, or 503 with Retry-After) while it held `n` of ours caps
-//!   it at `n` for [`FORGET_MS`]. Otherwise one above the highest level in use, so a node that grew is
-//!   tried one level further; and before any knee was ever seen, none (a node nobody loaded past its
-//!   batch says nothing of it).
+//!   of the baseline), which the node serves at once. A node's refusal (429, or 503 with
+//!   Retry-After) while it held `n` of ours caps it at `n` for [`FORGET_MS`]. Otherwise one above the
+//!   highest level in use, so a node that grew is tried one level further; and before any knee was
+//!   ever seen, none (a node nobody loaded past its batch says nothing of it).
 //! - **A level to compare with.** A node always held full shows only its slow levels, which would pass
 //!   for its baseline. Unless some level at or below half the highest in use is judged, the node is
 //!   held to that half for the few answers it takes to measure it.
