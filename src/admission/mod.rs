@@ -424,7 +424,8 @@ pub struct Ticket<'a> {
     in_queue: bool,
     /// A wake was received (the entry was taken out of the queue by whoever woke it).
     go: bool,
-    /// Releases that came for this request while it looked, and that it leaves unused.
+    /// Releases that came for this request while it looked, held until its next look is done, and
+    /// passed on when it leaves or goes back to wait.
     missed: u32,
 }
 
@@ -519,13 +520,13 @@ impl Ticket<'_> {
         self.woken = Some(woken);
         self.go = false;
         if let Some(missed) = state.missed.remove(&self.key) {
-            // A release came while this looked: look again at once, still first in line; any more
-            // that came go to those behind it.
+            // A release came while this looked: look again at once, still first in line. Any more
+            // that came stay with it until that look is done (passed on when it leaves, or when it
+            // goes back to wait): handed down now, they would set the next in line looking beside
+            // it, and whichever looked first would take a single freed slot out of turn (a wake
+            // is "capacity may be free", and heartbeats and limit changes send them too).
             let _ = wake.send(Wake::Go);
-            drop(state);
-            for _ in 1..missed {
-                self.queue.wake_after(self.key);
-            }
+            self.missed += missed - 1;
             return;
         }
         state.looking.remove(&self.key);
@@ -538,6 +539,11 @@ impl Ticket<'_> {
         );
         self.queue.waiting.fetch_add(1, Ordering::SeqCst);
         self.in_queue = true;
+        drop(state);
+        // It could not use what came free while it looked: those behind may.
+        for _ in 0..std::mem::take(&mut self.missed) {
+            self.queue.wake_after(self.key);
+        }
     }
 
     /// The request got an endpoint: leave the queue, and count how long it waited.
@@ -651,6 +657,54 @@ mod tests {
         // It leaves without using that release: the waiter behind gets it.
         drop(first);
         assert_eq!(behind.wait(until).await, Waited::Go);
+    }
+
+    /// Two wakes while the first in line looks (its slot freed, and a heartbeat's wake): it looks
+    /// again alone, and the one behind is woken only when that look is done. Handed down at once, the
+    /// second wake set both looking for one freed slot, and the quicker took it out of turn.
+    #[tokio::test]
+    async fn wakes_that_come_during_a_look_wait_for_it_to_end() {
+        let q = queue(10);
+        let until = Instant::now() + Duration::from_secs(1);
+        let not_woken = |ticket: &mut Ticket<'_>| {
+            ticket
+                .woken
+                .as_mut()
+                .is_some_and(|woken| woken.try_recv().is_err())
+        };
+        // Its second look takes the slot: it leaves, and the wake it held goes to the one behind.
+        let mut first = q.join(Priority::Normal).unwrap();
+        let mut behind = q.join(Priority::Normal).unwrap();
+        q.wake_one();
+        assert_eq!(first.wait(until).await, Waited::Go);
+        q.wake_one();
+        q.wake_one();
+        first.requeue();
+        assert!(not_woken(&mut behind), "the one behind looks beside it");
+        assert_eq!(
+            first.wait(until).await,
+            Waited::Go,
+            "it looks again at once"
+        );
+        assert!(not_woken(&mut behind));
+        first.go = false;
+        first.admitted();
+        assert_eq!(behind.wait(until).await, Waited::Go);
+        drop(behind);
+
+        // Its second look finds nothing either: back in line, first, and the one behind may look.
+        let mut first = q.join(Priority::Normal).unwrap();
+        let mut behind = q.join(Priority::Normal).unwrap();
+        q.wake_one();
+        assert_eq!(first.wait(until).await, Waited::Go);
+        q.wake_one();
+        q.wake_one();
+        first.requeue();
+        assert_eq!(first.wait(until).await, Waited::Go);
+        assert!(not_woken(&mut behind));
+        first.requeue();
+        assert!(first.is_head(), "it kept its place");
+        assert_eq!(behind.wait(until).await, Waited::Go, "no wake stranded");
     }
 
     #[tokio::test]
