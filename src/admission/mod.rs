@@ -39,7 +39,7 @@ pub mod standing;
 mod tenant;
 use drain::DrainMeter;
 pub use kinds::{Priority, Refusal};
-pub use standing::Outlook;
+pub use standing::{Fleet, Outlook};
 use standing::{Standing, Target};
 pub use tenant::{InFlight, Place, TENANT_CLASSES, Tenant, TenantSettings};
 
@@ -368,14 +368,15 @@ impl Queue {
 
     /// What a request of `place` arriving now may expect: its wait at the rate the queue drains (see
     /// [`Queue::expected_wait`]), and whether the queue, standing above `target_wait`, refuses it
-    /// (`fleet_full`: the fleet said lately that it is full; see [`standing`]).
-    pub fn outlook(&self, place: &Place, fleet_full: bool) -> Outlook {
+    /// (`fleet`: whether an endpoint is out, and whether the fleet said lately that it is full; see
+    /// [`standing`]).
+    pub fn outlook(&self, place: &Place, fleet: Fleet) -> Outlook {
         let expected = self.expected_wait(place);
         let mut state = self.lock();
         let target = state.settings.target;
         let overloaded = state
             .standing
-            .arrival(Instant::now(), expected, target, fleet_full);
+            .arrival(Instant::now(), expected, target, fleet);
         Outlook {
             expected,
             overloaded,

@@ -13,8 +13,11 @@
 //! than the target is refused at once (with a `Retry-After` from the drain rate) instead of joining.
 //! A queue that grows because tongs holds the fleet back (a limit still learning, nodes coming back
 //! from an interruption) or because a node is down is not overload: an interruption passes, and its
-//! requests wait for it, up to `max_wait`. Those already waiting keep their place: refusing them now would only make
-//! their refusal late.
+//! requests wait for it, up to `max_wait`; and the time the queue stood above the target meanwhile
+//! does not count once the fleet is whole again, for the backlog it left drains at the whole fleet's
+//! pace (a node of a third of the fleet ejected for 5 s left a queue that, counted, had the first
+//! arrivals after its return refused at half load). Those already waiting keep their place: refusing
+//! them now would only make their refusal late.
 //!
 //! Pure: the time and the expected wait come in.
 
@@ -40,6 +43,21 @@ pub struct Outlook {
     pub overloaded: bool,
 }
 
+/// What the fleet says of itself as a request arrives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fleet {
+    /// An endpoint is down, ejected or stalled: an interruption, which passes. Its requests wait for
+    /// it, and the queue's time above the target starts over once the fleet is whole.
+    Short,
+    /// Every endpoint up, and none has said lately that it is full: a queue that grows is tongs
+    /// holding the fleet back (a limit still learning), not overload.
+    Whole,
+    /// Every endpoint up, and the fleet has said it is full (a node refused while busy, its own
+    /// metrics showed it saturated, its learned limit found its capacity, or the limits are
+    /// capacities someone told tongs).
+    Full,
+}
+
 /// Whether the queue stands, and since when arrivals expected to wait past the target.
 #[derive(Debug, Default)]
 pub(super) struct Standing {
@@ -57,12 +75,13 @@ impl Standing {
         now: Instant,
         expected: Option<Duration>,
         target: Target,
-        fleet_full: bool,
+        fleet: Fleet,
     ) -> bool {
-        if target.wait.is_zero() {
+        if target.wait.is_zero() || fleet == Fleet::Short {
             *self = Standing::default();
             return false;
         }
+        let fleet_full = fleet == Fleet::Full;
         if !fleet_full {
             self.standing = false;
         }
@@ -106,12 +125,12 @@ mod tests {
     fn a_short_excursion_past_the_target_is_a_burst() {
         let start = Instant::now();
         let mut standing = Standing::default();
-        assert!(!standing.arrival(start, Some(ms(900)), TARGET, true));
-        assert!(!standing.arrival(start + ms(400), Some(ms(1200)), TARGET, true));
+        assert!(!standing.arrival(start, Some(ms(900)), TARGET, Fleet::Full));
+        assert!(!standing.arrival(start + ms(400), Some(ms(1200)), TARGET, Fleet::Full));
         // One arrival under the target: the clock starts over.
-        assert!(!standing.arrival(start + ms(450), Some(ms(300)), TARGET, true));
-        assert!(!standing.arrival(start + ms(600), Some(ms(900)), TARGET, true));
-        assert!(!standing.arrival(start + ms(1000), Some(ms(900)), TARGET, true));
+        assert!(!standing.arrival(start + ms(450), Some(ms(300)), TARGET, Fleet::Full));
+        assert!(!standing.arrival(start + ms(600), Some(ms(900)), TARGET, Fleet::Full));
+        assert!(!standing.arrival(start + ms(1000), Some(ms(900)), TARGET, Fleet::Full));
         assert!(!standing.is_standing());
     }
 
@@ -119,15 +138,15 @@ mod tests {
     fn waits_past_the_target_for_overload_after_make_it_stand_until_it_empties() {
         let start = Instant::now();
         let mut standing = Standing::default();
-        assert!(!standing.arrival(start, Some(ms(600)), TARGET, true));
-        assert!(standing.arrival(start + ms(500), Some(ms(800)), TARGET, true));
+        assert!(!standing.arrival(start, Some(ms(600)), TARGET, Fleet::Full));
+        assert!(standing.arrival(start + ms(500), Some(ms(800)), TARGET, Fleet::Full));
         // Standing: an arrival within the target joins, and the queue still stands.
-        assert!(!standing.arrival(start + ms(510), Some(ms(400)), TARGET, true));
-        assert!(standing.arrival(start + ms(520), Some(ms(501)), TARGET, true));
+        assert!(!standing.arrival(start + ms(510), Some(ms(400)), TARGET, Fleet::Full));
+        assert!(standing.arrival(start + ms(520), Some(ms(501)), TARGET, Fleet::Full));
         // Not yet draining at a known pace: no basis to refuse on.
-        assert!(!standing.arrival(start + ms(530), None, TARGET, true));
+        assert!(!standing.arrival(start + ms(530), None, TARGET, Fleet::Full));
         standing.emptied();
-        assert!(!standing.arrival(start + ms(600), Some(ms(5000)), TARGET, true));
+        assert!(!standing.arrival(start + ms(600), Some(ms(5000)), TARGET, Fleet::Full));
     }
 
     #[test]
@@ -135,12 +154,37 @@ mod tests {
         let start = Instant::now();
         let mut standing = Standing::default();
         for step in 0..20 {
-            assert!(!standing.arrival(start + ms(step * 100), Some(ms(5000)), TARGET, false));
+            assert!(!standing.arrival(
+                start + ms(step * 100),
+                Some(ms(5000)),
+                TARGET,
+                Fleet::Whole
+            ));
         }
         // Once it says so, the time above the target already counts.
-        assert!(standing.arrival(start + ms(2000), Some(ms(5000)), TARGET, true));
+        assert!(standing.arrival(start + ms(2000), Some(ms(5000)), TARGET, Fleet::Full));
         // And when it stops saying so, arrivals wait again.
-        assert!(!standing.arrival(start + ms(2100), Some(ms(5000)), TARGET, false));
+        assert!(!standing.arrival(start + ms(2100), Some(ms(5000)), TARGET, Fleet::Whole));
+    }
+
+    /// A fleet short of a node queues; back whole, the backlog it left is not overload until the
+    /// queue has stood above the target for `overload_after` with the fleet whole.
+    #[test]
+    fn the_time_a_fleet_was_short_of_a_node_does_not_count() {
+        let start = Instant::now();
+        let mut standing = Standing::default();
+        assert!(!standing.arrival(start, Some(ms(900)), TARGET, Fleet::Full));
+        for step in 1..=20 {
+            let at = start + ms(step * 100);
+            assert!(!standing.arrival(at, Some(ms(3000)), TARGET, Fleet::Short));
+        }
+        // Whole again: the clock starts now.
+        assert!(!standing.arrival(start + ms(2100), Some(ms(3000)), TARGET, Fleet::Full));
+        assert!(!standing.arrival(start + ms(2500), Some(ms(2000)), TARGET, Fleet::Full));
+        assert!(standing.arrival(start + ms(2600), Some(ms(1000)), TARGET, Fleet::Full));
+        // Short again while it stood: it stands no more.
+        assert!(!standing.arrival(start + ms(2700), Some(ms(1000)), TARGET, Fleet::Short));
+        assert!(!standing.is_standing());
     }
 
     #[test]
@@ -152,7 +196,7 @@ mod tests {
         };
         let mut standing = Standing::default();
         for step in 0..10 {
-            assert!(!standing.arrival(start + ms(step * 100), Some(ms(60_000)), off, true));
+            assert!(!standing.arrival(start + ms(step * 100), Some(ms(60_000)), off, Fleet::Full));
         }
     }
 }

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::attempt::Slot;
 use super::retrying::Attempts;
 use super::{Proxy, ProxySettings, millis_of};
-use crate::admission::{Place, Refusal, Waited};
+use crate::admission::{Fleet, Place, Refusal, Waited};
 use crate::balance::{self, PickContext, RequestKeys};
 use crate::breaker::Admission;
 use crate::endpoint::{Eligibility, Endpoint, EndpointId};
@@ -165,7 +165,7 @@ impl Proxy {
         let allowed = max_wait.saturating_sub(attempts.queued);
         let until = deadline.min(joined + allowed);
         // Under sustained overload, one the queue would keep past `queue.target_wait` is told now too.
-        let outlook = queue.outlook(place, self.fleet_said_full());
+        let outlook = queue.outlook(place, self.fleet());
         if outlook.overloaded {
             return Err(Stop::Refused(self.refusal(Refusal::Overloaded)));
         }
@@ -209,31 +209,28 @@ impl Proxy {
         result
     }
 
-    /// Whether the fleet's capacity is known to be what holds requests back: an endpoint said lately
-    /// that it is full (refused while busy, or saturated by its own metrics, within
-    /// [`FULL_EVIDENCE`]), or the limits are the capacities someone told tongs (`static`, or every
-    /// endpoint's own `max_outstanding`).
+    /// Whether the fleet's capacity is known to be what holds requests back ([`Fleet::Full`]): an
+    /// endpoint said lately that it is full (refused while busy, or saturated by its own metrics,
+    /// within [`FULL_EVIDENCE`]), or the limits are the capacities someone told tongs (`static`, or
+    /// every endpoint's own `max_outstanding`).
     ///
-    /// Never while an endpoint is down, ejected or stalled: a fleet short of a node is an
-    /// interruption, which passes (the node comes back, or is replaced), and its requests wait for it
-    /// rather than being refused.
-    fn fleet_said_full(&self) -> bool {
+    /// Never while an endpoint is down, ejected or stalled ([`Fleet::Short`]): a fleet short of a
+    /// node is an interruption, which passes (the node comes back, or is replaced), and its requests
+    /// wait for it rather than being refused.
+    fn fleet(&self) -> Fleet {
         let snapshot = self.registry.snapshot();
         if self.registry.counts().up() < snapshot.len() {
-            return false;
+            return Fleet::Short;
         }
         let last = self.registry.counts().last_full_ms();
         let now_ms = crate::endpoint::millis(Instant::now());
-        if last != 0 && now_ms.saturating_sub(last) <= millis_of(FULL_EVIDENCE) {
-            return true;
-        }
-        if self.registry.limits().mode == crate::config::LimitMode::Static {
-            return true;
-        }
-        !snapshot.is_empty()
-            && snapshot
-                .iter()
-                .all(|endpoint| endpoint.origin().max_outstanding.is_some())
+        let full = (last != 0 && now_ms.saturating_sub(last) <= millis_of(FULL_EVIDENCE))
+            || self.registry.limits().mode == crate::config::LimitMode::Static
+            || (!snapshot.is_empty()
+                && snapshot
+                    .iter()
+                    .all(|endpoint| endpoint.origin().max_outstanding.is_some()));
+        if full { Fleet::Full } else { Fleet::Whole }
     }
 
     /// A queue refusal, named `no-endpoints` when the real cause is that no endpoint is up at all.
