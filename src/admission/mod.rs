@@ -660,20 +660,17 @@ mod tests {
         assert_eq!(behind.wait(until).await, Waited::Go);
     }
 
-    /// Two wakes while the first in line looks (its slot freed, and a heartbeat's wake): it looks
-    /// again alone, and the one behind is woken only when that look is done. Handed down at once, the
-    /// second wake set both looking for one freed slot, and the quicker took it out of turn.
-    #[tokio::test]
-    async fn wakes_that_come_during_a_look_wait_for_it_to_end() {
-        let q = queue(10);
-        let until = Instant::now() + Duration::from_secs(1);
-        let not_woken = |ticket: &mut Ticket<'_>| {
-            ticket
-                .woken
-                .as_mut()
-                .is_some_and(|woken| woken.try_recv().is_err())
-        };
-        // Its second look takes the slot: it leaves, and the wake it held goes to the one behind.
+    /// Whether `ticket` has no wake waiting for it.
+    fn not_woken(ticket: &mut Ticket<'_>) -> bool {
+        ticket
+            .woken
+            .as_mut()
+            .is_some_and(|woken| woken.try_recv().is_err())
+    }
+
+    /// Two in line; the first woken, and while its look finds nothing, two wakes more (its slot
+    /// freed, and a heartbeat's wake): it looks again at once, alone.
+    async fn looking_again_after_two_wakes(q: &Queue, until: Instant) -> (Ticket<'_>, Ticket<'_>) {
         let mut first = q.join(Priority::Normal).unwrap();
         let mut behind = q.join(Priority::Normal).unwrap();
         q.wake_one();
@@ -682,27 +679,26 @@ mod tests {
         q.wake_one();
         first.requeue();
         assert!(not_woken(&mut behind), "the one behind looks beside it");
-        assert_eq!(
-            first.wait(until).await,
-            Waited::Go,
-            "it looks again at once"
-        );
+        assert_eq!(first.wait(until).await, Waited::Go, "it looks again");
         assert!(not_woken(&mut behind));
+        (first, behind)
+    }
+
+    /// Wakes that come while the first in line looks stay with it until that look is done. Handed
+    /// down at once, the second set the one behind looking beside it for one freed slot, and the
+    /// quicker took it out of turn.
+    #[tokio::test]
+    async fn wakes_that_come_during_a_look_wait_for_it_to_end() {
+        let q = queue(10);
+        let until = Instant::now() + Duration::from_secs(1);
+        // Its second look takes the slot: it leaves, and the wake it held goes to the one behind.
+        let (mut first, mut behind) = looking_again_after_two_wakes(&q, until).await;
         first.go = false;
         first.admitted();
         assert_eq!(behind.wait(until).await, Waited::Go);
         drop(behind);
-
         // Its second look finds nothing either: back in line, first, and the one behind may look.
-        let mut first = q.join(Priority::Normal).unwrap();
-        let mut behind = q.join(Priority::Normal).unwrap();
-        q.wake_one();
-        assert_eq!(first.wait(until).await, Waited::Go);
-        q.wake_one();
-        q.wake_one();
-        first.requeue();
-        assert_eq!(first.wait(until).await, Waited::Go);
-        assert!(not_woken(&mut behind));
+        let (mut first, mut behind) = looking_again_after_two_wakes(&q, until).await;
         first.requeue();
         assert!(first.is_head(), "it kept its place");
         assert_eq!(behind.wait(until).await, Waited::Go, "no wake stranded");
