@@ -68,6 +68,15 @@ struct Level {
     last_ms: u64,
 }
 
+/// What a profile kept because the node refused keeps of its refusals.
+#[derive(Clone, Copy, Debug)]
+struct Kept {
+    /// How long a refusal caps the limit.
+    refusal_ms: u64,
+    /// What the node held when it last refused, for the level to compare with (0: none yet).
+    held: u32,
+}
+
 /// The profile and what it says (see the module's doc).
 #[derive(Clone, Debug)]
 pub struct Learned {
@@ -80,13 +89,12 @@ pub struct Learned {
     ends: u32,
     /// The capacity found last (0: no knee seen yet).
     capacity: u32,
-    /// The node refused while it held this many of ours, at this time ...
+    /// The node refused while it held this many of ours, at this time, which caps the limit for
+    /// [`FORGET_MS`] (or less, when kept from a refusal).
     refused: Option<(u32, u64)>,
-    /// ... which caps the limit for this long ([`FORGET_MS`], or less: see [`Learned::refusals_kept`]).
-    refusal_ms: u64,
-    /// What the node held when it last refused, for the level to compare with, until it refuses
-    /// again (`None`: not a profile kept from a refusal, see [`Learned::refusals_kept`]; 0: none yet).
-    held_at_refusal: Option<u32>,
+    /// A profile kept because the node refused (see [`Learned::refusals_kept`]); `None`: the
+    /// learned limit's own.
+    kept: Option<Kept>,
     /// A knee has been seen in this profile.
     knee_seen: bool,
     /// Spells of refusals (refusals after the last had lapsed) the node has had, counted up to 2.
@@ -109,8 +117,7 @@ impl Learned {
             ends: 0,
             capacity: 0,
             refused: None,
-            refusal_ms: FORGET_MS,
-            held_at_refusal: None,
+            kept: None,
             knee_seen: false,
             spells: 0,
             limit: None,
@@ -132,9 +139,16 @@ impl Learned {
     /// refused once, the node is held for `ms` alone, as tongs' hold did. Until a knee is seen, a
     /// lapsed refusal leaves the node unlimited.
     pub fn refusals_kept(mut self, ms: u64) -> Learned {
-        self.refusal_ms = ms.min(FORGET_MS);
-        self.held_at_refusal = Some(0);
+        self.kept = Some(Kept {
+            refusal_ms: ms.min(FORGET_MS),
+            held: 0,
+        });
         self
+    }
+
+    /// How long a refusal caps the limit.
+    fn refusal_ms(&self) -> u64 {
+        self.kept.map_or(FORGET_MS, |kept| kept.refusal_ms)
     }
 
     /// New bounds from a reload; the profile stays.
@@ -200,18 +214,18 @@ impl Learned {
         let held = u32::try_from(holding).unwrap_or(u32::MAX).max(1);
         let lapsed = self
             .refused
-            .is_none_or(|(_, at)| now_ms.saturating_sub(at) >= self.refusal_ms);
+            .is_none_or(|(_, at)| now_ms.saturating_sub(at) >= self.refusal_ms());
         if lapsed {
             self.spells = self.spells.saturating_add(1).min(2);
         }
         self.refused = Some(match self.refused {
-            Some((known, at)) if known < held && now_ms.saturating_sub(at) < self.refusal_ms => {
+            Some((known, at)) if known < held && now_ms.saturating_sub(at) < self.refusal_ms() => {
                 (known, now_ms)
             }
             _ => (held, now_ms),
         });
-        if self.held_at_refusal.is_some() {
-            self.held_at_refusal = Some(held);
+        if let Some(kept) = &mut self.kept {
+            kept.held = held;
         }
         self.judge(now_ms);
         self.limit
@@ -259,14 +273,14 @@ impl Learned {
         });
         let refused = self
             .refused
-            .filter(|&(_, at)| now_ms.saturating_sub(at) < self.refusal_ms)
+            .filter(|&(_, at)| now_ms.saturating_sub(at) < self.refusal_ms())
             .map(|(held, _)| (held, held));
         self.refused = self.refused.filter(|_| refused.is_some());
         // Kept from a refusal, the profile holds the node only from its second spell of refusals:
         // one spell is a surge (a node back from an interruption, load moved off one that left), and
         // a node refused once is held for tongs' hold alone, as before it had a profile; a node that
         // refuses spell after spell is full for good.
-        let settled = self.held_at_refusal.is_none() || self.spells >= 2;
+        let settled = self.kept.is_none() || self.spells >= 2;
         let full = full.filter(|_| settled);
         let capped = match (full, refused) {
             (Some(full), Some(refused)) => Some(full.min(refused)),
@@ -282,7 +296,7 @@ impl Learned {
             None if self.capacity == 0 || top as usize >= LEVELS => None,
             // Kept from a refusal that lapsed, with no knee ever seen: the node refused for a reason
             // its answers do not show (another client's load, a passing spell), and is not held.
-            None if self.held_at_refusal.is_some() && !self.knee_seen => None,
+            None if self.kept.is_some() && !self.knee_seen => None,
             None => {
                 self.capacity = self.capacity.max(top);
                 Some(self.capacity + 1)
@@ -290,7 +304,7 @@ impl Learned {
         };
         let reference = limit
             .unwrap_or(top)
-            .max(self.held_at_refusal.unwrap_or_default());
+            .max(self.kept.map_or(0, |kept| kept.held));
         let below = (reference / 2).max(1);
         // Nor is it held lower to measure before then: halving what a node takes in a surge costs
         // most.
