@@ -75,6 +75,8 @@ struct Kept {
     refusal_ms: u64,
     /// What the node held when it last refused, for the level to compare with (0: none yet).
     held: u32,
+    /// Spells of refusals (refusals after the last had lapsed) the node has had, counted up to 2.
+    spells: u8,
 }
 
 /// The profile and what it says (see the module's doc).
@@ -97,8 +99,6 @@ pub struct Learned {
     kept: Option<Kept>,
     /// A knee has been seen in this profile.
     knee_seen: bool,
-    /// Spells of refusals (refusals after the last had lapsed) the node has had, counted up to 2.
-    spells: u8,
     /// The limit in force (`None`: none).
     limit: Option<u32>,
     /// The limit is the capacity found (a knee, or a refusal), not a level explored or a probe.
@@ -119,7 +119,6 @@ impl Learned {
             refused: None,
             kept: None,
             knee_seen: false,
-            spells: 0,
             limit: None,
             full: false,
             min: min.max(1),
@@ -142,6 +141,7 @@ impl Learned {
         self.kept = Some(Kept {
             refusal_ms: ms.min(FORGET_MS),
             held: 0,
+            spells: 0,
         });
         self
     }
@@ -215,9 +215,6 @@ impl Learned {
         let lapsed = self
             .refused
             .is_none_or(|(_, at)| now_ms.saturating_sub(at) >= self.refusal_ms());
-        if lapsed {
-            self.spells = self.spells.saturating_add(1).min(2);
-        }
         self.refused = Some(match self.refused {
             Some((known, at)) if known < held && now_ms.saturating_sub(at) < self.refusal_ms() => {
                 (known, now_ms)
@@ -226,6 +223,9 @@ impl Learned {
         });
         if let Some(kept) = &mut self.kept {
             kept.held = held;
+            if lapsed {
+                kept.spells = kept.spells.saturating_add(1).min(2);
+            }
         }
         self.judge(now_ms);
         self.limit
@@ -280,7 +280,7 @@ impl Learned {
         // one spell is a surge (a node back from an interruption, load moved off one that left), and
         // a node refused once is held for tongs' hold alone, as before it had a profile; a node that
         // refuses spell after spell is full for good.
-        let settled = self.kept.is_none() || self.spells >= 2;
+        let settled = self.kept.is_none_or(|kept| kept.spells >= 2);
         let full = full.filter(|_| settled);
         let capped = match (full, refused) {
             (Some(full), Some(refused)) => Some(full.min(refused)),
