@@ -224,6 +224,7 @@ fn bench_default_pipeline(c: &mut Criterion) {
                 running: 2,
                 waiting: (i % 4) as u32,
                 cache: Some((i % 10) as f64 / 10.0),
+                progress: None,
             };
             endpoint.signals().record(
                 tongs::engine::Engine::Vllm,

@@ -35,6 +35,7 @@ fn read(endpoint: &Endpoint, running: u32, waiting: u32, cache: Option<f64>) {
         running,
         waiting,
         cache,
+        progress: None,
     };
     let now_ms = crate::endpoint::millis(Instant::now());
     endpoint

@@ -81,7 +81,16 @@ pub struct Pace {
     prompt_bytes: AtomicU64,
     /// When the node last showed progress (ms on the [`super::millis`] clock; 0: never).
     heard_ms: AtomicU64,
+    /// The longest gap after its opening that a stream here resumed from (µs), and when it was seen
+    /// (ms): a real server pauses every stream at once now and then (0.5–0.75 s for vLLM on a busy
+    /// machine), and such a pause is the node's own, not a stall. It halves every
+    /// [`LONGEST_GAP_HALF_LIFE_MS`].
+    longest_gap_us: AtomicU64,
+    longest_gap_at_ms: AtomicU64,
 }
+
+/// How fast the longest gap a node's streams resumed from is forgotten: halved every 5 minutes.
+pub const LONGEST_GAP_HALF_LIFE_MS: u64 = 5 * 60 * 1000;
 
 /// What is learnt of one phase: how long its silences typically are, and how much they vary.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +147,24 @@ impl Pace {
         ((prompt_bytes.saturating_add(PROMPT_SMOOTHING)) as f64
             / (typical.saturating_add(PROMPT_SMOOTHING)) as f64)
             .clamp(1.0, MAX_PROMPT_FACTOR)
+    }
+
+    /// A stream here resumed after a gap of `gap` past its opening, at `now_ms`.
+    pub fn observe_resumed_gap(&self, gap: Duration, now_ms: u64) {
+        let gap_us = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX);
+        if gap_us >= u64::try_from(self.longest_gap(now_ms).as_micros()).unwrap_or(u64::MAX) {
+            self.longest_gap_us.store(gap_us, Ordering::Relaxed);
+            self.longest_gap_at_ms.store(now_ms, Ordering::Relaxed);
+        }
+    }
+
+    /// The longest gap a stream here resumed from, as remembered at `now_ms` (halved every
+    /// [`LONGEST_GAP_HALF_LIFE_MS`] since it was seen).
+    pub fn longest_gap(&self, now_ms: u64) -> Duration {
+        let us = self.longest_gap_us.load(Ordering::Relaxed);
+        let since = now_ms.saturating_sub(self.longest_gap_at_ms.load(Ordering::Relaxed));
+        let halvings = since as f64 / LONGEST_GAP_HALF_LIFE_MS as f64;
+        Duration::from_micros((us as f64 * 0.5f64.powf(halvings)) as u64)
     }
 
     /// The node showed progress at `now_ms`: a chunk of one of its streams, past the first.
@@ -224,5 +251,22 @@ mod tests {
         endpoint.heard(7);
         endpoint.heard(5);
         assert_eq!(endpoint.heard_ms(), 7, "the pulse never goes back");
+    }
+
+    #[test]
+    fn the_longest_gap_resumed_from_is_kept_and_slowly_forgotten() {
+        let pace = Pace::default();
+        assert_eq!(pace.longest_gap(1000), Duration::ZERO);
+        pace.observe_resumed_gap(ms(700), 1000);
+        pace.observe_resumed_gap(ms(300), 2000);
+        assert_eq!(pace.longest_gap(1000), ms(700));
+        let later = 1000 + LONGEST_GAP_HALF_LIFE_MS;
+        assert_eq!(
+            pace.longest_gap(later),
+            ms(350),
+            "halved after its half-life"
+        );
+        pace.observe_resumed_gap(ms(400), later);
+        assert_eq!(pace.longest_gap(later), ms(400));
     }
 }

@@ -9,9 +9,14 @@
 //! requests there, now `n`, counts `n − o` more in the node (negative: fewer). Once the node has been
 //! seen full (requests waiting beside a running batch), its batch is known, and the estimate's excess
 //! over the batch is what waits; before that, only a queue the reading saw can grow.
+//!
+//! A wedged engine's page still answers, with the values it had when it stopped. So a reading whose
+//! work counters ([`EngineLoad::progress`]) have not moved since the one before, while the node says
+//! it runs requests or tongs held requests there at both readings, is *frozen*: not used, shown not
+//! fresh, and taken by the stream watch as its node having stopped (see `proxy::stream`).
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use crate::engine::{Engine, EngineLoad};
 
@@ -28,7 +33,14 @@ pub struct EngineSignals {
     batch: AtomicU32,
     /// How the last attempt to read went, for operators.
     status: Mutex<ReadStatus>,
+    /// The work counters' sum at the last reading, as f64 bits ([`NO_PROGRESS`]: the page has none).
+    progress: AtomicU64,
+    /// The last reading's counters had not moved since the one before while requests ran there.
+    frozen: AtomicBool,
 }
+
+/// No work counters on the page.
+const NO_PROGRESS: u64 = u64::MAX;
 
 /// How the last attempt to read a node's metrics went.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -86,6 +98,15 @@ impl EngineSignals {
                 Ordering::Relaxed,
             );
         }
+        let progress = load.progress.map_or(NO_PROGRESS, f64::to_bits);
+        let before = self.progress.swap(progress, Ordering::Relaxed);
+        let held_before = self.outstanding_then.load(Ordering::Relaxed);
+        let busy = running > 0 || (held_before > 0 && outstanding > 0);
+        let frozen = progress != NO_PROGRESS
+            && before == progress
+            && self.read_at.load(Ordering::Relaxed) != 0
+            && busy;
+        self.frozen.store(frozen, Ordering::Relaxed);
         self.packed
             .store(running | (waiting << 24) | (cache << 48), Ordering::Relaxed);
         self.outstanding_then.store(outstanding, Ordering::Relaxed);
@@ -96,6 +117,14 @@ impl EngineSignals {
     /// The reading no longer stands (the node went away, or says it has no metrics now).
     pub fn forget(&self) {
         self.read_at.store(0, Ordering::Relaxed);
+        self.frozen.store(false, Ordering::Relaxed);
+        self.progress.store(NO_PROGRESS, Ordering::Relaxed);
+    }
+
+    /// The last reading is frozen: the engine did no work between two readings while it had
+    /// requests. Stands until a reading shows work again (or the reading is forgotten).
+    pub fn frozen(&self) -> bool {
+        self.frozen.load(Ordering::Relaxed)
     }
 
     pub fn set_status(&self, status: ReadStatus) {
@@ -117,8 +146,18 @@ impl EngineSignals {
 
     /// The load now, when a reading younger than `max_age_ms` stands; tongs holds `outstanding`
     /// requests on the node now.
+    /// A frozen reading is none.
     #[inline]
     pub fn now(&self, now_ms: u64, max_age_ms: u64, outstanding: u64) -> Option<EngineNow> {
+        if self.frozen() {
+            return None;
+        }
+        self.reading(now_ms, max_age_ms, outstanding)
+    }
+
+    /// [`EngineSignals::now`], frozen or not (for operators).
+    #[inline]
+    pub fn reading(&self, now_ms: u64, max_age_ms: u64, outstanding: u64) -> Option<EngineNow> {
         let read_at = self.read_at.load(Ordering::Relaxed);
         let age_ms = now_ms.saturating_sub(read_at);
         if read_at == 0 || max_age_ms == 0 || age_ms > max_age_ms {
@@ -155,11 +194,51 @@ impl EngineSignals {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_page_whose_work_counters_stand_still_while_requests_run_is_frozen() {
+        let signals = EngineSignals::default();
+        let read = |running, progress: Option<f64>, held, at| {
+            let load = EngineLoad {
+                running,
+                waiting: 0,
+                cache: None,
+                progress,
+            };
+            signals.record(Engine::Vllm, load, held, at);
+        };
+        read(4, Some(100.0), 4, 1000);
+        assert!(!signals.frozen(), "one reading says nothing of progress");
+        read(4, Some(180.0), 4, 2000);
+        assert!(!signals.frozen());
+        read(4, Some(180.0), 4, 3000);
+        assert!(
+            signals.frozen(),
+            "running, and no work since the last reading"
+        );
+        assert_eq!(signals.now(3000, 5000, 4), None, "not used");
+        assert!(signals.reading(3000, 5000, 4).is_some(), "still shown");
+        read(4, Some(181.0), 4, 4000);
+        assert!(!signals.frozen(), "working again");
+        // Idle: nothing runs, nothing moves, nothing is wrong.
+        read(0, Some(181.0), 0, 5000);
+        read(0, Some(181.0), 0, 6000);
+        assert!(!signals.frozen());
+        // tongs held a request at both readings the node does not even show: stopped before it.
+        read(0, Some(181.0), 1, 7000);
+        read(0, Some(181.0), 1, 8000);
+        assert!(signals.frozen());
+        // A page without work counters is never judged.
+        read(4, None, 4, 9000);
+        read(4, None, 4, 10_000);
+        assert!(!signals.frozen());
+    }
+
     fn load(running: u32, waiting: u32, cache: Option<f64>) -> EngineLoad {
         EngineLoad {
             running,
             waiting,
             cache,
+            progress: None,
         }
     }
 

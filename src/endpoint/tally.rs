@@ -17,6 +17,9 @@ pub struct Tally {
     pub(super) cooldowns: AtomicU64,
     /// Attempts that stalled here.
     pub(super) stalls: AtomicU64,
+    /// Streams that broke here and were continued from their text, this node having given no
+    /// token ids.
+    continued_by_text: AtomicU64,
 }
 
 impl Tally {
@@ -42,5 +45,14 @@ impl Tally {
 
     pub fn stalls(&self) -> u64 {
         self.stalls.load(Ordering::Relaxed)
+    }
+
+    pub fn continued_by_text(&self) -> u64 {
+        self.continued_by_text.load(Ordering::Relaxed)
+    }
+
+    /// A stream that broke here was continued from its text.
+    pub fn count_continued_by_text(&self) {
+        self.continued_by_text.fetch_add(1, Ordering::Relaxed);
     }
 }

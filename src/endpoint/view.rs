@@ -62,8 +62,11 @@ pub struct SignalsView {
     /// Seconds since the last reading (null: none); the pick uses it while this is at most
     /// `signals.max_age`.
     pub age_s: Option<f64>,
-    /// The reading is young enough to be used.
+    /// The reading is young enough to be used, and not frozen.
     pub fresh: bool,
+    /// The engine's work counters did not move between its last two readings while it had requests
+    /// (a wedged engine whose page still answers): its reading is not used.
+    pub frozen: bool,
     /// tongs' estimate now, from the last reading: requests in the node, running or waiting, and
     /// waiting in its own queue; its batch as learned (0: not seen full yet); its KV cache in use.
     pub in_node: Option<u64>,
@@ -81,16 +84,18 @@ impl SignalsView {
             ReadStatus::Absent(why) | ReadStatus::Failed(why) => (None, Some(why.clone())),
             ReadStatus::Unread => (None, None),
         };
+        let frozen = endpoint.signals().frozen();
         let last = endpoint
             .signals()
-            .now(now_ms, u64::MAX, endpoint.outstanding());
+            .reading(now_ms, u64::MAX, endpoint.outstanding());
         let max_age_ms = u64::try_from(max_age.as_millis()).unwrap_or(u64::MAX);
         SignalsView {
             status: status.as_str(),
             engine,
             detail,
             age_s: last.map(|now| now.age_ms as f64 / 1000.0),
-            fresh: last.is_some_and(|now| max_age_ms > 0 && now.age_ms <= max_age_ms),
+            fresh: !frozen && last.is_some_and(|now| max_age_ms > 0 && now.age_ms <= max_age_ms),
+            frozen,
             in_node: last.map(|now| now.in_node),
             waiting: last.map(|now| now.waiting),
             batch: last.map(|now| now.batch),
@@ -108,6 +113,8 @@ pub struct TallyView {
     /// Attempts that stalled here (lost to a hedge, or waited far past the expected latency).
     pub stalls: u64,
     pub cooldowns: u64,
+    /// Streams that broke here and were continued from their text: this node gave no token ids.
+    pub continued_by_text: u64,
 }
 
 /// How quickly an endpoint answers, in its view.
@@ -254,6 +261,7 @@ impl Endpoint {
                 ejections: self.tally().ejections(),
                 stalls: self.tally().stalls(),
                 cooldowns: self.tally().cooldowns(),
+                continued_by_text: self.tally().continued_by_text(),
             },
             timing: TimingView {
                 latency_ms: ms(self.latency().estimate_us()),

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use super::body::{BoxError, Guard, ProxyBody, StreamCut, TotalTimeout};
 use crate::openai::sse::{Events, MAX_EVENT_BYTES};
-use crate::openai::{AfterCut, Splicer};
+use crate::openai::{AfterCut, Resumption, Splicer};
 
 /// The next piece of a stream and the resumer for the one after it, or the error the client's stream
 /// ends with.
@@ -27,7 +27,7 @@ pub type Resuming =
 /// Continues a broken stream on another endpoint (implemented by the request path).
 pub trait Resume: Send {
     /// Sends `request`, the continuation's body, to an endpoint not yet tried for this request.
-    fn resume(self: Box<Self>, request: Vec<u8>, broke: Broke) -> Resuming;
+    fn resume(self: Box<Self>, request: Resumption, broke: Broke) -> Resuming;
     /// The stream broke and was not continued: it was complete but for its end (`None`: tongs wrote
     /// the end), or it could not be continued safely (the reason).
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str);
@@ -125,7 +125,12 @@ impl Relay {
             }
             AfterCut::Refused(reason) => {
                 resumer.not_continued(Some(reason), &why);
-                self.end(error);
+                // A node that ended its body cleanly mid-way (before `[DONE]`) must not read to the
+                // client as a finished answer: its stream ends as an error too.
+                let error = error.unwrap_or_else(|| {
+                    format!("the stream broke ({why}) and was not continued: {reason}").into()
+                });
+                self.end(Some(error));
             }
         }
     }

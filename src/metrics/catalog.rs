@@ -122,6 +122,11 @@ pub const STREAM_PAUSES: MetricSpec = spec(
     "counter",
     "Silences of committed streams past their idle limit while their node went on sending tokens on its other streams: a pause (a preemption, a slow prefill under load), not a stall, so left alone and not counted against the node (cut only past stream.pause_max).",
 );
+pub const CONTINUED_BY_TEXT: MetricSpec = spec(
+    "tongs_continuations_by_text_total",
+    "counter",
+    "Streamed OpenAI completions continued from the text so far, not by token ids (their node gave none: an engine other than vLLM, or continuation.token_ids never): the rest of the answer may differ from the uninterrupted one. Counted in tongs_continuations_total{outcome=\"continued\"} too.",
+);
 pub const POOL_FALLBACKS: MetricSpec = spec(
     "tongs_pool_fallbacks_total",
     "counter",
@@ -275,7 +280,7 @@ pub const RUNTIME_TASKS: MetricSpec = spec(
 );
 
 /// Every metric tongs exports.
-pub const CATALOG: [&MetricSpec; 53] = [
+pub const CATALOG: [&MetricSpec; 54] = [
     &REQUESTS,
     &REQUEST_DURATION,
     &FIRST_BYTE,
@@ -292,6 +297,7 @@ pub const CATALOG: [&MetricSpec; 53] = [
     &STREAMS_CUT,
     &STREAMS_MOVED,
     &STREAM_PAUSES,
+    &CONTINUED_BY_TEXT,
     &CONTINUATIONS,
     &POOL_FALLBACKS,
     &REPLAY_BYTES,

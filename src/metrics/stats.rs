@@ -30,6 +30,9 @@ pub struct ProxyStats {
     pub stream_pauses: AtomicU64,
     /// Broken streams and what became of them.
     pub continuations: ContinuationStats,
+    /// Of the streams continued, those continued from their text (their node gave no token ids):
+    /// the rest may differ from the answer the first node would have given.
+    pub continued_by_text: AtomicU64,
     /// Bytes of request bodies kept for replay now (a gauge).
     pub replay_bytes: AtomicU64,
     /// Request bodies streamed without replay because the replay budget was spent.

@@ -26,7 +26,7 @@ use crate::admission::Place;
 use crate::http::relay::{Broke, Relay, Resume, Resuming};
 use crate::http::{BoxError, ProxyBody};
 use crate::metrics::Continuation;
-use crate::openai::{Continuable, Splicer};
+use crate::openai::{Continuable, Resumption, Splicer};
 use crate::retry::ReplayBody;
 use crate::trace::AttemptKind;
 
@@ -44,7 +44,8 @@ pub(super) struct Continuer {
     proxy: Arc<Proxy>,
     worker: Arc<WorkerPath>,
     settings: Arc<ProxySettings>,
-    /// The client's request, for a body of another length.
+    /// The client's request, for a body of another length (and a continuation by token ids, for
+    /// another path).
     template: Template,
     tried: Tried,
     request_id: HeaderValue,
@@ -69,6 +70,8 @@ pub(super) struct Committing<'a> {
     pub place: &'a Place,
     pub deadline: Instant,
     pub body: &'a ReplayBody,
+    /// The node was asked for token ids.
+    pub ids_asked: bool,
 }
 
 /// Whether a committed answer is a stream the relay can splice: a `200` of Server-Sent Events, not
@@ -116,14 +119,18 @@ impl Proxy {
             taken: 0,
             _kept: at.body.clone(),
         };
-        let relay = Relay::new(body, Splicer::new(request), Box::new(continuer));
+        let mut splicer = Splicer::new(request);
+        if at.ids_asked {
+            splicer.asked_ids();
+        }
+        let relay = Relay::new(body, splicer, Box::new(continuer));
         Response::from_parts(parts, ProxyBody::relay(relay))
     }
 }
 
 impl Resume for Continuer {
-    fn resume(self: Box<Self>, request: Vec<u8>, broke: Broke) -> Resuming {
-        Box::pin(self.continue_elsewhere(Bytes::from(request), broke))
+    fn resume(self: Box<Self>, request: Resumption, broke: Broke) -> Resuming {
+        Box::pin(self.continue_elsewhere(request, broke))
     }
 
     fn not_continued(&mut self, refused: Option<&'static str>, why: &str) {
@@ -172,9 +179,11 @@ impl Continuer {
 
     async fn continue_elsewhere(
         mut self: Box<Self>,
-        request: Bytes,
+        resumption: Resumption,
         broke: Broke,
     ) -> Result<(ProxyBody, Box<dyn Resume>), BoxError> {
+        let Resumption { body, path, exact } = resumption;
+        let request = Bytes::from(body);
         let Broke {
             why,
             silent,
@@ -225,12 +234,20 @@ impl Continuer {
         } else {
             Hedging::WhenLate
         };
+        let template = match path {
+            Some(path) => self.template.for_path(path),
+            None => self.template.clone(),
+        };
         let outcome =
-            tokio::time::timeout_at(self.deadline, self.attempts(&sending, hedging)).await;
+            tokio::time::timeout_at(self.deadline, self.attempts(&sending, hedging, &template))
+                .await;
         let request_id = self.request_id.to_str().unwrap_or_default().to_owned();
         match outcome {
             Ok(Ok((piece, endpoint))) => {
                 self.count(Continuation::Continued);
+                if !exact {
+                    self.by_text();
+                }
                 tracing::info!(
                     request_id,
                     from = &*self.streaming,
@@ -251,6 +268,23 @@ impl Continuer {
         }
     }
 
+    /// The stream was continued from its text: its node gave no token ids.
+    fn by_text(&self) {
+        self.proxy
+            .stats
+            .continued_by_text
+            .fetch_add(1, Ordering::Relaxed);
+        let snapshot = self.proxy.registry.snapshot();
+        if let Some(endpoint) = snapshot.iter().find(|e| e.url() == &*self.streaming) {
+            endpoint.tally().count_continued_by_text();
+        }
+        tracing::info!(
+            request_id = self.request_id.to_str().unwrap_or_default(),
+            endpoint = &*self.streaming,
+            "stream continued from its text, not by token ids: its node gave none"
+        );
+    }
+
     fn failed(&self, why: String, detail: String) -> BoxError {
         self.count(Continuation::Failed);
         tracing::warn!(
@@ -268,6 +302,7 @@ impl Continuer {
         &mut self,
         sending: &Sending,
         hedging: Hedging,
+        template: &Template,
     ) -> Result<(ProxyBody, Arc<str>), String> {
         let settings = Arc::clone(&self.settings);
         let mut attempts = Attempts::for_continuation(&settings.retry);
@@ -294,11 +329,9 @@ impl Continuer {
             self.proxy.stats.attempts.fetch_add(1, Ordering::Relaxed);
             let mut slot = slot;
             let race = Race {
-                request: self
-                    .template
-                    .build(&mut slot, attempt_body, AttemptKind::Continuation),
+                request: template.build(&mut slot, attempt_body, AttemptKind::Continuation),
                 slot,
-                template: &self.template,
+                template,
                 hedging,
             };
             let proxy = Arc::clone(&self.proxy);

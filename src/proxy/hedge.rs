@@ -337,7 +337,7 @@ impl Proxy {
             return false;
         }
         if stalled_alone(&self.last_answer, endpoint, started) {
-            let may_eject = self.may_eject(settings);
+            let may_eject = super::may_eject_stalled(&self.registry, settings.max_ejected_percent);
             endpoint
                 .breaker()
                 .record_stall(&settings.breaker, Instant::now(), may_eject);

@@ -48,7 +48,7 @@ pub use self::stream::StreamSettings;
 use crate::admission::{Queue, Refusal};
 use crate::balance::{Pipeline, PrefixIndex, Saturation, Unsaturated};
 use crate::breaker::BreakerSettings;
-use crate::config::{BalancePolicy, Config};
+use crate::config::{BalancePolicy, Config, TokenIds};
 use crate::http::ProxyBody;
 use crate::metrics::{Metrics, Outcome, ProxyStats};
 use crate::openai::Continuable;
@@ -150,6 +150,9 @@ pub struct ContinuationSettings {
     pub max: u32,
     /// The idle floor of a stream that can be continued.
     pub idle_min: Duration,
+    /// The nodes are asked for token ids, so that a continuation is exact
+    /// (`continuation.token_ids`, resolved against the pool's engine).
+    pub ask_token_ids: bool,
 }
 
 impl ProxySettings {
@@ -207,6 +210,11 @@ impl ProxySettings {
                 enabled: config.continuation.enabled,
                 max: config.continuation.max_continuations,
                 idle_min: config.continuation.idle_min.get(),
+                ask_token_ids: match config.continuation.token_ids {
+                    TokenIds::Auto => config.signals.engine == crate::engine::Engine::Vllm,
+                    TokenIds::Always => true,
+                    TokenIds::Never => false,
+                },
             },
             priority_header: config.queue.priority_header.name().clone(),
             deadline_header: config.queue.deadline_header.name().clone(),
@@ -254,6 +262,8 @@ struct Answered<'a> {
     worker: &'a Arc<WorkerPath>,
     settings: &'a Arc<ProxySettings>,
     continuable: Option<Continuable>,
+    /// The node was asked for token ids (by the client or by tongs).
+    ids_asked: bool,
     tried: Tried,
     body: &'a ReplayBody,
 }
@@ -387,6 +397,25 @@ impl Proxy {
             }
             _ => None,
         };
+        // Its node asked for the token ids that make a continuation exact, when the client did not
+        // ask already and the replay budget holds the longer body (else it goes as it came, and a
+        // cut is continued by text).
+        let (body, ids_asked) = match &continuable {
+            Some(continuable) if settings.continuation.ask_token_ids => {
+                match continuable.asking_ids().map(bytes::Bytes::from) {
+                    Some(asking) => match ReplayBody::made(asking, &self.replay_budget) {
+                        Some(asking) => {
+                            request.template = request.template.for_new_body();
+                            (asking, true)
+                        }
+                        None => (body, false),
+                    },
+                    None => (body, continuable.ids_asked()),
+                }
+            }
+            Some(continuable) => (body, continuable.ids_asked()),
+            None => (body, false),
+        };
         let mut tried = Tried::default();
         tried.keys = request::affinity_keys(
             settings,
@@ -462,6 +491,7 @@ impl Proxy {
                         worker,
                         settings,
                         continuable,
+                        ids_asked,
                         tried,
                         body: &sending.body,
                     };
@@ -494,6 +524,7 @@ impl Proxy {
             worker,
             settings,
             continuable,
+            ids_asked,
             tried,
             body,
         } = answered;
@@ -517,6 +548,7 @@ impl Proxy {
             place: &request.place,
             deadline: request.deadline,
             body,
+            ids_asked,
         };
         self.relay(response, continuable, &streaming, at)
     }
@@ -567,6 +599,14 @@ fn may_eject(registry: &Registry, max_ejected_percent: u32) -> bool {
     let ejected = registry.counts().ejected();
     let endpoints = registry.snapshot().len();
     (ejected + 1) * 100 <= endpoints * max_ejected_percent as usize
+}
+
+/// Whether an endpoint whose requests stalled may be ejected: as any other within
+/// `max_ejected_percent`, and past it while another endpoint is up (healthy, not ejected). A node
+/// that takes requests and answers none costs every request sent there its whole wait, which a node
+/// down elsewhere does not make any cheaper; only when it is the last one up does it stay.
+fn may_eject_stalled(registry: &Registry, max_ejected_percent: u32) -> bool {
+    may_eject(registry, max_ejected_percent) || registry.counts().up() > 1
 }
 
 fn millis_of(duration: Duration) -> u64 {

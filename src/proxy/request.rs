@@ -189,6 +189,20 @@ impl Template {
         template
     }
 
+    /// The same request to another path of the node's API (a continuation by token ids goes to
+    /// `/v1/completions` whatever the client called), its query kept, for a body of another length.
+    pub fn for_path(&self, path: &'static str) -> Template {
+        let mut template = self.for_new_body();
+        let joined = match self.path_and_query.query() {
+            Some(query) => format!("{path}?{query}"),
+            None => path.to_owned(),
+        };
+        if let Ok(path_and_query) = joined.parse() {
+            template.path_and_query = path_and_query;
+        }
+        template
+    }
+
     /// The request of an attempt on `slot`'s endpoint; with tracing on, the attempt's span starts
     /// (the slot carries it) and the request's `traceparent` names it.
     pub fn build(

@@ -43,6 +43,9 @@ pub struct IdleSettings {
     pub min: Duration,
     pub first_token: Duration,
     pub pause_max: Duration,
+    /// The most the floor is raised to for a node whose streams resumed from long gaps before
+    /// (`stream.idle_min`).
+    pub learned_max: Duration,
 }
 
 impl IdleSettings {
@@ -58,7 +61,15 @@ impl IdleSettings {
             },
             first_token: stream.first_token_idle,
             pause_max: stream.pause_max,
+            learned_max: stream.idle_min,
         }
+    }
+
+    /// The floor on a node whose streams resumed from gaps as long as `longest` before: half as long
+    /// again as that, so that a pause the node makes now and then (a real server under load stops
+    /// every stream at once for most of a second) is not taken for a stall, up to `learned_max`.
+    pub fn floor(&self, longest: Duration) -> Duration {
+        self.min.max(longest.mul_f64(1.5).min(self.learned_max))
     }
 }
 
@@ -176,8 +187,23 @@ impl Streamed {
         }
     }
 
-    /// How long the stream may be silent now, by its phase.
+    /// The stream's idle settings, their floor raised by the longest gap its node's streams resumed
+    /// from.
+    fn idle(&self) -> IdleSettings {
+        let pace = self.outstanding.endpoint().pace();
+        IdleSettings {
+            min: self.idle.floor(pace.longest_gap(millis(Instant::now()))),
+            ..self.idle
+        }
+    }
+
+    /// How long the stream may be silent now, by its phase. A node whose own metrics froze while it
+    /// had requests (a wedged engine) gets no more than the floor, in either phase.
     fn limit(&self) -> Duration {
+        let endpoint = self.outstanding.endpoint();
+        if endpoint.signals().frozen() {
+            return self.idle().min;
+        }
         if self.chunks < OPENING_GAPS {
             self.opening_limit()
         } else {
@@ -186,14 +212,14 @@ impl Streamed {
                 mean,
                 deviation: Duration::ZERO,
             });
-            idle_limit(&self.idle, endpoint.pace().token_gap().or(first_byte))
+            idle_limit(&self.idle(), endpoint.pace().token_gap().or(first_byte))
         }
     }
 
     fn opening_limit(&self) -> Duration {
         let endpoint = self.outstanding.endpoint();
         opening_limit(
-            &self.idle,
+            &self.idle(),
             endpoint.pace().opening(),
             endpoint.pace().prompt_factor(self.prompt_bytes),
         )
@@ -203,8 +229,10 @@ impl Streamed {
     /// with requests waiting for their first byte may be prefilling them, which on servers without
     /// chunked prefill stops every stream there for as long: that much silence is its opening's.
     fn node_limit(&self, limit: Duration) -> Duration {
+        let endpoint = self.outstanding.endpoint();
         if self.chunks >= OPENING_GAPS
-            && self.outstanding.endpoint().latency().waiting_attempts() > 0
+            && !endpoint.signals().frozen()
+            && endpoint.latency().waiting_attempts() > 0
         {
             limit.max(self.opening_limit())
         } else {
@@ -238,6 +266,9 @@ impl StreamGuard for Streamed {
                 self.opening_longest = Some(self.opening_longest.unwrap_or_default().max(gap));
             } else if !was_paused {
                 endpoint.pace().observe_chunk_gap(self.chunks, gap);
+                endpoint
+                    .pace()
+                    .observe_resumed_gap(gap, millis(Instant::now()));
             }
         }
         if self.chunks == OPENING_GAPS {
@@ -285,7 +316,8 @@ impl StreamGuard for Streamed {
                          counted as a stall of the node; the stream cannot be continued elsewhere, \
                          so it waits until stream.pause_max for its node to resume"
                     );
-                    let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
+                    let may_eject =
+                        super::may_eject_stalled(&self.registry, self.max_ejected_percent);
                     endpoint
                         .breaker()
                         .record_stream_stall(&self.breaker, now, may_eject);
@@ -358,7 +390,7 @@ impl StreamGuard for Streamed {
                     "stream and its node silent past what the node's streams normally take; cut, \
                      and counted as a stall of the node"
                 );
-                let may_eject = super::may_eject(&self.registry, self.max_ejected_percent);
+                let may_eject = super::may_eject_stalled(&self.registry, self.max_ejected_percent);
                 endpoint
                     .breaker()
                     .record_stream_stall(&self.breaker, Instant::now(), may_eject);
@@ -500,7 +532,24 @@ mod tests {
             min: Duration::from_secs(2),
             first_token: Duration::from_secs(10),
             pause_max: Duration::from_secs(30),
+            learned_max: Duration::from_secs(2),
         }
+    }
+
+    #[test]
+    fn the_floor_rises_with_the_gaps_a_node_resumed_from_up_to_the_streams_own() {
+        let idle = IdleSettings {
+            min: ms(1000),
+            ..settings()
+        };
+        assert_eq!(idle.floor(Duration::ZERO), ms(1000));
+        assert_eq!(
+            idle.floor(ms(600)),
+            ms(1000),
+            "a usual pause is under the floor"
+        );
+        assert_eq!(idle.floor(ms(900)), ms(1350));
+        assert_eq!(idle.floor(ms(5000)), ms(2000), "never past stream.idle_min");
     }
 
     fn ms(n: u64) -> Duration {

@@ -261,7 +261,7 @@ proptest! {
             }
             match splicer.cut(&mut out) {
                 AfterCut::Continue(next) => {
-                    let next: Value = serde_json::from_slice(&next).expect("the continuation is JSON");
+                    let next: Value = serde_json::from_slice(&next.body).expect("the continuation is JSON");
                     if let Some(max) = max {
                         let left = next["max_tokens"].as_u64().expect("a limit stays a number");
                         prop_assert!((1..=max).contains(&left));

@@ -44,16 +44,28 @@ impl Engine {
                 running: "vllm:num_requests_running",
                 waiting: "vllm:num_requests_waiting",
                 cache: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+                // Engine steps (a prefill's chunks among them), tokens made, prompts read.
+                progress: &[
+                    "vllm:iteration_tokens_total_count",
+                    "vllm:generation_tokens_total",
+                    "vllm:prompt_tokens_total",
+                ],
             },
             Engine::Sglang => Names {
                 running: "sglang:num_running_reqs",
                 waiting: "sglang:num_queue_reqs",
                 cache: &["sglang:token_usage"],
+                progress: &[
+                    "sglang:generation_tokens_total",
+                    "sglang:prompt_tokens_total",
+                ],
             },
             Engine::Tgi => Names {
                 running: "tgi_batch_current_size",
                 waiting: "tgi_queue_size",
                 cache: &[],
+                // Forward passes of the batch.
+                progress: &["tgi_batch_forward_duration_count"],
             },
         }
     }
@@ -85,6 +97,8 @@ struct Names {
     running: &'static str,
     waiting: &'static str,
     cache: &'static [&'static str],
+    /// Counters that move whenever the engine works: summed, their total says whether it did.
+    progress: &'static [&'static str],
 }
 
 /// One reading of a server's load.
@@ -96,6 +110,9 @@ pub struct EngineLoad {
     pub waiting: u32,
     /// Share of its KV cache in use, 0 to 1, when it says.
     pub cache: Option<f64>,
+    /// The sum of its work counters (engine steps, tokens), when it has any: a page whose sum does
+    /// not move while requests run there comes from a wedged engine.
+    pub progress: Option<f64>,
 }
 
 /// Why a page gave no reading.
@@ -108,7 +125,7 @@ pub enum NoReading {
 /// `engine`'s load as the exposition `page` gives it.
 pub fn read_load(engine: Engine, page: &str) -> Result<EngineLoad, NoReading> {
     let names = engine.names();
-    let (mut running, mut waiting) = (None::<f64>, None::<f64>);
+    let (mut running, mut waiting, mut progress) = (None::<f64>, None::<f64>, None::<f64>);
     // The cache use by the place of its name in `names.cache`: the first name found wins.
     let mut cache: [Option<f64>; 2] = [None; 2];
     for line in page.lines() {
@@ -120,6 +137,8 @@ pub fn read_load(engine: Engine, page: &str) -> Result<EngineLoad, NoReading> {
             add(&mut running);
         } else if name == names.waiting {
             add(&mut waiting);
+        } else if names.progress.contains(&name) {
+            add(&mut progress);
         } else if let Some(at) = names.cache.iter().position(|c| *c == name) {
             let fullest = &mut cache[at.min(1)];
             *fullest = Some(fullest.map_or(value, |v| v.max(value)));
@@ -136,6 +155,7 @@ pub fn read_load(engine: Engine, page: &str) -> Result<EngineLoad, NoReading> {
             .flatten()
             .next()
             .map(|c| c.clamp(0.0, 1.0)),
+        progress,
     })
 }
 
@@ -212,6 +232,28 @@ vllm:time_to_first_token_seconds_count{model_name=\"llama\"} 12.0
     }
 
     #[test]
+    fn work_counters_sum_and_the_waiting_by_reason_gauge_is_not_the_waiting_one() {
+        // As vLLM 0.32 writes them, one data-parallel engine each.
+        let page = "\
+vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 2.0
+vllm:num_requests_running{engine=\"1\",model_name=\"tiny\"} 3.0
+vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 1.0
+vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"tiny\",reason=\"capacity\"} 7.0
+vllm:num_requests_waiting_by_reason{engine=\"0\",model_name=\"tiny\",reason=\"deferred\"} 5.0
+vllm:generation_tokens_total{engine=\"0\",model_name=\"tiny\"} 100.0
+vllm:generation_tokens_created{engine=\"0\",model_name=\"tiny\"} 1.7e9
+vllm:prompt_tokens_total{engine=\"0\",model_name=\"tiny\"} 20.0
+vllm:iteration_tokens_total_count{engine=\"0\",model_name=\"tiny\"} 30.0
+vllm:iteration_tokens_total_sum{engine=\"0\",model_name=\"tiny\"} 120.0
+";
+        let load = read_load(Engine::Vllm, page).unwrap();
+        assert_eq!((load.running, load.waiting), (5, 1));
+        assert_eq!(load.progress, Some(150.0));
+        let quiet = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n";
+        assert_eq!(read_load(Engine::Vllm, quiet).unwrap().progress, None);
+    }
+
+    #[test]
     fn older_vllm_names_its_cache_otherwise() {
         let page = "vllm:num_requests_running 2\nvllm:num_requests_waiting 0\nvllm:gpu_cache_usage_perc 0.5\n";
         assert_eq!(
@@ -219,7 +261,8 @@ vllm:time_to_first_token_seconds_count{model_name=\"llama\"} 12.0
             EngineLoad {
                 running: 2,
                 waiting: 0,
-                cache: Some(0.5)
+                cache: Some(0.5),
+                progress: None,
             }
         );
     }

@@ -109,6 +109,25 @@ pub struct ContinuationConfig {
     /// lower, since cutting such a stream costs the client a short pause (and a node a new prefill),
     /// not its answer.
     pub idle_min: HumanDuration,
+    /// Whether the nodes are asked for token ids, so that a continuation is exact (see
+    /// [`TokenIds`]).
+    pub token_ids: TokenIds,
+}
+
+/// `continuation.token_ids`: whether a continuable stream's node is asked for its token ids
+/// (`"return_token_ids": true`), so that a cut stream is continued by them, exactly, rather than by
+/// its text, which the next node may tokenize otherwise. The client sees ids only if it asked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenIds {
+    /// Asked where the pool's engine (`signals.engine`) is vLLM, which returns them (0.10.2 and
+    /// later; an older one ignores the field, and its streams are continued by text).
+    #[default]
+    Auto,
+    /// Always asked: servers that take `return_token_ids` whatever their metrics' names.
+    Always,
+    /// Never asked: every continuation is by text.
+    Never,
 }
 
 impl Default for ContinuationConfig {
@@ -116,7 +135,8 @@ impl Default for ContinuationConfig {
         Self {
             enabled: true,
             max_continuations: 2,
-            idle_min: HumanDuration::from_millis(500),
+            idle_min: HumanDuration::from_secs(1),
+            token_ids: TokenIds::Auto,
         }
     }
 }

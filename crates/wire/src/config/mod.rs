@@ -37,7 +37,7 @@ pub use balance::{
 pub use duration::HumanDuration;
 pub use endpoints::{DiscoveryConfig, EndpointUrl, StaticEndpoint};
 pub use header::Header;
-pub use hedge::{ContinuationConfig, HedgeConfig, StreamConfig};
+pub use hedge::{ContinuationConfig, HedgeConfig, StreamConfig, TokenIds};
 pub use kubernetes::{
     AllowRule, AnnotationKeys, KubernetesConfig, RegistrationConfig, Rule, annotation_key,
     is_qualified_name,

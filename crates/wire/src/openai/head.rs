@@ -30,6 +30,11 @@ pub(super) struct Head<'a> {
     pub prompt: Option<&'a RawValue>,
     pub messages: Option<&'a RawValue>,
     pub stream_options: Option<&'a RawValue>,
+    /// vLLM's token ids, asked for by the client itself.
+    pub return_token_ids: Option<&'a RawValue>,
+    /// SGLang's constrained output, a grammar beside the sampling fields.
+    pub regex: Option<&'a RawValue>,
+    pub ebnf: Option<&'a RawValue>,
     /// `guided_*` keys by name, as given (the last of one name counts).
     pub guided: Vec<(Cow<'a, str>, &'a RawValue)>,
 }
@@ -85,6 +90,9 @@ impl<'de: 'a, 'a> Visitor<'de> for HeadVisitor<'a> {
                 "prompt" => &mut head.prompt,
                 "messages" => &mut head.messages,
                 "stream_options" => &mut head.stream_options,
+                "return_token_ids" => &mut head.return_token_ids,
+                "regex" => &mut head.regex,
+                "ebnf" => &mut head.ebnf,
                 guided if guided.starts_with("guided_") => {
                     let value = map.next_value::<&'de RawValue>()?;
                     head.guided.push((key, value));
@@ -138,7 +146,12 @@ mod tests {
         let guided = body
             .iter()
             .any(|(key, value)| key.starts_with("guided_") && !value.is_null());
-        if !text_format || guided || truthy("structured_outputs") {
+        if !text_format
+            || guided
+            || truthy("structured_outputs")
+            || truthy("regex")
+            || truthy("ebnf")
+        {
             return Err(NotContinuable::Constrained);
         }
         for key in MAX_TOKEN_FIELDS {

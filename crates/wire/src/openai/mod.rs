@@ -13,6 +13,7 @@
 //! - [`model_of`]: the `model` a request body names, and [`with_model`] the body naming another.
 
 mod head;
+mod ids;
 mod model;
 pub mod prefix;
 pub mod splice;
@@ -24,8 +25,9 @@ use serde_json::value::RawValue;
 
 use head::Head;
 
+pub use ids::{COMPLETIONS_PATH, RETURN_TOKEN_IDS};
 pub use model::{DuplicateModel, ModelField, model_of, read_model, with_model};
-pub use splice::{AfterCut, Splicer};
+pub use splice::{AfterCut, Resumption, Splicer};
 
 /// Which OpenAI API a request speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +60,8 @@ pub struct Continuable {
     pub usage_wanted: bool,
     /// The token limit the client asked for, if any.
     max_tokens: Option<u64>,
+    /// The client asked for token ids itself (`return_token_ids`): they are its to see.
+    ids_asked: bool,
 }
 
 /// Why a streamed request is not continued when its node breaks (listed in `docs/design.md`, "Not continued").
@@ -75,7 +79,8 @@ pub enum NotContinuable {
     Prompt,
     /// `messages` not a list.
     Messages,
-    /// A constrained output (`response_format` other than text, `guided_*`): the grammar would restart.
+    /// A constrained output (`response_format` other than text, `guided_*`, `structured_outputs`,
+    /// SGLang's `regex` and `ebnf`): the grammar would restart.
     Constrained,
     /// `max_tokens` or `max_completion_tokens` not a whole number.
     MaxTokens,
@@ -130,7 +135,12 @@ impl Continuable {
         let format = value(head.response_format);
         let text_format =
             format.is_null() || format.get("type").and_then(Value::as_str) == Some("text");
-        if !text_format || head.guided() || truthy(head.structured_outputs) {
+        if !text_format
+            || head.guided()
+            || truthy(head.structured_outputs)
+            || truthy(head.regex)
+            || truthy(head.ebnf)
+        {
             return Err(NotContinuable::Constrained);
         }
         for key in MAX_TOKEN_FIELDS {
@@ -164,12 +174,42 @@ impl Continuable {
         let max_tokens = MAX_TOKEN_FIELDS
             .iter()
             .find_map(|key| value(head.max_token_field(key)).as_u64());
+        let ids_asked = value(head.return_token_ids) == Value::Bool(true);
         Ok(Continuable {
             api,
             body: raw.clone(),
             usage_wanted,
             max_tokens,
+            ids_asked,
         })
+    }
+
+    /// Whether the client asked for token ids itself.
+    pub fn ids_asked(&self) -> bool {
+        self.ids_asked
+    }
+
+    /// The body to send the first node so that its stream carries token ids (see [`ids`]): the
+    /// client's, with `"return_token_ids": true`; `None` when it asked already.
+    pub fn asking_ids(&self) -> Option<Vec<u8>> {
+        if self.ids_asked {
+            return None;
+        }
+        let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(&self.body) else {
+            return None;
+        };
+        body.insert(RETURN_TOKEN_IDS.into(), Value::Bool(true));
+        serde_json::to_vec(&Value::Object(body)).ok()
+    }
+
+    /// The completion that continues the generation exactly after the answer's token ids `answer`,
+    /// the prompt's being `prompt` (see [`ids`]); sent to [`COMPLETIONS_PATH`].
+    pub fn continuation_by_ids(&self, prompt: &[u32], answer: &[u32]) -> Vec<u8> {
+        let Ok(Value::Object(body)) = serde_json::from_slice::<Value>(&self.body) else {
+            return self.body.to_vec();
+        };
+        let body = ids::continuation(self.api, body, prompt, answer);
+        serde_json::to_vec(&Value::Object(body)).unwrap_or_default()
     }
 
     /// The token limit the client asked for, if any.
@@ -273,6 +313,16 @@ mod tests {
             chat(json!({"guided_json": {}})),
             Err(NotContinuable::Constrained)
         );
+        // SGLang's grammars, beside the sampling fields.
+        assert_eq!(
+            chat(json!({"regex": "[0-9]+"})),
+            Err(NotContinuable::Constrained)
+        );
+        assert_eq!(
+            chat(json!({"ebnf": "root ::= \"a\""})),
+            Err(NotContinuable::Constrained)
+        );
+        assert_eq!(chat(json!({"regex": null})), Ok(false));
         assert_eq!(
             chat(json!({"max_tokens": "ten"})),
             Err(NotContinuable::MaxTokens)

@@ -1,16 +1,21 @@
 //! One client stream from several pieces: what the client has been sent, and the rewriting of a
 //! continuation's chunks so the client sees one well-formed stream.
 //!
-//! The first piece reaches the client byte for byte; the splicer only reads it. A continuation's
-//! chunks are rewritten to the first chunk's `id`, `created` and `model`; its opening role chunk is
-//! dropped (the client has had one); its `usage` counts the whole generation (completion tokens summed
-//! over the pieces, the original prompt's tokens) and reaches the client only if it asked for usage.
-//! One final chunk and one `[DONE]` end the stream, as from a node that never broke.
+//! The first piece reaches the client byte for byte, but for the token ids tongs asked for and the
+//! client did not (set back to `null`, as the node sends them unasked). A continuation's chunks are
+//! rewritten to the first chunk's `id`, `created` and `model`; its opening role chunk is dropped (the
+//! client has had one); a continuation by token ids (a completion, whatever the client's API) is put
+//! in the client's shape; its `usage` counts the whole generation (completion tokens summed over the
+//! pieces, the original prompt's tokens) and reaches the client only if it asked for usage. One final
+//! chunk and one `[DONE]` end the stream, as from a node that never broke.
+//!
+//! Tokens are counted by their ids where every chunk carried them, else by the nodes' `usage`, and
+//! only where a node says neither by chunks (a lower bound: one chunk may carry several tokens).
 
 use bytes::{BufMut, BytesMut};
 use serde_json::{Map, Value};
 
-use super::{Api, Continuable, sse};
+use super::{Api, Continuable, ids, sse};
 
 /// What the client stream has carried so far, and how to go on after a piece breaks.
 #[derive(Debug)]
@@ -30,6 +35,18 @@ pub struct Splicer {
     prompt_tokens: Option<u64>,
     /// The first chunk's `id`, `created` and `model`, which every later chunk carries.
     ids: Option<[(String, Value); 3]>,
+    /// The prompt's token ids, from the first piece's first chunk that carried them.
+    prompt_ids: Option<Vec<u32>>,
+    /// The token ids of every token the client has been sent.
+    answer_ids: Vec<u32>,
+    /// Every chunk with content so far carried its token ids.
+    ids_whole: bool,
+    /// The first node was asked for token ids (the client's body with `return_token_ids`).
+    ids_asked_upstream: bool,
+    /// The current piece is a continuation by token ids: a completion's stream.
+    piece_by_ids: bool,
+    /// The last continuation asked for is one by token ids.
+    next_by_ids: bool,
     /// A chunk with a `finish_reason` reached the client: the generation is complete.
     finished: bool,
     usage_sent: bool,
@@ -38,13 +55,25 @@ pub struct Splicer {
     refused: Option<&'static str>,
 }
 
+/// The request that continues a stream, and where it goes.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Resumption {
+    pub body: Vec<u8>,
+    /// The path to send it to in place of the client's ([`super::COMPLETIONS_PATH`] for one by token
+    /// ids), or `None` for the client's own.
+    pub path: Option<&'static str>,
+    /// Continued by token ids: the rest of the answer is the one the first node would have given.
+    /// Otherwise by text, which the next node may tokenize otherwise.
+    pub exact: bool,
+}
+
 /// What to do once the current piece broke (ended before `[DONE]`, failed or stalled).
 #[derive(Debug, PartialEq, Eq)]
 pub enum AfterCut {
     /// The stream is complete (its end was written to `out` where it was missing).
     Complete,
     /// Continue with this request on another endpoint.
-    Continue(Vec<u8>),
+    Continue(Resumption),
     /// It cannot be continued, for this reason.
     Refused(&'static str),
 }
@@ -63,11 +92,28 @@ impl Splicer {
             piece_usage: None,
             prompt_tokens: None,
             ids: None,
+            prompt_ids: None,
+            answer_ids: Vec::new(),
+            ids_whole: true,
+            ids_asked_upstream: false,
+            piece_by_ids: false,
+            next_by_ids: false,
             finished: false,
             usage_sent: false,
             done_sent: false,
             refused: None,
         }
+    }
+
+    /// The first node was sent [`Continuable::asking_ids`]: a stream cut before its first token is
+    /// sent again asking for them too.
+    pub fn asked_ids(&mut self) {
+        self.ids_asked_upstream = true;
+    }
+
+    /// Whether the tokens so far are counted by their ids, and a cut would be continued by them.
+    pub fn by_ids(&self) -> bool {
+        self.ids_whole && self.prompt_ids.is_some()
     }
 
     /// Whether the stream has reached its `[DONE]`.
@@ -85,17 +131,22 @@ impl Splicer {
         &self.text
     }
 
-    /// Tokens streamed so far: the nodes' own count where they reported usage, else one per chunk.
+    /// Tokens streamed so far: their ids where every chunk carried them, else the nodes' own count
+    /// where they reported usage, else one per chunk.
     pub fn tokens(&self) -> u64 {
+        if self.by_ids() {
+            return self.answer_ids.len() as u64;
+        }
         self.tokens_before + self.piece_usage.unwrap_or(self.piece_chunks)
     }
 
-    /// A continuation piece begins.
+    /// A continuation piece begins: the answer to the request of the last [`AfterCut::Continue`].
     pub fn next_piece(&mut self) {
         self.tokens_before = self.tokens();
         self.piece_chunks = 0;
         self.piece_usage = None;
         self.pieces += 1;
+        self.piece_by_ids = self.next_by_ids;
     }
 
     /// One whole event of the current piece; what the client gets of it is appended to `out`.
@@ -120,14 +171,27 @@ impl Splicer {
             out.extend_from_slice(raw);
             return;
         };
+        if self.piece_by_ids && self.request.api == Api::Chat {
+            ids::as_chat_chunk(&mut chunk);
+        }
         self.read_chunk(&chunk);
+        let hide_tokens = !self.request.ids_asked();
+        if hide_tokens && ids::only_ids(&chunk) {
+            return;
+        }
         if self.pieces == 0 {
             if self.ids.is_none() {
                 self.ids = Some(ID_KEYS.map(|key| (key.to_owned(), chunk_value(&chunk, key))));
             }
-            out.extend_from_slice(raw);
+            if hide_tokens && ids::hide(&mut chunk, true, true) {
+                write_chunk(&chunk, out);
+            } else {
+                out.extend_from_slice(raw);
+            }
             return;
         }
+        // A continuation's prompt ids are the answer so far too: never the client's.
+        ids::hide(&mut chunk, hide_tokens, true);
         // A continuation's chunk.
         let choices_empty = chunk
             .get("choices")
@@ -174,8 +238,9 @@ impl Splicer {
             .max_tokens()
             .map(|max| max.saturating_sub(self.tokens()));
         if !self.finished && remaining != Some(0) {
-            let body = self.request.continuation(&self.text, self.tokens());
-            return AfterCut::Continue(body);
+            let resumption = self.resumption();
+            self.next_by_ids = resumption.path.is_some();
+            return AfterCut::Continue(resumption);
         }
         // Complete but for its end: the final chunk (when the limit was reached without one), usage,
         // `[DONE]`.
@@ -207,6 +272,35 @@ impl Splicer {
         }
         self.end(out);
         AfterCut::Complete
+    }
+
+    /// The request that continues the stream: by token ids where they were all kept, else by text.
+    /// Nothing streamed yet, the client's own request goes again (asking for ids as the first did).
+    fn resumption(&self) -> Resumption {
+        let exact = self.by_ids() || !self.ids_asked_upstream;
+        if self.text.is_empty() && self.answer_ids.is_empty() {
+            let asking = self.ids_asked_upstream.then(|| self.request.asking_ids());
+            let body = asking
+                .flatten()
+                .unwrap_or_else(|| self.request.continuation("", 0));
+            return Resumption {
+                body,
+                path: None,
+                exact,
+            };
+        }
+        match &self.prompt_ids {
+            Some(prompt) if self.ids_whole => Resumption {
+                body: self.request.continuation_by_ids(prompt, &self.answer_ids),
+                path: Some(ids::COMPLETIONS_PATH),
+                exact: true,
+            },
+            _ => Resumption {
+                body: self.request.continuation(&self.text, self.tokens()),
+                path: None,
+                exact: false,
+            },
+        }
     }
 
     /// Writes what ends the stream: the usage chunk if the client wants one and has none yet, then
@@ -274,12 +368,41 @@ impl Splicer {
                 if calls("tool_calls") || calls("function_call") {
                     self.refused.get_or_insert("tool calls in the stream");
                 }
+                // A reasoning model's thoughts (vLLM's `reasoning_content`, newer `reasoning`) are
+                // split from its answer by the server's parser, which a continuation would restart
+                // mid-thought: not continued, rather than resent or mixed into the answer.
+                let reasoning = |key| {
+                    delta
+                        .and_then(|d| d.get(key))
+                        .and_then(Value::as_str)
+                        .is_some_and(|r| !r.is_empty())
+                };
+                if reasoning("reasoning_content") || reasoning("reasoning") {
+                    self.refused.get_or_insert("reasoning in the stream");
+                }
                 delta.and_then(|d| d.get("content"))
             }
         };
-        if let Some(text) = content.and_then(Value::as_str)
-            && !text.is_empty()
-        {
+        let chunk_ids = ids::read(chunk);
+        if self.pieces == 0 && self.prompt_ids.is_none() {
+            match chunk_ids.prompt {
+                Some(Ok(prompt)) => {
+                    self.prompt_tokens.get_or_insert(prompt.len() as u64);
+                    self.prompt_ids = Some(prompt);
+                }
+                Some(Err(())) => self.ids_whole = false,
+                None => {}
+            }
+        }
+        let text = content.and_then(Value::as_str).filter(|t| !t.is_empty());
+        match chunk_ids.tokens {
+            Some(Ok(tokens)) => self.answer_ids.extend(tokens),
+            // Text without its ids (or ids that are none): counted otherwise from here on.
+            Some(Err(())) => self.ids_whole = false,
+            None if text.is_some() => self.ids_whole = false,
+            None => {}
+        }
+        if let Some(text) = text {
             self.text.push_str(text);
             self.piece_chunks += 1;
         }
@@ -408,7 +531,7 @@ mod tests {
             panic!("a stream cut mid-way is continued");
         };
         assert!(tail.is_empty());
-        let request: Value = serde_json::from_slice(&request).unwrap();
+        let request: Value = serde_json::from_slice(&request.body).unwrap();
         assert_eq!(request["max_tokens"], 2);
         assert_eq!(
             request["messages"][1],
@@ -522,7 +645,192 @@ mod tests {
         let AfterCut::Continue(request) = splicer.cut(&mut out) else {
             panic!("continued");
         };
-        let request: Value = serde_json::from_slice(&request).unwrap();
+        let request: Value = serde_json::from_slice(&request.body).unwrap();
         assert_eq!(request["max_tokens"], 18);
+    }
+
+    /// A chat chunk as vLLM streams it when asked for token ids.
+    fn token_ids(id: &str, text: &str, token_ids: &[u32], finish: Option<&str>) -> Vec<u8> {
+        event(
+            json!({"id": id, "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"content": text}, "logprobs": null,
+            "finish_reason": finish, "token_ids": token_ids}]}),
+        )
+    }
+
+    #[test]
+    fn a_stream_with_token_ids_is_continued_by_them_and_counted_by_them() {
+        let mut splicer = chat(true, 6);
+        splicer.asked_ids();
+        let mut out = BytesMut::new();
+        let opening = json!({"id": "a", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null,
+            "finish_reason": null, "token_ids": null}], "prompt_token_ids": [11, 12, 13]});
+        splicer.event(&event(opening), &mut out);
+        // Three tokens in one chunk, as vLLM merges them under load: three tokens, not one chunk.
+        splicer.event(&token_ids("a", " 8 9 10", &[8, 9, 10], None), &mut out);
+        assert_eq!(splicer.tokens(), 3);
+        assert!(splicer.by_ids());
+        // The client did not ask for ids: it sees them as a node not asked sends them, null.
+        let got = chunks(&out);
+        assert_eq!(got[0]["prompt_token_ids"], Value::Null);
+        assert_eq!(got[1]["choices"][0]["token_ids"], Value::Null);
+        assert_eq!(got[1]["choices"][0]["delta"]["content"], " 8 9 10");
+
+        let AfterCut::Continue(next) = splicer.cut(&mut BytesMut::new()) else {
+            panic!("continued");
+        };
+        assert_eq!(
+            (next.path, next.exact),
+            (Some(crate::openai::COMPLETIONS_PATH), true)
+        );
+        let body: Value = serde_json::from_slice(&next.body).unwrap();
+        assert_eq!(body["prompt"], json!([11, 12, 13, 8, 9, 10]));
+        assert_eq!(body["max_tokens"], 3);
+        assert_eq!(body["return_token_ids"], true);
+        assert!(body.get("messages").is_none());
+
+        // The completion that continues it, spliced as the client's chat stream.
+        splicer.next_piece();
+        let mut out = BytesMut::new();
+        let first = json!({"id": "cmpl-b", "object": "text_completion", "created": 5, "model": "m",
+            "choices": [{"index": 0, "text": " 11", "logprobs": null, "finish_reason": null,
+            "token_ids": [11], "prompt_token_ids": [11, 12, 13, 8, 9, 10]}]});
+        splicer.event(&event(first), &mut out);
+        let last = json!({"id": "cmpl-b", "object": "text_completion", "created": 5, "model": "m",
+            "choices": [{"index": 0, "text": " 12 13", "logprobs": null, "finish_reason": "length",
+            "stop_reason": null, "token_ids": [12, 13]}]});
+        splicer.event(&event(last), &mut out);
+        let usage = json!({"id": "cmpl-b", "object": "text_completion", "created": 5, "model": "m",
+            "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}});
+        splicer.event(&event(usage), &mut out);
+        splicer.event(b"data: [DONE]\n\n", &mut out);
+        let got = chunks(&out);
+        for chunk in &got[..2] {
+            assert_eq!(chunk["object"], "chat.completion.chunk");
+            assert_eq!((&chunk["id"], &chunk["created"]), (&json!("a"), &json!(1)));
+            assert_eq!(chunk["choices"][0]["token_ids"], Value::Null);
+            assert!(chunk["choices"][0].get("prompt_token_ids").is_none());
+            assert!(chunk["choices"][0].get("text").is_none());
+        }
+        assert_eq!(got[0]["choices"][0]["delta"], json!({"content": " 11"}));
+        assert_eq!(got[1]["choices"][0]["finish_reason"], "length");
+        assert_eq!(
+            got[2]["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9})
+        );
+        assert_eq!(got[3], "[DONE]");
+        assert_eq!(splicer.text(), " 8 9 10 11 12 13");
+        assert_eq!(splicer.tokens(), 6);
+    }
+
+    #[test]
+    fn a_client_that_asked_for_ids_keeps_them_and_a_continuation_says_the_new_ones() {
+        let body =
+            json!({"stream": true, "prompt": "go", "max_tokens": 4, "return_token_ids": true});
+        let request =
+            Continuable::read(Api::Completions, &bytes::Bytes::from(body.to_string())).unwrap();
+        assert!(request.asking_ids().is_none(), "asked already");
+        let mut splicer = Splicer::new(request);
+        splicer.asked_ids();
+        let first = event(
+            json!({"id": "a", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [{"index": 0, "text": " 1", "token_ids": [1], "prompt_token_ids": [7]}]}),
+        );
+        let mut out = BytesMut::new();
+        splicer.event(&first, &mut out);
+        assert_eq!(&out[..], &first[..], "passed byte for byte");
+        let AfterCut::Continue(next) = splicer.cut(&mut BytesMut::new()) else {
+            panic!("continued");
+        };
+        let body: Value = serde_json::from_slice(&next.body).unwrap();
+        assert_eq!(
+            (body["prompt"].clone(), body["max_tokens"].clone()),
+            (json!([7, 1]), json!(3))
+        );
+        splicer.next_piece();
+        let mut out = BytesMut::new();
+        splicer.event(
+            &event(
+                json!({"id": "b", "object": "text_completion", "created": 2, "model": "m",
+            "choices": [{"index": 0, "text": " 2", "token_ids": [2], "prompt_token_ids": [7, 1]}]}),
+            ),
+            &mut out,
+        );
+        let got = chunks(&out);
+        assert_eq!(got[0]["choices"][0]["token_ids"], json!([2]));
+        assert_eq!(got[0]["choices"][0]["prompt_token_ids"], Value::Null);
+        assert_eq!(got[0]["id"], "a");
+    }
+
+    #[test]
+    fn a_chunk_without_its_ids_falls_back_to_text_and_says_so() {
+        let mut splicer = chat(false, 9);
+        splicer.asked_ids();
+        let mut out = BytesMut::new();
+        splicer.event(
+            &event(json!({"id": "a", "prompt_token_ids": [1],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
+            &mut out,
+        );
+        splicer.event(&token_ids("a", " 8", &[8], None), &mut out);
+        splicer.event(&token("a", 1, " 9", None), &mut out);
+        assert!(!splicer.by_ids());
+        let AfterCut::Continue(next) = splicer.cut(&mut BytesMut::new()) else {
+            panic!("continued");
+        };
+        assert_eq!((next.path, next.exact), (None, false));
+        let body: Value = serde_json::from_slice(&next.body).unwrap();
+        assert_eq!(body["messages"][1]["content"], " 8 9");
+    }
+
+    #[test]
+    fn a_stream_cut_before_its_first_token_is_sent_again_asking_for_ids() {
+        let mut splicer = chat(false, 9);
+        splicer.asked_ids();
+        let AfterCut::Continue(next) = splicer.cut(&mut BytesMut::new()) else {
+            panic!("continued");
+        };
+        let body: Value = serde_json::from_slice(&next.body).unwrap();
+        assert_eq!(
+            (next.path, body["return_token_ids"].clone()),
+            (None, json!(true))
+        );
+        assert_eq!(body["messages"][0]["content"], "count: 7");
+    }
+
+    #[test]
+    fn a_chunk_of_ids_alone_is_counted_and_not_sent_to_a_client_that_did_not_ask() {
+        let mut splicer = chat(false, 9);
+        splicer.asked_ids();
+        let mut out = BytesMut::new();
+        splicer.event(
+            &event(json!({"id": "a", "prompt_token_ids": [1],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})),
+            &mut out,
+        );
+        let held = event(json!({"id": "a", "choices": [{"index": 0, "delta": {},
+            "logprobs": null, "finish_reason": null, "token_ids": [200]}]}));
+        let before = out.len();
+        splicer.event(&held, &mut out);
+        assert_eq!(out.len(), before, "not sent");
+        splicer.event(&token_ids("a", "é", &[201], None), &mut out);
+        assert_eq!(splicer.tokens(), 2);
+        assert_eq!(splicer.text(), "é");
+    }
+
+    #[test]
+    fn reasoning_is_not_continued() {
+        for key in ["reasoning_content", "reasoning"] {
+            let mut splicer = chat(false, 9);
+            let chunk =
+                json!({"id": "a", "choices": [{"index": 0, "delta": {key: "let me think"}}]});
+            splicer.event(&event(chunk), &mut BytesMut::new());
+            assert_eq!(
+                splicer.cut(&mut BytesMut::new()),
+                AfterCut::Refused("reasoning in the stream"),
+                "{key}"
+            );
+        }
     }
 }
