@@ -45,11 +45,39 @@ pub(super) struct Engine {
     hits: AtomicU64,
     /// KV-cache blocks held by the running sequences.
     kv_held: AtomicU64,
+    /// Tokens generated, and when that was last brought up to date: one a running sequence every
+    /// [`TOKEN_MS`] while the engine works, none while it is wedged (gray), as vLLM's
+    /// `vllm:generation_tokens_total` stands still when its engine stops.
+    generated: Mutex<(Option<std::time::Instant>, u64)>,
     /// When the engine started, Unix seconds: its counters' `_created`.
     created: f64,
 }
 
+/// How often a running sequence makes a token, for the engine's work counter.
+const TOKEN_MS: u128 = 10;
+
 impl Engine {
+    /// The tokens generated so far, brought up to date: `running` sequences made one each every
+    /// [`TOKEN_MS`] since the last reading if the engine was `working` (not wedged).
+    fn generated(&self, running: usize, working: bool) -> u64 {
+        let now = std::time::Instant::now();
+        let mut generated = self
+            .generated
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(last) = generated.0
+            && working
+        {
+            let steps = (now - last).as_millis() / TOKEN_MS;
+            let made = u64::try_from(steps).unwrap_or(u64::MAX);
+            generated.1 = generated
+                .1
+                .saturating_add(made.saturating_mul(running as u64));
+        }
+        generated.0 = Some(now);
+        generated.1
+    }
+
     pub(super) fn new(spec: EngineSpec) -> Engine {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
@@ -60,6 +88,7 @@ impl Engine {
             queries: AtomicU64::new(0),
             hits: AtomicU64::new(0),
             kv_held: AtomicU64::new(0),
+            generated: Mutex::new((None, 0)),
             created,
         }
     }
@@ -191,6 +220,7 @@ pub(super) fn metrics(
     engine: Option<&Engine>,
     running: usize,
     waiting: usize,
+    working: bool,
 ) -> Response<SimBody> {
     let text = engine.and_then(|engine| {
         let (prefix_queries, prefix_hits) = engine.prefix_counts();
@@ -200,6 +230,7 @@ pub(super) fn metrics(
             kv_usage: engine.kv_usage(),
             prefix_queries,
             prefix_hits,
+            generated: engine.generated(running, working),
         };
         exposition::exposition(
             engine.spec.metrics,

@@ -114,6 +114,15 @@ pub struct NodeSpec {
     /// OpenAI paths are admitted like any request, and `/metrics` answers 404.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine: Option<EngineSpec>,
+    /// Tokens one streamed OpenAI chunk carries: 1, or more as vLLM's API server sends several in one
+    /// chunk under load (what its engine made while the server lagged), so that counting chunks is
+    /// not counting tokens.
+    #[serde(default = "default_chunk_tokens")]
+    pub chunk_tokens: u32,
+}
+
+fn default_chunk_tokens() -> u32 {
+    1
 }
 
 fn default_listen() -> SocketAddr {
@@ -277,6 +286,7 @@ impl NodeSpec {
             comment_every: None,
             preemption: None,
             engine: None,
+            chunk_tokens: default_chunk_tokens(),
         }
     }
 }

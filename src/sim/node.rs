@@ -430,7 +430,8 @@ pub(super) async fn handle(
         (&Method::GET, "/metrics") => {
             let running = shared.serving.load(Ordering::Relaxed);
             let waiting = shared.waiting.load(Ordering::Relaxed);
-            return engine::metrics(shared.engine.as_deref(), running, waiting);
+            let working = !shared.condition.borrow().is(InterruptionKind::Gray);
+            return engine::metrics(shared.engine.as_deref(), running, waiting, working);
         }
         _ => {}
     }

@@ -11,8 +11,8 @@
 //! # Requests
 //! A JSON object with `model` (echoed back, default `"sim"`), `stream`, `stream_options.include_usage`
 //! and `max_tokens` (for chat also `max_completion_tokens`, which wins; an integer from 1 to
-//! [`MAX_TOKENS`], default the node's `tokens`). Completions take a `prompt`, a string or an array of
-//! exactly one string; chat takes `messages`, an array of `{role, content}` with string content, and
+//! [`MAX_TOKENS`], default the node's `tokens`). Completions take a `prompt`, a string, an array of
+//! exactly one string, or an array of token ids (below); chat takes `messages`, an array of `{role, content}` with string content, and
 //! `add_generation_prompt` (default true) and `continue_final_message` (default false): both true, or
 //! a continued final message that is not the assistant's, is refused as vLLM refuses it. A `null`
 //! field counts as absent; unknown fields are ignored. Anything else malformed gets `400` in vLLM's
@@ -26,6 +26,14 @@
 //! context's number of whitespace-separated words, `completion_tokens` the tokens generated. So
 //! `"count: 7"` with `max_tokens: 5` gives `" 8 9 10 11 12"`, and continuing it from `"count: 7 8 9"`
 //! with `max_tokens: 3` gives `" 10 11 12"`: the same text.
+//!
+//! # Token ids
+//! One token a whitespace-separated word: a number's id is its value, any other word's an id from its
+//! bytes at or above 2³¹. With `"return_token_ids": true` (vLLM's field) every chunk carries its
+//! `token_ids`, and the first the prompt's `prompt_token_ids` (top-level in a chat chunk, in the choice
+//! of a completion's), as vLLM's do; a prompt of ids continues where its last number left off, so a
+//! completion of the prompt's ids and the answer's so far gives the rest of the answer exactly. A node
+//! with `chunk_tokens` above 1 puts that many tokens in each chunk, as vLLM does under load.
 //!
 //! # Answers
 //! Ids are `cmpl-{node}-{n}` and `chatcmpl-{node}-{n}`, `n` counting the node's answers from 1;
@@ -247,12 +255,21 @@ struct Ask {
     prompt_tokens: u64,
     /// What the model reads: the prompt, or the messages' contents joined.
     context: String,
+    /// `return_token_ids`: the prompt's ids on the first chunk, each chunk's own.
+    return_ids: bool,
+    /// The prompt's token ids (see [`token_ids`]).
+    prompt_ids: Vec<u64>,
 }
 
 impl Ask {
     /// The text of token `i` (from 1).
     fn token(&self, i: u64) -> String {
         format!(" {}", self.start.saturating_add(i))
+    }
+
+    /// The id of token `i` (from 1): its number, as [`token_ids`] reads it back.
+    fn token_id(&self, i: u64) -> u64 {
+        self.start.saturating_add(i).min(WORD_IDS - 1)
     }
 
     /// The whole answer's text.
@@ -300,9 +317,21 @@ fn parse(api: ServedApi, body: &[u8], default_tokens: u32) -> Result<Ask, String
             completion.or(count(&fields, "max_tokens")?)
         }
     };
-    let context = match api {
-        ServedApi::Completions => prompt(&fields)?,
-        ServedApi::Chat => conversation(&fields)?,
+    let return_ids = flag(&fields, "return_token_ids", false)?;
+    let (context, prompt_ids) = match api {
+        ServedApi::Completions => match id_prompt(&fields)? {
+            Some(ids) => (context_of(&ids), ids),
+            None => {
+                let context = prompt(&fields)?;
+                let ids = token_ids(&context);
+                (context, ids)
+            }
+        },
+        ServedApi::Chat => {
+            let context = conversation(&fields)?;
+            let ids = token_ids(&context);
+            (context, ids)
+        }
     };
     Ok(Ask {
         model,
@@ -312,6 +341,8 @@ fn parse(api: ServedApi, body: &[u8], default_tokens: u32) -> Result<Ask, String
         start: last_integer(&context),
         prompt_tokens: words(&context),
         context,
+        return_ids,
+        prompt_ids,
     })
 }
 
@@ -338,6 +369,56 @@ fn count(fields: &Map<String, Value>, name: &str) -> Result<Option<u64>, String>
                 "{name} must be an integer from 1 to {MAX_TOKENS}, got {value}"
             )),
         },
+    }
+}
+
+/// The first id of a word that is not a number: every number below it is its own id.
+const WORD_IDS: u64 = 1 << 31;
+
+/// The fake tokenizer: one token a whitespace-separated word, a number's id its value (below
+/// [`WORD_IDS`]), any other word's an id from its bytes at or above it. So the ids of an answer read
+/// back as the answer's words, and a prompt of ids continues where its last number left off.
+fn token_ids(text: &str) -> Vec<u64> {
+    text.split_whitespace()
+        .map(|word| match word.parse::<u64>() {
+            Ok(n) if n < WORD_IDS && word.bytes().all(|b| b.is_ascii_digit()) => n,
+            _ => {
+                let hash = word.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+                });
+                WORD_IDS + hash % WORD_IDS
+            }
+        })
+        .collect()
+}
+
+/// The text a prompt of ids stands for: numbers as themselves, other words as `_`.
+fn context_of(ids: &[u64]) -> String {
+    let words: Vec<String> = ids
+        .iter()
+        .map(|&id| {
+            if id < WORD_IDS {
+                id.to_string()
+            } else {
+                "_".into()
+            }
+        })
+        .collect();
+    words.join(" ")
+}
+
+/// A completion's prompt of token ids, as vLLM takes one: a list of integers.
+fn id_prompt(fields: &Map<String, Value>) -> Result<Option<Vec<u64>>, String> {
+    match given(fields, "prompt") {
+        Some(Value::Array(items)) if items.first().is_some_and(Value::is_number) => items
+            .iter()
+            .map(|id| {
+                id.as_u64()
+                    .ok_or_else(|| format!("prompt ids must be integers, got {id}"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some),
+        _ => Ok(None),
     }
 }
 
@@ -478,29 +559,53 @@ async fn generate(
         ..
     } = admitted;
     let role_chunk = head.api == ServedApi::Chat;
-    if role_chunk && timing.role_at_once && !send(&events, head.role_chunk()).await {
+    let prompt_ids = ask.return_ids.then_some(ask.prompt_ids.as_slice());
+    let chat_prompt_ids = prompt_ids.filter(|_| role_chunk);
+    if role_chunk && timing.role_at_once && !send(&events, head.role_chunk(chat_prompt_ids)).await {
         return;
     }
     if !before_first_token(&events, &timing).await {
         return;
     }
+    // Tokens wait for their chunk: one each, or `chunk_tokens` as vLLM merges what its engine made
+    // while its API server lagged.
+    let per_chunk = u64::from(shared.spec.chunk_tokens.max(1));
+    let (mut text, mut ids) = (String::new(), Vec::new());
+    let mut first_chunk = true;
     for i in 1..=ask.max_tokens {
         if i > 1 && !before_next_token(&events, &timing, i - 1, &shared).await {
             return;
         }
-        if i == 1 && role_chunk && !timing.role_at_once && !send(&events, head.role_chunk()).await {
+        if i == 1
+            && role_chunk
+            && !timing.role_at_once
+            && !send(&events, head.role_chunk(chat_prompt_ids)).await
+        {
             return;
         }
-        let text = ask.token(i);
-        let finish = (i == ask.max_tokens).then_some("length");
-        if !send(&events, head.token_chunk(&text, finish)).await {
-            return;
-        }
+        text.push_str(&ask.token(i));
+        ids.push(ask.token_id(i));
         if let Some(sequence) = &mut sequence {
             sequence.grow(1);
         }
         let number = ask.start.saturating_add(i);
-        if let Some(cut) = cuts.iter().find(|cut| cut.at == number) {
+        let cut = cuts.iter().find(|cut| cut.at == number);
+        let last = i == ask.max_tokens;
+        if !(last || cut.is_some() || ids.len() as u64 >= per_chunk) {
+            continue;
+        }
+        let finish = last.then_some("length");
+        let chunk_ids = ask.return_ids.then(|| std::mem::take(&mut ids));
+        ids.clear();
+        let completion_prompt =
+            (ask.return_ids && first_chunk && !role_chunk).then(|| ask.prompt_ids.clone());
+        first_chunk = false;
+        let chunk = head.token_chunk(&text, finish, chunk_ids, completion_prompt);
+        text.clear();
+        if !send(&events, chunk).await {
+            return;
+        }
+        if let Some(cut) = cut {
             return break_stream(cut.how, events, &reset).await;
         }
     }
@@ -578,6 +683,25 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_of_token_ids_continues_where_its_last_number_left_off() {
+        let ask = |body: &str| parse(ServedApi::Completions, body.as_bytes(), 16).unwrap();
+        let whole = ask(r#"{"prompt":"count: 7","max_tokens":5}"#);
+        let ids: Vec<u64> = whole
+            .prompt_ids
+            .iter()
+            .copied()
+            .chain((1..=2).map(|i| whole.token_id(i)))
+            .collect();
+        assert_eq!(&ids[1..], [7, 8, 9]);
+        let body = serde_json::json!({"prompt": ids, "max_tokens": 3});
+        let rest = ask(&body.to_string());
+        assert_eq!(
+            (rest.text(), rest.prompt_tokens),
+            (" 10 11 12".to_owned(), 4)
+        );
+    }
+
+    #[test]
     fn chat_context_joins_every_message() {
         let body = r#"{"messages":[{"role":"user","content":"count: 7"},
             {"role":"assistant","content":" 8 9"}],
@@ -605,6 +729,8 @@ mod tests {
                 start: 0,
                 prompt_tokens: 1,
                 context: "hi".into(),
+                return_ids: false,
+                prompt_ids: token_ids("hi"),
             }
         );
     }

@@ -617,3 +617,82 @@ async fn a_moving_stream_races_two_nodes_and_keeps_the_first_to_answer() {
     );
     proxy.stop().await;
 }
+
+/// Nodes whose chunks carry three tokens each, as vLLM's do under load.
+fn merging_nodes(count: usize) -> Vec<NodeSpec> {
+    let mut nodes = openai_nodes(count);
+    for node in &mut nodes {
+        node.chunk_tokens = 3;
+    }
+    nodes
+}
+
+#[tokio::test]
+async fn a_stream_of_several_tokens_a_chunk_is_continued_by_its_token_ids_and_counted_by_them() {
+    let fleet = sim_fleet(4, merging_nodes(3)).await;
+    let proxy = start_proxy(config_with("", &fleet.urls())).await;
+    for chat in [false, true] {
+        let what = format!("chat {chat}");
+        // Cut after " 105": the client has had 101-103 and 104-105, two chunks, five tokens.
+        let seen = stream(&proxy, chat, &body(chat, true), "105", &[]).await;
+        seen.assert_whole(&what);
+        assert_eq!(seen.text(), expected_text(), "{what}: {seen:?}");
+        assert_eq!(
+            seen.usages(),
+            vec![
+                json!({"prompt_tokens": 3, "completion_tokens": TOKENS, "total_tokens": 3 + TOKENS})
+            ],
+            "{what}: usage counts tokens, not chunks"
+        );
+        for chunk in &seen.chunks {
+            assert!(
+                chunk["choices"][0]
+                    .get("token_ids")
+                    .is_none_or(Value::is_null)
+                    && chunk.get("prompt_token_ids").is_none_or(Value::is_null),
+                "{what}: ids the client did not ask for: {chunk}"
+            );
+            assert_eq!(
+                chunk["object"],
+                if chat {
+                    "chat.completion.chunk"
+                } else {
+                    "text_completion"
+                },
+                "{what}: the continuation in the client's own shape: {chunk}"
+            );
+        }
+    }
+    assert_eq!(continuations(&proxy, "continued").await, 2.0);
+    assert_eq!(
+        sample(&proxy, "tongs_continuations_by_text_total").await,
+        0.0,
+        "both continued by their ids"
+    );
+
+    // A client that asked for ids itself gets every token's, the continuation's too.
+    let mut asked = body(true, false);
+    asked["return_token_ids"] = json!(true);
+    let seen = stream(&proxy, true, &asked, "104", &[]).await;
+    seen.assert_whole("ids asked");
+    let ids: Vec<u64> = seen
+        .chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["token_ids"].as_array().cloned())
+        .flatten()
+        .filter_map(|id| id.as_u64())
+        .collect();
+    assert_eq!(ids, (101..=100 + TOKENS).collect::<Vec<_>>());
+    proxy.stop().await;
+
+    // Continued by text (the node asked for no ids): counted apart, and still whole.
+    let never = "continuation: { token_ids: never }\n";
+    let proxy = start_proxy(config_with(never, &fleet.urls())).await;
+    let seen = stream(&proxy, false, &body(false, true), "105", &[]).await;
+    assert!(!seen.broken, "{seen:?}");
+    assert_eq!(
+        sample(&proxy, "tongs_continuations_by_text_total").await,
+        1.0
+    );
+    proxy.stop().await;
+}

@@ -318,7 +318,9 @@ async fn malformed_requests_get_vllms_400() {
     let cases = [
         (COMPLETIONS, json!("not an object"), None),
         (COMPLETIONS, json!({"max_tokens": 3}), None),
-        (COMPLETIONS, json!({"prompt": [1, 2, 3]}), None),
+        // A prompt of token ids is vLLM's too (see the continuation tests); one that is not all ids
+        // is not.
+        (COMPLETIONS, json!({"prompt": [1, "b"]}), None),
         (COMPLETIONS, json!({"prompt": ["a", "b"]}), None),
         (COMPLETIONS, json!({"prompt": []}), None),
         (COMPLETIONS, json!({"prompt": "x", "max_tokens": 0}), None),

@@ -22,6 +22,8 @@ pub(super) struct Reading {
     /// Prompt words looked up in the prefix cache, and those found there.
     pub(super) prefix_queries: u64,
     pub(super) prefix_hits: u64,
+    /// Tokens generated since the engine started.
+    pub(super) generated: u64,
 }
 
 /// The text of `reading` in `flavour`, for the model `model`, the counters created at `created`
@@ -82,6 +84,11 @@ pub(super) fn exposition(
                     "vllm:prefix_cache_hits",
                     "Prefix cache hits, in terms of number of cached tokens.",
                     reading.prefix_hits,
+                ),
+                (
+                    "vllm:generation_tokens",
+                    "Number of generation tokens processed.",
+                    reading.generated,
                 ),
             ];
             for (name, help, value) in counters {
@@ -205,6 +212,7 @@ mod tests {
         kv_usage: 0.125,
         prefix_queries: 1_234_567,
         prefix_hits: 640,
+        generated: 42,
     };
 
     #[test]
@@ -254,6 +262,12 @@ vllm:prefix_cache_hits_total{engine="0",model_name="sim"} 640.0
 # HELP vllm:prefix_cache_hits_created Prefix cache hits, in terms of number of cached tokens.
 # TYPE vllm:prefix_cache_hits_created gauge
 vllm:prefix_cache_hits_created{engine="0",model_name="sim"} 1.75e+09
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="sim"} 42.0
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="sim"} 1.75e+09
 "#;
         assert_eq!(text, expected);
     }

@@ -52,6 +52,9 @@ struct Envelope<'a, C> {
     choices: &'a [Choice<C>],
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Usage>,
+    /// A chat stream's first chunk, asked for token ids: the prompt's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<&'a [u64]>,
 }
 
 #[derive(Serialize)]
@@ -61,6 +64,12 @@ struct Choice<C> {
     content: C,
     logprobs: Option<()>,
     finish_reason: Option<&'static str>,
+    /// A completion stream's first chunk, asked for token ids: the prompt's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_token_ids: Option<Vec<u64>>,
+    /// Asked for token ids: the chunk's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    token_ids: Option<Vec<u64>>,
 }
 
 /// A completion's `text`.
@@ -109,25 +118,39 @@ impl AnswerHead {
         }
     }
 
-    /// The chat stream's first chunk, naming the speaker.
-    pub(super) fn role_chunk(&self) -> Bytes {
+    /// The chat stream's first chunk, naming the speaker (and with ids asked, the prompt's ids).
+    pub(super) fn role_chunk(&self, prompt_ids: Option<&[u64]>) -> Bytes {
         let said = Said {
             role: Some("assistant"),
             content: "",
         };
-        self.event(&[choice(Delta { delta: said }, None)], None)
+        self.event_with(&[choice(Delta { delta: said }, None)], None, prompt_ids)
     }
 
-    /// The chunk of one token, `finish` on the last one.
-    pub(super) fn token_chunk(&self, text: &str, finish: Option<&'static str>) -> Bytes {
+    /// The chunk of one or more tokens, `finish` on the last one; with ids asked, theirs (`ids`), and
+    /// a completion's first chunk also the prompt's (`prompt_ids`).
+    pub(super) fn token_chunk(
+        &self,
+        text: &str,
+        finish: Option<&'static str>,
+        ids: Option<Vec<u64>>,
+        prompt_ids: Option<Vec<u64>>,
+    ) -> Bytes {
         match self.api {
-            ServedApi::Completions => self.event(&[choice(Text { text }, finish)], None),
+            ServedApi::Completions => {
+                let mut choice = choice(Text { text }, finish);
+                choice.token_ids = ids;
+                choice.prompt_token_ids = prompt_ids;
+                self.event(&[choice], None)
+            }
             ServedApi::Chat => {
                 let said = Said {
                     role: None,
                     content: text,
                 };
-                self.event(&[choice(Delta { delta: said }, finish)], None)
+                let mut choice = choice(Delta { delta: said }, finish);
+                choice.token_ids = ids;
+                self.event(&[choice], None)
             }
         }
     }
@@ -143,6 +166,16 @@ impl AnswerHead {
         choices: &[Choice<C>],
         usage: Option<Usage>,
     ) -> Vec<u8> {
+        self.json_with(object, choices, usage, None)
+    }
+
+    fn json_with<C: Serialize>(
+        &self,
+        object: &'static str,
+        choices: &[Choice<C>],
+        usage: Option<Usage>,
+        prompt_token_ids: Option<&[u64]>,
+    ) -> Vec<u8> {
         let envelope = Envelope {
             id: &self.id,
             object,
@@ -150,13 +183,23 @@ impl AnswerHead {
             model: &self.model,
             choices,
             usage,
+            prompt_token_ids,
         };
         serde_json::to_vec(&envelope).expect("plain structs serialize")
     }
 
     /// One Server-Sent Event around a chunk: `data: <json>` and a blank line.
     fn event<C: Serialize>(&self, choices: &[Choice<C>], usage: Option<Usage>) -> Bytes {
-        let json = self.json(self.api.chunk_object(), choices, usage);
+        self.event_with(choices, usage, None)
+    }
+
+    fn event_with<C: Serialize>(
+        &self,
+        choices: &[Choice<C>],
+        usage: Option<Usage>,
+        prompt_token_ids: Option<&[u64]>,
+    ) -> Bytes {
+        let json = self.json_with(self.api.chunk_object(), choices, usage, prompt_token_ids);
         let mut event = Vec::with_capacity(json.len() + 8);
         event.extend_from_slice(b"data: ");
         event.extend_from_slice(&json);
@@ -171,5 +214,7 @@ fn choice<C>(content: C, finish: Option<&'static str>) -> Choice<C> {
         content,
         logprobs: None,
         finish_reason: finish,
+        prompt_token_ids: None,
+        token_ids: None,
     }
 }
