@@ -88,6 +88,31 @@ fn spliceable(status: StatusCode, headers: &http::HeaderMap) -> bool {
 }
 
 impl Proxy {
+    /// The body a continuable request is sent with: the client's, asking its node for the token ids
+    /// that make a continuation exact, when the client did not ask already and the replay budget holds
+    /// the longer body (else as it came, and a cut is continued by text). With whether the node is
+    /// asked for ids, and whether the body was replaced.
+    pub(super) fn ask_ids(
+        &self,
+        settings: &ProxySettings,
+        continuable: Option<&Continuable>,
+        body: ReplayBody,
+    ) -> (ReplayBody, bool, bool) {
+        let Some(continuable) = continuable else {
+            return (body, false, false);
+        };
+        if !settings.continuation.ask_token_ids {
+            return (body, continuable.ids_asked(), false);
+        }
+        match continuable.asking_ids().map(Bytes::from) {
+            Some(asking) => match ReplayBody::made(asking, &self.replay_budget) {
+                Some(asking) => (asking, true, true),
+                None => (body, false, false),
+            },
+            None => (body, continuable.ids_asked(), false),
+        }
+    }
+
     /// Wraps a committed answer to a continuable request in a relay, when it is a stream that can be
     /// spliced; any other answer goes to the client as it is.
     pub(super) fn relay(

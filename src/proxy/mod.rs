@@ -397,25 +397,10 @@ impl Proxy {
             }
             _ => None,
         };
-        // Its node asked for the token ids that make a continuation exact, when the client did not
-        // ask already and the replay budget holds the longer body (else it goes as it came, and a
-        // cut is continued by text).
-        let (body, ids_asked) = match &continuable {
-            Some(continuable) if settings.continuation.ask_token_ids => {
-                match continuable.asking_ids().map(bytes::Bytes::from) {
-                    Some(asking) => match ReplayBody::made(asking, &self.replay_budget) {
-                        Some(asking) => {
-                            request.template = request.template.for_new_body();
-                            (asking, true)
-                        }
-                        None => (body, false),
-                    },
-                    None => (body, continuable.ids_asked()),
-                }
-            }
-            Some(continuable) => (body, continuable.ids_asked()),
-            None => (body, false),
-        };
+        let (body, ids_asked, replaced) = self.ask_ids(settings, continuable.as_ref(), body);
+        if replaced {
+            request.template = request.template.for_new_body();
+        }
         let mut tried = Tried::default();
         tried.keys = request::affinity_keys(
             settings,
@@ -602,9 +587,8 @@ fn may_eject(registry: &Registry, max_ejected_percent: u32) -> bool {
 }
 
 /// Whether an endpoint whose requests stalled may be ejected: as any other within
-/// `max_ejected_percent`, and past it while another endpoint is up (healthy, not ejected). A node
-/// that takes requests and answers none costs every request sent there its whole wait, which a node
-/// down elsewhere does not make any cheaper; only when it is the last one up does it stay.
+/// `max_ejected_percent`, and past it while another endpoint is up (a node that takes requests and
+/// answers none costs each its whole wait; only the last one up stays).
 fn may_eject_stalled(registry: &Registry, max_ejected_percent: u32) -> bool {
     may_eject(registry, max_ejected_percent) || registry.counts().up() > 1
 }

@@ -95,7 +95,10 @@ use super::reply::{EventFeed, SimBody, full, sse_response};
 use super::stream::{TokenTiming, before_first_token, before_next_token, send};
 use wire::{AnswerHead, Usage};
 
+mod tokens;
 mod wire;
+
+use tokens::{WORD_IDS, context_of, id_prompt, token_ids};
 
 /// Most tokens one request may ask for: a whole answer is built in memory, and this bounds it (about
 /// 8 MB) as the node bounds request bodies.
@@ -347,7 +350,7 @@ fn parse(api: ServedApi, body: &[u8], default_tokens: u32) -> Result<Ask, String
 }
 
 /// The field `name`, unless absent or `null`.
-fn given<'a>(fields: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
+pub(super) fn given<'a>(fields: &'a Map<String, Value>, name: &str) -> Option<&'a Value> {
     fields.get(name).filter(|value| !value.is_null())
 }
 
@@ -369,56 +372,6 @@ fn count(fields: &Map<String, Value>, name: &str) -> Result<Option<u64>, String>
                 "{name} must be an integer from 1 to {MAX_TOKENS}, got {value}"
             )),
         },
-    }
-}
-
-/// The first id of a word that is not a number: every number below it is its own id.
-const WORD_IDS: u64 = 1 << 31;
-
-/// The fake tokenizer: one token a whitespace-separated word, a number's id its value (below
-/// [`WORD_IDS`]), any other word's an id from its bytes at or above it. So the ids of an answer read
-/// back as the answer's words, and a prompt of ids continues where its last number left off.
-fn token_ids(text: &str) -> Vec<u64> {
-    text.split_whitespace()
-        .map(|word| match word.parse::<u64>() {
-            Ok(n) if n < WORD_IDS && word.bytes().all(|b| b.is_ascii_digit()) => n,
-            _ => {
-                let hash = word.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                    (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-                });
-                WORD_IDS + hash % WORD_IDS
-            }
-        })
-        .collect()
-}
-
-/// The text a prompt of ids stands for: numbers as themselves, other words as `_`.
-fn context_of(ids: &[u64]) -> String {
-    let words: Vec<String> = ids
-        .iter()
-        .map(|&id| {
-            if id < WORD_IDS {
-                id.to_string()
-            } else {
-                "_".into()
-            }
-        })
-        .collect();
-    words.join(" ")
-}
-
-/// A completion's prompt of token ids, as vLLM takes one: a list of integers.
-fn id_prompt(fields: &Map<String, Value>) -> Result<Option<Vec<u64>>, String> {
-    match given(fields, "prompt") {
-        Some(Value::Array(items)) if items.first().is_some_and(Value::is_number) => items
-            .iter()
-            .map(|id| {
-                id.as_u64()
-                    .ok_or_else(|| format!("prompt ids must be integers, got {id}"))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(Some),
-        _ => Ok(None),
     }
 }
 

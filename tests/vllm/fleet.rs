@@ -66,12 +66,20 @@ fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
-async fn healthy(port: u16) -> bool {
-    let url = format!("http://127.0.0.1:{port}/health");
+/// Whether `request` gets a 200 within `limit` (a refused connection is a no, not a panic).
+async fn answers(request: http::Request<crate::support::TestBody>, limit: Duration) -> bool {
+    let exchange = crate::support::client().request(request);
     matches!(
-        tokio::time::timeout(Duration::from_secs(2), crate::support::get(&url)).await,
-        Ok((200, _))
+        tokio::time::timeout(limit, exchange).await,
+        Ok(Ok(response)) if response.status() == 200
     )
+}
+
+async fn healthy(port: u16) -> bool {
+    let request = http::Request::get(format!("http://127.0.0.1:{port}/health"))
+        .body(crate::support::full(""))
+        .expect("a request");
+    answers(request, Duration::from_secs(2)).await
 }
 
 /// The fleet, every server up, held by the calling test alone until the guard drops.
@@ -119,10 +127,7 @@ async fn completes(port: u16) -> bool {
         .header("content-type", "application/json")
         .body(crate::support::full(body.to_string()))
         .expect("a request");
-    matches!(
-        tokio::time::timeout(Duration::from_secs(30), crate::support::send(request)).await,
-        Ok((200, _))
-    )
+    answers(request, Duration::from_secs(30)).await
 }
 
 /// The URL of the server at `port`.
