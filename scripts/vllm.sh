@@ -375,7 +375,8 @@ cmd_watchdog() {
     for pair in "$@"; do
       [ "$(leader_of "${pair%%:*}" || true)" = "${pair#*:}" ] && alive=1
     done
-    ((alive)) || exit 0
+    # All gone by `stop` or `kill9`: the caller still owns their pid files (`stop` after `kill9`).
+    ((alive)) || return 0
     if ! running "$watch"; then
       for pair in "$@"; do
         port=${pair%%:*}
@@ -386,10 +387,15 @@ cmd_watchdog() {
           echo "$(date -Is) watchdog: pid $watch exited: killed the server on port $port (group $pid)"
         fi
       done
-      exit 0
+      break
     fi
     sleep 1
   done
+  # The caller is gone: pid files left by its servers that died some other way (kill9) go too.
+  for pair in "$@"; do
+    [ "$(cat "$run/${pair%%:*}.pid" 2>/dev/null || true)" = "${pair#*:}" ] && rm -f "$run/${pair%%:*}.pid"
+  done
+  return 0
 }
 
 # --- stop, kill9, wedge, unwedge, pids ---------------------------------------------------------------
@@ -481,6 +487,13 @@ cmd_wedge() {
   shift
   (($# == 1)) || die "usage: vllm.sh $name PORT"
   [ "$name" = unwedge ] && sig=CONT
+  check_port "$1"
+  if [ "$name" = unwedge ] && [ -f "$run/$1.pid" ] && ! leader_of "$1" >/dev/null; then
+    # A server that has died (kill9) is not wedged: nothing to continue. Said, not failed, so that a
+    # caller can unwedge every server it started before it looks at their health.
+    log "unwedge: port $1: its server is not running (it died or was killed); nothing to continue"
+    return 0
+  fi
   leader=$(need_leader "$1" "$name")
   pids=$(engine_pids "$leader") || exit 1
   # shellcheck disable=SC2086 # a list of pids
